@@ -1,0 +1,41 @@
+"""The `kvcal` command line: calibrate, inspect, bench, export."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+app = typer.Typer(
+    name="kvcal",
+    help="Calibrate KV-cache compression for a Hugging Face model and serve it with a compact runtime.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    from kvcal.cli import bench, calibrate, export, inspect
+
+    app.command("calibrate")(calibrate.calibrate)
+    app.command("inspect")(inspect.inspect)
+    app.command("bench")(bench.bench)
+    app.command("export")(export.export)
+
+
+_register()
+
+
+def main() -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    app()

@@ -1,0 +1,40 @@
+"""Options shared by several commands, and the one way commands report errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvcal.models import DEFAULT_MODEL
+
+ModelOpt = Annotated[str, typer.Option(
+    "--model", "-m", help=f"Packaged model name, a .gguf file, or a Hugging Face folder (default {DEFAULT_MODEL}).")]
+BundleArg = Annotated[Path, typer.Argument(help="A bundle written by `kvcal calibrate`.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for every random choice (token ids, text order).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+
+stderr = Console(stderr=True)
+stdout = Console()
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print a one-line error on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=code)
+
+
+def parse_max_memory(spec: str | None) -> dict | None:
+    """'0=10GiB,cpu=30GiB' -> {0: '10GiB', 'cpu': '30GiB'} (accelerate's max_memory)."""
+    if not spec:
+        return None
+    out: dict = {}
+    for part in spec.split(","):
+        if "=" not in part:
+            raise ValueError(f"`--max-memory {spec}`: write DEVICE=SIZE pairs, e.g. `cpu=2GiB` or `0=10GiB,cpu=30GiB`")
+        dev, size = part.split("=", 1)
+        out[int(dev) if dev.strip().isdigit() else dev.strip()] = size.strip()
+    return out

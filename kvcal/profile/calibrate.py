@@ -1,0 +1,264 @@
+"""`kvcal calibrate`: random-token pass -> calibration-text pass -> rotations, bases, ranks -> bundle.
+
+Each pass streams Gram statistics (kvcal.profile.capture) and checkpoints them after every window into
+`<out>.ckpt/`, keyed by everything that determines them; a rerun with the same settings resumes where the last one
+stopped, and a finished run deletes its checkpoints. The bundle is written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcal.bundle import Bundle, ModelInfo, save_bundle
+from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
+from kvcal.models import DEFAULT_MODEL, LoadedModel, fingerprint, load_model, tokenizer_hash, weights_hash
+from kvcal.profile.capture import GramCollector, capturing
+from kvcal.profile.ranks import energy_kept, rank_from_removal_rate
+from kvcal.profile.rotation import (
+    DEFAULT_QK_WEIGHTING,
+    QK_WEIGHTINGS,
+    eig_basis,
+    qk_gram,
+    token_independence,
+    weight_svd_basis,
+)
+
+logger = logging.getLogger(__name__)
+
+QK_SOURCES = ("random-tokens", "text", "both")
+V_SOURCES = ("activations-text", "activations-random", "weight-svd")
+
+
+@dataclass
+class CalibrationConfig:
+    model: str = DEFAULT_MODEL
+    out: Path | None = None             # default: ./<model name>.kvcal.safetensors
+    seed: int = 0
+    random_tokens: int = 8192           # FDC §5.1: at least 8K random tokens for a stable R
+    text_tokens: int = 8192             # calibration text, same count as the random pass (FDC Table 2 protocol)
+    seq_len: int = 1024                 # tokens per window; windows are spread over positions (see data/random_tokens)
+    max_position: int | None = None     # windows cover [0, max_position); default min(model max, 32768)
+    dataset: str = "default"            # packaged corpus name(s) or a .txt/.jsonl file or folder
+    removal_rate: float = 0.0           # FDC Eq. 1; 0 keeps every dimension
+    qk_source: str = "both"             # random tokens + text: best measured logit error (docs/calibration.md)
+    qk_weighting: str = DEFAULT_QK_WEIGHTING
+    v_source: str = "activations-text"  # measured better than weight-svd (docs/calibration.md)
+    dtype: str = "bfloat16"
+    device_map: str | None = None
+    max_memory: dict | None = None
+
+    def __post_init__(self):
+        if self.qk_source not in QK_SOURCES:
+            raise ValueError(f"`--qk-source {self.qk_source}` is not one of {', '.join(QK_SOURCES)}")
+        if self.v_source not in V_SOURCES:
+            raise ValueError(f"`--v-source {self.v_source}` is not one of {', '.join(V_SOURCES)}")
+        if self.qk_weighting not in QK_WEIGHTINGS:
+            raise ValueError(f"`--qk-weighting {self.qk_weighting}` is not one of {', '.join(QK_WEIGHTINGS)}")
+        if not 0.0 <= self.removal_rate < 1.0:
+            raise ValueError(f"`--removal-rate {self.removal_rate}` must be in [0, 1)")
+        if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
+            raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
+
+
+@dataclass
+class CalibrationResult:
+    bundle: Bundle
+    path: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- passes
+
+
+class Checkpoint:
+    """Per-pass statistics on disk, so an interrupted calibration loses at most the window in flight."""
+
+    def __init__(self, folder: Path, key: str):
+        self.folder, self.key = folder, key
+
+    def load(self, name: str, collector: GramCollector) -> int:
+        from safetensors import safe_open
+
+        path = self.folder / f"{name}.safetensors"
+        if not path.is_file():
+            return 0
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("key") != self.key:
+                    return 0
+                collector.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+                return int(meta["done"])
+        except Exception as e:  # a checkpoint is only a cache: a bad one is recomputed
+            logger.warning("ignoring unreadable checkpoint %s (%s)", path, e)
+            return 0
+
+    def save(self, name: str, collector: GramCollector, done: int) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{name}.safetensors"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            save_file(collector.state_dict(), str(tmp), metadata={"key": self.key, "done": str(done)})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        if self.folder.is_dir():
+            for p in self.folder.iterdir():
+                p.unlink()
+            self.folder.rmdir()
+
+
+Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
+
+
+@torch.inference_mode()
+def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[int], collector,
+             checkpoint: Checkpoint | None = None, progress: Progress | None = None) -> GramCollector:
+    """Forward every window [n, S] at its position offset, feeding `collector`; resumes from `checkpoint`."""
+    done = checkpoint.load(name, collector) if checkpoint else 0
+    n, S = windows.shape
+    if progress:
+        progress(name, done, n)
+    device = lm.model.device
+    for i in range(done, n):
+        positions = torch.arange(offsets[i], offsets[i] + S)[None]
+        with capturing(lm.model, collector):
+            # logits_to_keep=1: only the captured statistics matter, and [S, vocab] logits cost GBs on big vocabularies
+            lm.model(input_ids=windows[i][None].to(device), position_ids=positions.to(device), use_cache=False,
+                     logits_to_keep=1)
+        if checkpoint:
+            checkpoint.save(name, collector, i + 1)
+        if progress:
+            progress(name, i + 1, n)
+    return collector
+
+
+def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: dict) -> str:
+    relevant = {k: v for k, v in asdict(cfg).items() if k in ("seed", "random_tokens", "text_tokens", "seq_len",
+                                                              "dataset", "dtype")}
+    blob = json.dumps([relevant, model_fp, w_hash, extra], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _normalised(g: torch.Tensor) -> torch.Tensor:
+    return g / torch.diagonal(g, dim1=-2, dim2=-1).sum(-1)[..., None, None].clamp(min=1e-300)
+
+
+def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
+              status: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status` report."""
+    t0 = time.perf_counter()
+    say = status or (lambda msg: logger.info("%s", msg))
+    if lm is None:
+        say(f"loading {cfg.model}")
+        lm = load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map, max_memory=cfg.max_memory)
+    a = lm.adapter
+    out = Path(cfg.out) if cfg.out else Path(f"{lm.name}.kvcal.safetensors")
+    model_fp, w_hash, tok_hash = fingerprint(lm.model.config), weights_hash(lm.model, a), tokenizer_hash(lm.tokenizer)
+    max_position = cfg.max_position or min(a.max_positions, 32768)
+    seq_len = min(cfg.seq_len, max_position)
+
+    random_ids = random_token_windows(lm.tokenizer, lm.model.config.vocab_size, cfg.random_tokens, seq_len, cfg.seed)
+    corpus = load_corpus(cfg.dataset, "calib")
+    n_text = -(-cfg.text_tokens // seq_len)
+    text_ids = token_windows(lm.tokenizer, corpus, n_text, seq_len, cfg.seed)
+    # both passes see the same positions, so their rotations differ only by what the tokens are
+    random_offsets = position_offsets(len(random_ids), seq_len, max_position)
+    text_offsets = position_offsets(len(text_ids), seq_len, max_position)
+    key = _checkpoint_key(cfg, model_fp, w_hash, {"corpus": corpus.sha256, "max_position": max_position})
+    checkpoint = Checkpoint(out.with_name(out.name + ".ckpt"), key)
+
+    t_pass = time.perf_counter()
+    random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
+    text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
+    pass_seconds = time.perf_counter() - t_pass
+
+    say("eigendecomposing Gram matrices")
+    r_random, s_random = eig_basis(qk_gram(random_stats, cfg.qk_weighting))
+    r_text, s_text = eig_basis(qk_gram(text_stats, cfg.qk_weighting))
+    if cfg.qk_source == "random-tokens":
+        rotation, qk_spectrum = r_random, s_random
+    elif cfg.qk_source == "text":
+        rotation, qk_spectrum = r_text, s_text
+    else:
+        rotation, qk_spectrum = eig_basis(_normalised(qk_gram(random_stats, cfg.qk_weighting))
+                                          + _normalised(qk_gram(text_stats, cfg.qk_weighting)))
+    if cfg.v_source == "activations-text":
+        v_basis, v_spectrum = eig_basis(text_stats.vv)
+    elif cfg.v_source == "activations-random":
+        v_basis, v_spectrum = eig_basis(random_stats.vv)
+    else:
+        v_basis, v_spectrum = weight_svd_basis(lm.model, a)
+    qk_rank = rank_from_removal_rate(qk_spectrum, cfg.removal_rate)
+    v_rank = rank_from_removal_rate(v_spectrum, cfg.removal_rate)
+    independence = token_independence(r_random, r_text)
+
+    calibration = {
+        "seed": cfg.seed,
+        "random_tokens": int(random_ids.numel()),
+        "random_windows": len(random_ids),
+        "text_tokens": int(text_ids.numel()),
+        "text_windows": len(text_ids),
+        "seq_len": seq_len,
+        "positions": {"max_position": max_position, "random_offsets": random_offsets, "text_offsets": text_offsets},
+        "random_ids_sha256": hashlib.sha256(random_ids.numpy().tobytes()).hexdigest(),
+        "dataset": {"spec": cfg.dataset, "name": corpus.name, "documents": len(corpus), "sha256": corpus.sha256,
+                    "windows_sha256": hashlib.sha256(text_ids.numpy().tobytes()).hexdigest()},
+        "removal_rate": cfg.removal_rate,
+        "dtype": cfg.dtype,
+        "token_independence": independence,
+    }
+    bundle = Bundle(
+        model=ModelInfo(name=lm.name, fingerprint=model_fp, weights_hash=w_hash, tokenizer_hash=tok_hash,
+                        family=a.family, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
+                        num_q_heads=a.num_q_heads, head_dim=a.head_dim, layer_types=list(a.layer_types)),
+        qk_rotation=rotation.float(), qk_spectrum=qk_spectrum.float(), qk_rank=qk_rank,
+        v_basis=v_basis.float(), v_spectrum=v_spectrum.float(), v_rank=v_rank,
+        qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
+        calibration=calibration,
+    )
+    summary = {
+        "bundle": str(out),
+        "model": lm.name,
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "load_seconds": round(lm.load_seconds, 2),
+        "pass_seconds": round(pass_seconds, 2),
+        "tokens": {"random": int(random_ids.numel()), "text": int(text_ids.numel())},
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "ranks": {"qk": _histogram(qk_rank, a.head_dim), "v": _histogram(v_rank, a.head_dim)},
+        "energy_kept": {"qk": energy_kept(qk_spectrum, qk_rank).mean().item(),
+                        "v": energy_kept(v_spectrum, v_rank).mean().item()},
+        "token_independence": independence,
+    }
+    bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
+                                                             "peak_rss_mib")}
+    save_bundle(bundle, out)
+    checkpoint.clear()
+    return CalibrationResult(bundle, out, summary)
+
+
+def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:
+    """rank [L, H] -> {'<=d/4': n, '<=d/2': n, '<=3d/4': n, '<d': n, '=d': n}"""
+    r = rank.flatten()
+    edges = [(f"<={d // 4}", r <= d // 4), (f"<={d // 2}", (r > d // 4) & (r <= d // 2)),
+             (f"<={3 * d // 4}", (r > d // 2) & (r <= 3 * d // 4)), (f"<{d}", (r > 3 * d // 4) & (r < d)),
+             (f"={d}", r == d)]
+    return {name: int(mask.sum()) for name, mask in edges}

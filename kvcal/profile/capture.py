@@ -1,0 +1,91 @@
+"""Stream post-RoPE Q, K and V per (layer, KV head) out of a running model, without storing activations.
+
+Every supported family hands its post-RoPE (and, for Gemma3, post-QK-norm) query and key states to transformers'
+attention interface. `capturing(model, *collectors)` swaps in an attention function that shows those tensors to each
+collector and then runs the model's usual SDPA attention, so outputs are unchanged. Collectors reduce what they see
+to fixed-size statistics (Gram matrices here), so memory is O(L·H·d²) whatever the token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Protocol
+
+import torch
+
+from kvcal.models import ModelAdapter
+
+CAPTURE_IMPL = "kvcal_capture"
+
+
+class Collector(Protocol):
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """query [B, Hq, S, d], key and value [B, H, S, d], all post-RoPE, straight from the model."""
+
+
+_ACTIVE: ContextVar[tuple[Collector, ...]] = ContextVar("kvcal_capture", default=())
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for collector in _ACTIVE.get():
+        collector.add(module.layer_idx, query, key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, sdpa_mask)
+
+
+@contextlib.contextmanager
+def capturing(model, *collectors: Collector):
+    """Within the block, every forward pass of `model` feeds `collectors`."""
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_IMPL)
+    token = _ACTIVE.set(collectors)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        model.set_attn_implementation(previous)
+
+
+class GramCollector:
+    """Streaming float64 Gram matrices per (layer, KV head).
+
+    kk [L, H, d, d]: sum of k k^T over key rows;  qq [L, H, d, d]: sum of q q^T over the rows of every query head of
+    the group;  vv [L, H, d, d]: sum of v v^T;  rows [L]: token rows seen per layer (per KV head).
+    """
+
+    def __init__(self, adapter: ModelAdapter):
+        L, H, d = adapter.num_layers, adapter.num_kv_heads, adapter.head_dim
+        self.kk = torch.zeros(L, H, d, d, dtype=torch.float64)
+        self.qq = torch.zeros(L, H, d, d, dtype=torch.float64)
+        self.vv = torch.zeros(L, H, d, d, dtype=torch.float64)
+        self.rows = torch.zeros(L, dtype=torch.int64)
+        self.group = adapter.group_size
+
+    @torch.no_grad()
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        B, H, S, d = key.shape
+        q = query.to("cpu", torch.float64).view(B, H, self.group, S, d)
+        k = key.to("cpu", torch.float64)
+        v = value.to("cpu", torch.float64)
+        self.kk[layer] += torch.einsum("bhsd,bhse->hde", k, k)
+        self.qq[layer] += torch.einsum("bhgsd,bhgse->hde", q, q)
+        self.vv[layer] += torch.einsum("bhsd,bhse->hde", v, v)
+        self.rows[layer] += B * S
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"kk": self.kk, "qq": self.qq, "vv": self.vv, "rows": self.rows}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name in ("kk", "qq", "vv", "rows"):
+            getattr(self, name).copy_(state[name])

@@ -1,0 +1,35 @@
+"""Per-head ranks from a singular-value removal rate (FDC Eq. 1).
+
+Given the descending singular values θ_0 ≥ … ≥ θ_{d-1} of a head and a removal rate r, FDC removes the largest set of
+trailing dimensions whose share of the singular-value sum is at most r:
+
+    Σ_{i>j} θ_i / Σ θ  ≤  r  <  Σ_{i≥j} θ_i / Σ θ,     rank = j + 1
+
+With tail[k] = Σ_{i≥k} θ_i / Σ θ (non-increasing, tail[0] = 1, tail[d] = 0) this is rank = min{k ≥ 1 : tail[k] ≤ r}.
+Plain singular values, not their squares, as in the paper. Two edge cases are fixed by definition: r ≤ 0 means "no
+compression" and keeps all d dimensions (even exactly-zero ones), and r ≥ 1 keeps one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rank_from_removal_rate(spectrum: torch.Tensor, removal_rate: float) -> torch.Tensor:
+    """spectrum [..., d] descending, non-negative -> rank int32 [...] in [1, d]; non-increasing in removal_rate."""
+    d = spectrum.shape[-1]
+    if removal_rate <= 0:
+        return torch.full(spectrum.shape[:-1], d, dtype=torch.int32)
+    theta = spectrum.double()
+    total = theta.sum(-1, keepdim=True).clamp(min=1e-300)
+    tail = theta.flip(-1).cumsum(-1).flip(-1) / total          # tail[..., k] = share of dims k..d-1
+    # tail is non-increasing, so the first k with tail[k] <= r is 1 + #{k in 1..d-1 : tail[k] > r}
+    rank = 1 + (tail[..., 1:] > removal_rate).sum(-1)
+    return rank.to(torch.int32)
+
+
+def energy_kept(spectrum: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """Fraction of squared singular values (energy) in the first `rank` dims: spectrum [..., d], rank [...] -> [...]"""
+    energy = spectrum.double().pow(2)
+    keep = torch.arange(spectrum.shape[-1]) < rank[..., None].long()
+    return (energy * keep).sum(-1) / energy.sum(-1).clamp(min=1e-300)

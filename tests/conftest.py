@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random-init models of each supported family, built from configs (no downloads), saved as
+Hugging Face folders with a small word-level tokenizer so the CLI can load them like any user model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+WORDS = ("the a of and to in is it that was for on are as with his they at be this from have or by one had not "
+         "but what all were when we there can an your which their said if do will each about how up out them then "
+         "she many some so these would other into has more her two like him see time could no make than first been "
+         "its who now people my made over did down only way find use may water long little very after words called "
+         "just where most know get through back much before go good new write our used me man too any day same right "
+         "look think also around another came come work three word must because does part even place well such").split()
+
+TINY = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0),
+    "gemma3_text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        query_pre_attn_scalar=32, rope_theta=10000.0),
+}
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+def make_model(model_type: str = "llama", seed: int = 0, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    cfg = AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                               **{**TINY[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return model, tok
+
+
+def save_model(folder, model_type: str = "llama", seed: int = 0, **overrides):
+    model, tok = make_model(model_type, seed, **overrides)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def random_text(n_words: int, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(WORDS), (n_words,), generator=g)
+    return " ".join(WORDS[i] for i in idx)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama-family model folder (2 layers, 4 query / 2 KV heads, head dim 16)."""
+    return save_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """A .jsonl dataset of word-salad documents for the tiny models."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": random_text(300, seed=i)}) for i in range(40)))
+    return path
