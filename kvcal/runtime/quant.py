@@ -1,0 +1,225 @@
+"""Asymmetric min-max quantization of KV-cache tensors, plus bit packing.
+
+Two layouts, following KIVI:
+
+* per-token (values): each token's vector ``x: [..., n]`` is split into groups of ``group_size`` consecutive channels;
+  each group gets one ``scale`` and ``zero`` -> ``codes: [..., n]``, ``scale, zero: [..., n // group_size]``.
+* per-channel (keys): a block of ``T`` tokens ``x: [..., T, n]`` gets one ``scale`` / ``zero`` per channel, computed
+  over the tokens -> ``codes: [..., T, n]``, ``scale, zero: [..., n]``. This isolates outlier channels, which dominate
+  the key cache, so they do not blow up the step size of every other channel.
+
+Quantization is ``codes = clamp(round((x - zero) / scale), 0, 2**bits - 1)`` with
+``scale = (max - min) / (2**bits - 1)`` and ``zero = min``. Scale and zero are stored as float16 and rounded to float16
+*before* the codes are computed, so ``codes * scale + zero`` reproduces exactly what the quantizer aimed at. All
+arithmetic is float32. Where ``max == min`` (scale 0) the codes are 0 and dequantization returns ``zero``.
+The round-trip error is at most ``scale / 2`` plus the fp16 rounding of zero (relative 2**-11 of ``|min|``), which
+dominates only for data far from 0 relative to its spread (e.g. values in [1000, 1001]).
+
+Codes are uint8 with one code per byte; ``pack`` / ``unpack`` squeeze them to ``bits`` bits each, element 0 in the
+least-significant bits of byte 0 (little-endian within a byte).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+# 1-bit is accepted too (handy for ablations) but is not part of the advertised set.
+_VALID_BITS = (1, *SUPPORTED_BITS)
+_FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in _VALID_BITS:
+        raise ValueError(f"bits must be one of {_VALID_BITS}, got {bits!r}")
+    return bits
+
+
+def _check_uint8(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.uint8:
+        raise ValueError(f"{name} must have dtype torch.uint8, got {t.dtype}")
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes needed to pack ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
+    _check_bits(bits)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return (n * bits + 7) // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes ``uint8 [..., n]`` (values < 2**bits) into ``uint8 [..., packed_size(n, bits)]``.
+
+    Code i lands in byte ``(i*bits)//8`` at bit offset ``(i*bits)%8``. Since bits divides 8, no code straddles a byte;
+    a trailing partial byte is zero-padded.
+    """
+    _check_bits(bits)
+    _check_uint8(codes, "codes")
+    if codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"codes must be < 2**bits = {1 << bits} for bits={bits}, got max {int(codes.max())}")
+    per = 8 // bits
+    *lead, n = codes.shape
+    nbytes = packed_size(n, bits)
+    if nbytes * per != n:
+        codes = torch.nn.functional.pad(codes, (0, nbytes * per - n))
+    groups = codes.reshape(*lead, nbytes, per).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    # Fields are disjoint, so summing the shifted codes is the same as OR-ing them.
+    return (groups << shifts).sum(dim=-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``uint8 [..., packed_size(n, bits)]`` -> ``uint8 [..., n]``."""
+    _check_bits(bits)
+    _check_uint8(packed, "packed")
+    nbytes = packed_size(n, bits)
+    if packed.shape[-1] != nbytes:
+        raise ValueError(f"packed last dim must be packed_size({n}, {bits}) = {nbytes}, got {packed.shape[-1]}")
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., nbytes, per]
+    return fields.reshape(*packed.shape[:-1], nbytes * per)[..., :n]
+
+
+def _check_values(x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    """Raise ValueError if x (restricted to ``keep`` positions) has NaN/inf or exceeds the fp16 range of scale/zero."""
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        return
+    mag = x.abs()
+    if keep is not None:
+        mag = mag.masked_fill(~keep, 0)  # ignored slots may hold garbage (e.g. an unfilled buffer)
+    m = float(mag.amax())  # NaN propagates through amax, so one reduction checks both conditions
+    if not math.isfinite(m):
+        raise ValueError("x must be finite, got NaN or inf")
+    if m > _FP16_MAX:
+        raise ValueError(f"x has max abs value {m:g}, beyond the float16 range (max {_FP16_MAX:g}) of scale/zero")
+
+
+def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 min/max -> fp16 (scale, zero)."""
+    scale = ((mx - mn) / ((1 << bits) - 1)).to(torch.float16)
+    zero = mn.to(torch.float16)
+    if not bool(torch.isfinite(scale).all()):
+        # Only reachable at bits=1, where max - min of in-range values can still exceed 65504.
+        m = float(torch.maximum(mn.abs(), mx.abs()).max())
+        raise ValueError(f"x has max abs value {m:g}; its range overflows a float16 scale at bits={bits}")
+    return scale, zero
+
+
+def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """x float32, scale/zero fp16 broadcastable to x -> uint8 codes; 0 wherever scale == 0."""
+    s, z = scale.float(), zero.float()
+    degenerate = s == 0
+    q = torch.round((x - z) / torch.where(degenerate, 1.0, s)).clamp_(0, (1 << bits) - 1)
+    return torch.where(degenerate, 0.0, q).to(torch.uint8)
+
+
+def _groups(n: int, group_size: int | None) -> tuple[int, int]:
+    """-> (number of groups, group size). None = one group spanning the whole vector (even when n == 0)."""
+    if group_size is None:
+        return 1, n
+    if not isinstance(group_size, int) or group_size <= 0 or n % group_size:
+        raise ValueError(f"group_size must be None or a positive divisor of n={n}, got {group_size!r}")
+    return n // group_size, group_size
+
+
+def quantize_per_token(
+    x: torch.Tensor, bits: int, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token (grouped) quantization.
+
+    x: float [..., n] -> codes uint8 [..., n], scale float16 [..., G], zero float16 [..., G], where
+    G = n // group_size, or 1 if group_size is None.
+    """
+    _check_bits(bits)
+    _check_values(x)
+    *lead, n = x.shape
+    ng, g = _groups(n, group_size)
+    xg = x.to(torch.float32).reshape(*lead, ng, g)  # [..., G, g]
+    if g == 0:
+        zeros = torch.zeros(*lead, ng, dtype=torch.float32, device=x.device)
+        mn = mx = zeros
+    else:
+        mn, mx = torch.aminmax(xg, dim=-1)
+    scale, zero = _scale_zero(mn, mx, bits)
+    codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    return codes.reshape(*lead, n), scale, zero
+
+
+def quantize_per_channel(
+    x: torch.Tensor, bits: int, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel (KIVI keys) quantization over a block of T tokens.
+
+    x: float [..., T, n]; valid: optional bool [..., T] -- invalid tokens (unfilled slots of a partial block) are
+    ignored entirely: excluded from min/max, not checked for NaN, and given code 0. A channel with no valid token gets
+    scale = zero = 0.
+    Returns codes uint8 [..., T, n], scale float16 [..., n], zero float16 [..., n].
+    """
+    _check_bits(bits)
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape [..., T, n] (at least 2 dims), got shape {tuple(x.shape)}")
+    keep = None
+    if valid is not None:
+        if valid.dtype != torch.bool or valid.shape != x.shape[:-1]:
+            raise ValueError(
+                f"valid must be a bool tensor of shape {tuple(x.shape[:-1])}, got {valid.dtype} {tuple(valid.shape)}"
+            )
+        keep = valid.unsqueeze(-1)  # [..., T, 1]
+    _check_values(x, keep)
+    xf = x.to(torch.float32)
+    if x.shape[-2] == 0:
+        mn = mx = torch.zeros(*x.shape[:-2], x.shape[-1], dtype=torch.float32, device=x.device)
+    elif keep is None:
+        mn, mx = torch.aminmax(xf, dim=-2)
+    else:
+        mn = xf.masked_fill(~keep, float("inf")).amin(dim=-2)
+        mx = xf.masked_fill(~keep, float("-inf")).amax(dim=-2)
+        any_valid = valid.any(dim=-1, keepdim=True)  # [..., 1]
+        mn = torch.where(any_valid, mn, 0.0)
+        mx = torch.where(any_valid, mx, 0.0)
+    scale, zero = _scale_zero(mn, mx, bits)
+    if keep is not None:
+        xf = xf.masked_fill(~keep, 0.0)  # keep garbage (NaN) out of the arithmetic; code forced to 0 below
+    codes = _encode(xf, scale.unsqueeze(-2), zero.unsqueeze(-2), bits)
+    if keep is not None:
+        codes = codes.masked_fill(~keep, 0)
+    return codes, scale, zero
+
+
+def _check_params(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, shape: tuple[int, ...]) -> None:
+    _check_uint8(codes, "codes")
+    if scale.shape != shape or zero.shape != shape:
+        raise ValueError(f"scale and zero must have shape {shape}, got {tuple(scale.shape)} and {tuple(zero.shape)}")
+
+
+def dequantize_per_token(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """codes uint8 [..., n], scale/zero [..., G] (G as in :func:`quantize_per_token`) -> dtype [..., n]."""
+    *lead, n = codes.shape
+    ng, g = _groups(n, group_size)
+    _check_params(codes, scale, zero, (*lead, ng))
+    cg = codes.to(torch.float32).reshape(*lead, ng, g)
+    x_hat = cg * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x_hat.reshape(*lead, n).to(dtype)
+
+
+def dequantize_per_channel(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """codes uint8 [..., T, n], scale/zero [..., n] -> dtype [..., T, n]."""
+    if codes.dim() < 2:
+        raise ValueError(f"codes must have shape [..., T, n] (at least 2 dims), got shape {tuple(codes.shape)}")
+    _check_params(codes, scale, zero, (*codes.shape[:-2], codes.shape[-1]))
+    x_hat = codes.to(torch.float32) * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
+    return x_hat.to(dtype)

@@ -1,0 +1,233 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcal.runtime.quant import (
+    SUPPORTED_BITS,
+    dequantize_per_channel,
+    dequantize_per_token,
+    pack,
+    packed_size,
+    quantize_per_channel,
+    quantize_per_token,
+    unpack,
+)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _slack(scale, zero, bits):
+    # scale and zero are rounded to fp16 before encoding; the clamped end codes can then be off by the fp16 rounding
+    # of zero plus (2**bits - 1) times that of scale (relative half-ulp 2**-11). 2**-10 is a comfortable bound.
+    s, z = scale.float(), zero.float()
+    return 2**-10 * (z.abs() + ((1 << bits) - 1) * s) + 1e-6
+
+
+# ---- packing -------------------------------------------------------------------------------------------------------
+
+
+def test_packed_size():
+    assert [packed_size(n, 4) for n in (0, 1, 2, 3)] == [0, 1, 1, 2]
+    assert [packed_size(n, 2) for n in (1, 4, 5)] == [1, 1, 2]
+    assert packed_size(5, 8) == 5
+
+
+def test_pack_layout_hand_computed():
+    codes = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    assert pack(codes, 4).tolist() == [0x21, 0x03]
+    # bits=2: codes [1, 2, 3, 0, 3] -> byte0 = 1 | 2<<2 | 3<<4 = 0x39, byte1 = 3
+    assert pack(torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8), 2).tolist() == [0x39, 0x03]
+    assert pack(torch.tensor([7, 255], dtype=torch.uint8), 8).tolist() == [7, 255]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from((1, 2, 4, 8)),
+    lead=st.lists(st.integers(0, 3), max_size=2),
+    n=st.integers(0, 37),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_unpack_round_trip(bits, lead, n, seed):
+    codes = torch.randint(0, 1 << bits, (*lead, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (*lead, packed_size(n, bits))
+    assert torch.equal(unpack(packed, bits, n), codes)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="codes"):
+        pack(torch.tensor([16], dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="dtype"):
+        pack(torch.tensor([1], dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="packed"):
+        unpack(torch.zeros(3, dtype=torch.uint8), 4, 3)
+
+
+# ---- per-token -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size", [None, 16, 32])
+def test_per_token_round_trip_bound(bits, group_size):
+    x = _randn(3, 5, 64) * 2 + 0.5
+    codes, scale, zero = quantize_per_token(x, bits, group_size)
+    ng = 1 if group_size is None else 64 // group_size
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert scale.dtype == zero.dtype == torch.float16
+    assert scale.shape == zero.shape == (3, 5, ng)
+    assert int(codes.max()) < 1 << bits
+    x_hat = dequantize_per_token(codes, scale, zero, group_size)
+    assert x_hat.dtype == torch.float32 and x_hat.shape == x.shape
+    g = 64 // ng
+    bound = (scale.float() / 2 + _slack(scale, zero, bits)).repeat_interleave(g, dim=-1)
+    assert ((x - x_hat).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_per_token_error_decreases_with_bits(group_size):
+    x = _randn(8, 64, seed=1)
+    errs = [
+        (dequantize_per_token(*quantize_per_token(x, b, group_size), group_size) - x).abs().mean() for b in (2, 4, 8)
+    ]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_per_token_dtype_and_half_input():
+    x = _randn(4, 32).half()
+    codes, scale, zero = quantize_per_token(x, 4, 8)
+    out = dequantize_per_token(codes, scale, zero, 8, dtype=torch.float16)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+
+
+def test_per_token_constant_input_exact():
+    x = torch.full((2, 3, 16), 3.25)
+    x[1, 2] = -7.5
+    for bits in SUPPORTED_BITS:
+        codes, scale, zero = quantize_per_token(x, bits, 8)
+        assert (codes == 0).all() and (scale == 0).all()
+        assert torch.equal(dequantize_per_token(codes, scale, zero, 8), x)
+
+
+def test_per_token_empty():
+    codes, scale, zero = quantize_per_token(torch.zeros(2, 0), 4)
+    assert codes.shape == (2, 0) and scale.shape == zero.shape == (2, 1)
+    assert dequantize_per_token(codes, scale, zero).shape == (2, 0)
+    codes, scale, zero = quantize_per_token(torch.zeros(0, 32), 4, 16)
+    assert codes.shape == (0, 32) and scale.shape == (0, 2)
+    assert dequantize_per_token(codes, scale, zero, 16).shape == (0, 32)
+
+
+# ---- per-channel ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_per_channel_round_trip_bound(bits):
+    x = _randn(2, 3, 32, 64, seed=2) * torch.linspace(0.1, 5, 64)
+    codes, scale, zero = quantize_per_channel(x, bits)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert scale.dtype == zero.dtype == torch.float16
+    assert scale.shape == zero.shape == (2, 3, 64)
+    x_hat = dequantize_per_channel(codes, scale, zero)
+    assert x_hat.dtype == torch.float32 and x_hat.shape == x.shape
+    bound = (scale.float() / 2 + _slack(scale, zero, bits)).unsqueeze(-2)
+    assert ((x - x_hat).abs() <= bound).all()
+
+
+def test_per_channel_valid_mask_excludes_outlier():
+    x = _randn(2, 16, 32, seed=3)
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[:, 10:] = False  # partially filled block
+    ref = quantize_per_channel(x[:, :10], 4)
+    x_bad = x.clone()
+    x_bad[:, 12] = 1e4  # huge outlier in an invalid slot
+    x_bad[:, 14] = float("nan")  # garbage in an unfilled slot is ignored too
+    codes, scale, zero = quantize_per_channel(x_bad, 4, valid)
+    assert torch.equal(scale, ref[1]) and torch.equal(zero, ref[2])
+    assert torch.equal(codes[:, :10], ref[0])
+    assert (codes[:, 10:] == 0).all()
+
+
+def test_per_channel_no_valid_tokens_and_empty():
+    x = _randn(4, 8)
+    codes, scale, zero = quantize_per_channel(x, 2, torch.zeros(4, dtype=torch.bool))
+    assert (codes == 0).all() and (scale == 0).all() and (zero == 0).all()
+    codes, scale, zero = quantize_per_channel(torch.zeros(3, 0, 8), 4)
+    assert codes.shape == (3, 0, 8) and scale.shape == zero.shape == (3, 8)
+    assert dequantize_per_channel(codes, scale, zero).shape == (3, 0, 8)
+
+
+def test_per_channel_constant_input_exact():
+    x = _randn(8, 4)
+    x[:, 1] = 1.5
+    codes, scale, zero = quantize_per_channel(x, 4)
+    assert scale[1] == 0 and (codes[:, 1] == 0).all()
+    assert torch.equal(dequantize_per_channel(codes, scale, zero)[:, 1], x[:, 1])
+
+
+@pytest.mark.parametrize("bits,max_rel_err", [(4, 0.2), (2, 0.6)])
+def test_planted_outlier_channels(bits, max_rel_err):
+    keys = _randn(64, 64, seed=4)
+    outliers = [5, 41]
+    keys[:, outliers] *= 50
+    normal = torch.ones(64, dtype=torch.bool)
+    normal[outliers] = False
+
+    k_ch = dequantize_per_channel(*quantize_per_channel(keys, bits))
+    k_tok = dequantize_per_token(*quantize_per_token(keys, bits))
+    err_ch = (k_ch - keys)[:, normal].abs().mean()
+    err_tok = (k_tok - keys)[:, normal].abs().mean()
+    assert err_ch < max_rel_err * keys[:, normal].std()
+    assert err_tok > 5 * err_ch
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_bad_bits():
+    x = _randn(4, 8)
+    for fn in (quantize_per_token, quantize_per_channel):
+        with pytest.raises(ValueError, match="bits"):
+            fn(x, 3)
+    with pytest.raises(ValueError, match="bits"):
+        pack(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="bits"):
+        packed_size(4, 3)
+
+
+def test_non_finite_input():
+    x = _randn(4, 8)
+    x[2, 3] = float("nan")
+    for fn in (quantize_per_token, quantize_per_channel):
+        with pytest.raises(ValueError, match="finite"):
+            fn(x, 4)
+    x[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        quantize_per_token(x, 4)
+
+
+def test_out_of_fp16_range():
+    x = _randn(4, 8)
+    x[1, 1] = 1e6
+    for fn in (quantize_per_token, quantize_per_channel):
+        with pytest.raises(ValueError, match="max abs value 1e\\+06"):
+            fn(x, 8)
+    # in range, but at 1 bit the span 120000 itself overflows a fp16 scale
+    y = torch.tensor([[-60000.0, 60000.0]])
+    with pytest.raises(ValueError, match="max abs value"):
+        quantize_per_token(y, 1)
+    quantize_per_token(y, 2)  # fine: scale = 40000
+
+
+def test_bad_group_size_and_shapes():
+    x = _randn(4, 24)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_per_token(x, 4, 16)
+    codes, scale, zero = quantize_per_token(x, 4, 8)
+    with pytest.raises(ValueError, match="scale"):
+        dequantize_per_token(codes, scale, zero, 12)
+    with pytest.raises(ValueError, match="valid"):
+        quantize_per_channel(x, 4, torch.ones(3, dtype=torch.bool))
