@@ -388,3 +388,19 @@ def test_device_follows_arena():
     for x in (a.arena, a.free_list, a.page_table, a.num_pages_used):
         assert x.device == a.device
     assert a.allocate(t([0]), t([0]), t([0]), t([LOW]), t([2])).device == a.device
+
+
+def test_grow_keeps_pages_and_fifo_order():
+    arena = PageArena(4, 16, slots=1, layers=1, kv_heads=1, max_pages_per_entry=8)
+    one = torch.tensor([0])
+    first = arena.allocate(one, one * 0, one * 0, torch.tensor([HIGH]), torch.tensor([3]))
+    arena.arena[first.long()] = 7
+    arena.free_last(one * 0, one * 0, one * 0, torch.tensor([HIGH]), torch.tensor([1]))   # frees first[2]
+    arena.grow(3)
+    assert arena.num_pages == 7 and arena.num_free == 5
+    arena.check_invariants()
+    more = arena.allocate(one * 0, one * 0, one * 0, torch.tensor([HIGH]), torch.tensor([5]))
+    # the free window before growth (page 3, then the freed page) comes first, then the new pages
+    assert more.tolist() == [3, int(first[2]), 4, 5, 6]
+    assert (arena.arena[first[:2].long()] == 7).all()
+    arena.check_invariants()

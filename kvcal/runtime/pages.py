@@ -122,6 +122,20 @@ class PageArena:
         self.free_list[pos] = ids.to(torch.int32)
         self.num_free += m
 
+    def grow(self, extra_pages: int) -> None:
+        """Add `extra_pages` zeroed pages at the end of the arena; they join the free list after the current free
+        pages (FIFO order is kept). Page ids, tables and contents of pages in use are unchanged."""
+        if extra_pages < 1:
+            raise ValueError(f"extra_pages must be >= 1, got {extra_pages}")
+        free_ids = self.free_list[(self.start + torch.arange(self.num_free, device=self.device)) % self.num_pages]
+        new_ids = torch.arange(self.num_pages, self.num_pages + extra_pages, dtype=torch.int32, device=self.device)
+        self.arena = torch.cat([self.arena, torch.zeros(extra_pages, self.page_bytes, dtype=torch.uint8,
+                                                        device=self.device)])
+        self.num_pages += extra_pages
+        self.free_list = torch.zeros(self.num_pages, dtype=torch.int32, device=self.device)
+        self.free_list[:self.num_free + extra_pages] = torch.cat([free_ids, new_ids])
+        self.start, self.num_free = 0, self.num_free + extra_pages
+
     # ------------------------------------------------------------------ batched operations
     def allocate(self, slot, layer, head, side, count) -> torch.Tensor:
         """Append ``count[i]`` pages to side ``side[i]`` of entry (slot[i], layer[i], head[i]).

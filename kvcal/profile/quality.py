@@ -1,0 +1,134 @@
+"""Decode-phase fidelity of a compressed cache against the dense cache, on the same inputs.
+
+Protocol: prefill P prompt tokens through the cache under test, then teacher-force the continuation one token per
+step. Step t feeds continuation token t and predicts token t + 1, reading everything before it from the cache. The
+prefill's own last prediction is not scored, because compressing the cache cannot change it (prefill attention runs
+on the uncompressed K/V). The reference logits come from one dense forward pass over prompt + continuation.
+
+Metrics over every scored prediction: mean KL(dense || compressed) in nats; top-1 agreement with the dense argmax;
+continuation perplexity of the true tokens under both, and their ratio exp(mean NLL_c - mean NLL_d). Memory: bytes the
+cache actually holds at the end (pages in the arena, metadata and fragmentation included), against an fp16 dense
+cache of the same tokens.
+
+`passkey` hides a random 5-digit key at a given depth of filler text and asks for it back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Fidelity:
+    kl: float                 # mean KL(dense || compressed), nats
+    top1: float               # agreement with the dense argmax
+    ppl: float                # continuation perplexity, compressed
+    ppl_dense: float
+    ppl_ratio: float          # exp(mean NLL compressed - mean NLL dense)
+    predictions: int          # scored predictions (sequences x steps)
+    prompt_tokens: int
+    memory: dict = field(default_factory=dict)   # KvcalCache.memory() at the end (empty for dense)
+    tiers: dict = field(default_factory=dict)    # token-head fractions high / low / pruned (compressed layers)
+    decode_ms_per_step: float = 0.0
+    page_ms_per_step: float = 0.0                # time in page allocation per step (page-management share)
+
+
+@torch.inference_mode()
+def dense_logits(model, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Logits [B, S, vocab] (float32) of one dense forward over ids [B, S], computed a few positions at a time at
+    the head so a large vocabulary does not need [S, vocab] logits for every position at once."""
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
+
+
+@torch.inference_mode()
+def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
+                    make_cache: Callable[[], object]) -> Fidelity:
+    """prompt [B, P], continuation [B, M + 1] token ids; `make_cache()` returns a fresh cache (KvcalCache or
+    DynamicCache). Scores M predictions per sequence."""
+    B, P = prompt.shape
+    M = continuation.shape[1] - 1
+    ids = torch.cat([prompt, continuation], dim=1)
+    ref = dense_logits(model, ids[:, :P + M])[:, P:P + M]                     # predicts continuation[1:]
+    cache = make_cache()
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = getattr(cache, "kv", None)
+    page_s0 = kv.store.page_seconds if kv is not None else 0.0
+    steps = []
+    t0 = time.perf_counter()
+    for t in range(M):
+        out = model(input_ids=continuation[:, t:t + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1].float())
+    seconds = time.perf_counter() - t0
+    got = torch.stack(steps, dim=1)                                              # [B, M, vocab]
+    target = continuation[:, 1:]
+    logp_ref, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
+    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
+    nll_ref = -logp_ref.gather(-1, target[..., None]).mean().item()
+    nll = -logp.gather(-1, target[..., None]).mean().item()
+    result = Fidelity(kl=kl, top1=(ref.argmax(-1) == got.argmax(-1)).float().mean().item(), ppl=math.exp(nll),
+                      ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
+                      prompt_tokens=P, decode_ms_per_step=1000 * seconds / max(M, 1))
+    if kv is not None:
+        result.memory = cache.memory()
+        result.tiers = tier_fractions(cache)
+        result.page_ms_per_step = 1000 * (kv.store.page_seconds - page_s0) / max(M, 1)
+        cache.release()
+    return result
+
+
+def tier_fractions(cache) -> dict[str, float]:
+    """Fractions of token-heads (compressed layers) held high, held low, or pruned."""
+    kv = cache.kv
+    counts = kv.tier_counts()
+    layer = kv.layers[0]
+    seen = (kv.length[layer] * kv.batch - int(kv.n_pad.sum())) * kv.store.num_kv_heads * len(kv.layers)
+    return {"high": counts["high"] / seen, "low": counts["low"] / seen,
+            "pruned": 1 - (counts["high"] + counts["low"]) / seen}
+
+
+# --------------------------------------------------------------------------------------------------------- passkey
+
+_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, filler_ids: list[int], length: int, depth: float, seed: int) -> tuple[list[int], str]:
+    """Token ids of about `length` tokens: filler text with the needle at relative `depth` (0 = start, 1 = end),
+    then the question. Returns (ids, key)."""
+    key = str(random.Random(seed).randint(10000, 99999))
+    needle = tokenizer(_NEEDLE.format(key=key), add_special_tokens=False).input_ids
+    question = tokenizer(_QUESTION, add_special_tokens=False).input_ids
+    prefix = tokenizer("", add_special_tokens=True).input_ids     # BOS where the tokenizer uses one
+    room = length - len(needle) - len(question) - len(prefix)
+    if room < 1 or room > len(filler_ids):
+        raise ValueError(f"passkey length {length} needs {room} filler tokens; {len(filler_ids)} available")
+    cut = int(round(depth * room))
+    return prefix + filler_ids[:cut] + needle + filler_ids[cut:room] + question, key
+
+
+@torch.inference_mode()
+def passkey(model, tokenizer, filler_text: str, lengths: list[int], depths: list[float],
+            make_cache: Callable[[], object], seed: int = 0, new_tokens: int = 8) -> dict:
+    """Greedy retrieval accuracy per (length, depth) and overall."""
+    filler = tokenizer(filler_text, add_special_tokens=False).input_ids
+    results = {}
+    for length in lengths:
+        for depth in depths:
+            ids, key = passkey_prompt(tokenizer, filler, length, depth, seed + length + int(depth * 100))
+            cache = make_cache()
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                                 past_key_values=cache, pad_token_id=tokenizer.eos_token_id)
+            text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+            results[f"{length}@{depth:g}"] = key in text
+            if hasattr(cache, "release"):
+                cache.release()
+    return {"accuracy": sum(results.values()) / len(results), "cases": results}

@@ -1,0 +1,146 @@
+"""Attention over a compressed store: one backend interface, a torch reference backend, one selector.
+
+Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key rank, r_v = stored value rank):
+
+    prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool, scale)
+        -> out [B, H, g, n, d], score [B, H, n]
+    attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale)
+        -> out [B, H, g, n, r_v], new_score [B, H, n]
+
+`prefill` runs on uncompressed K/V (compression happens when the cache is written, as in DiffKV). `score` is each
+key's significance: the sum over queries of the attention probability it received, max over the g query heads.
+`attend` runs one softmax over every token the store retains (both tiers) plus the n new tokens, which attend to
+each other causally. It adds the probabilities the stored tokens received to their scores in the store, and returns
+the new tokens' own scores. The softmax scale is the model's (1/sqrt(d) of the original head dim), because the
+rotated, truncated product approximates the original logits.
+
+Backends declare what they support. `select_backend("auto")` takes the first that supports the request; naming a
+backend that cannot run raises a one-line ValueError with its reasons.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_PREFILL_CHUNK = 512   # query rows per block: bounds the [B, H, g, chunk, n] probability block in memory
+
+
+class AttentionBackend(ABC):
+    """A namespace of static methods, never instantiated (vLLM style)."""
+
+    @classmethod
+    @abstractmethod
+    def name(cls) -> str: ...
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device) -> list[str]:
+        """Reasons this backend cannot run on `device`; empty when it can."""
+
+    @staticmethod
+    @abstractmethod
+    def prefill(query, keys, values, mask, scale): ...
+
+    @staticmethod
+    @abstractmethod
+    def attend(store, layer, query, new_keys, new_values, scale): ...
+
+
+def _softmax_attend(query, keys, values, allowed, scale):
+    """query [B, H, g, n, r]; keys [B, H, S, r]; values [B, H, S, r_v]; allowed bool broadcastable to [B, H, g, n, S].
+    Returns out [B, H, g, n, r_v] and probabilities max over g [B, H, n, S] (float32 softmax, like eager attention)."""
+    logits = torch.einsum("bhgnr,bhsr->bhgns", query.float(), keys.float()) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)        # a query with nothing allowed (padding rows) gets zeros
+    out = torch.einsum("bhgns,bhsr->bhgnr", probs, values.float())
+    return out, probs.amax(dim=2)
+
+
+class TorchBackend(AttentionBackend):
+    """Reference backend: dequantize the store, then dense float32 attention. Runs wherever torch runs."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "torch"
+
+    @classmethod
+    def supports(cls, device: torch.device) -> list[str]:
+        return []
+
+    @staticmethod
+    def prefill(query, keys, values, mask, scale):
+        B, H, g, n, d = query.shape
+        out = torch.empty(B, H, g, n, values.shape[-1], device=query.device)
+        score = torch.zeros(B, H, n, device=query.device)
+        for start in range(0, n, _PREFILL_CHUNK):
+            rows = slice(start, min(start + _PREFILL_CHUNK, n))
+            allowed = mask[:, None, None, rows, :]                                  # [B, 1, 1, c, n]
+            o, p = _softmax_attend(query[:, :, :, rows], keys, values, allowed, scale)
+            out[:, :, :, rows] = o
+            score += p.sum(dim=2)
+        return out, score
+
+    @staticmethod
+    def attend(store, layer, query, new_keys, new_values, scale):
+        stored = store.gather(layer)
+        B, H, g, n, _ = query.shape
+        S = stored.pos.shape[-1]
+        keys = torch.cat([stored.keys, new_keys.float()], dim=2)                    # [B, H, S + n, r]
+        values = torch.cat([stored.values, new_values.float()], dim=2)
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        allowed = torch.cat([(stored.pos >= 0)[:, :, None, None, :].expand(B, H, 1, n, S),
+                             causal.expand(B, H, 1, n, n)], dim=-1)
+        out, probs = _softmax_attend(query, keys, values, allowed, scale)
+        store.add_scores(layer, stored, probs[..., :S].sum(dim=2))
+        return out, probs[..., S:].sum(dim=2)
+
+
+# name -> "module:Class"; resolved lazily so the cuda backend's imports happen only when it is asked for
+BACKENDS = {
+    "torch": "kvcal.runtime.attention:TorchBackend",
+    "cuda": "kvcal.runtime.cuda.backend:CudaBackend",
+}
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+@functools.cache
+def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBackend]:
+    """The backend to use: `auto` takes cuda when it can run on `device`, else torch (logged once)."""
+    dev = torch.device(device)
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend `{name}`; choose one of auto, {', '.join(BACKENDS)}")
+        try:
+            backend = _load(name)
+        except ImportError as e:
+            raise ValueError(f"attention backend `{name}` is unavailable: {e}") from None
+        reasons = backend.supports(dev)
+        if reasons:
+            raise ValueError(f"attention backend `{name}` cannot run on {dev}: {'; '.join(reasons)}")
+        return backend
+    rejected = []
+    for candidate in ("cuda", "torch"):
+        try:
+            backend = _load(candidate)
+        except ImportError as e:
+            rejected.append(f"{candidate}: {e}")
+            continue
+        reasons = backend.supports(dev)
+        if not reasons:
+            if rejected:
+                logger.info("kvcal attention backend: %s (%s)", candidate, "; ".join(rejected))
+            return backend
+        rejected.append(f"{candidate}: {'; '.join(reasons)}")
+    raise ValueError(f"no attention backend can run on {dev}: {'; '.join(rejected)}")

@@ -1,0 +1,169 @@
+"""transformers integration: a `Cache` subclass and an attention function registered as `kvcal`.
+
+    from kvcal.runtime.hf import KvcalCache
+    cache = KvcalCache.from_bundle(bundle, model)          # checks the bundle against the model, installs `kvcal`
+    out = model.generate(**inputs, past_key_values=cache)  # batch > 1 and left-padded prompts work
+
+How the two halves meet: transformers calls `cache.update(k, v, layer_idx)` right before the attention function, and
+passes the layer's attention module to that function. `KvcalLayer.update` records the new post-RoPE K/V as pending
+for its layer; the `kvcal` attention function picks them up and runs the compressed path (`CompressedKV.forward`).
+Any call without a pending kvcal layer (another cache, a sliding layer) runs transformers' SDPA attention unchanged,
+so a model with `kvcal` attention installed still works with `DynamicCache`.
+
+Sliding-window layers (Gemma3) keep transformers' own `DynamicSlidingWindowLayer`, uncompressed: they hold at most
+`sliding_window` tokens by design, so they behave exactly as they do densely; the compressed layers are the global
+ones, where the cache grows with the context.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from kvcal.runtime.cache import CompressedKV, CompressionConfig
+
+KVCAL_IMPL = "kvcal"
+_PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
+
+
+def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise."""
+    pending = _PENDING.get()
+    if pending is None or pending[0].layer_idx != module.layer_idx or pending[1] is not key:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    _PENDING.set(None)
+    layer = pending[0]
+    pad = None
+    if layer.owner.kv is None or layer.owner.kv.length[layer.layer_idx] == 0:
+        pad = _real_tokens(attention_mask, query.shape[2])
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = layer.owner.kv.forward(layer.layer_idx, query, key, value, pad, scale)   # [B, Hq, n, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
+    """bool [B, n] real (non-padding) prompt tokens, from the 4D mask the model built (the last query row of a
+    causal mask sees every real key), or None when there is no mask (no padding)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[:, 0, -1, -n:]
+    return m if m.dtype == torch.bool else m == 0
+
+
+def install(model) -> None:
+    """Register the `kvcal` attention function (and its mask) and make `model` use it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(KVCAL_IMPL, kvcal_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(KVCAL_IMPL, sdpa_mask)
+    if model.config._attn_implementation != KVCAL_IMPL:
+        model.set_attn_implementation(KVCAL_IMPL)
+
+
+class KvcalLayer(CacheLayerMixin):
+    """One compressed layer; its data lives in the owner's `CompressedKV` (one page arena for all layers)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: KvcalCache, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.owner._ensure_kv(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        _PENDING.set((self, key_states, value_states))
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("KvcalCache does not support beam search reordering; use greedy or sampling")
+
+
+class KvcalCache(Cache):
+    """A transformers `Cache` whose full-attention layers are compressed by kvcal."""
+
+    def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None):
+        self.bundle, self.config = bundle, config
+        self.kv: CompressedKV | None = None
+        self.sliding = [t == "sliding_attention" for t in layer_types]
+        layers = [DynamicSlidingWindowLayer(sliding_window) if s else KvcalLayer(self, i)
+                  for i, s in enumerate(self.sliding)]
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_bundle(cls, bundle, model, config: CompressionConfig | None = None) -> KvcalCache:
+        """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
+        attention function on the model, and return an empty cache. `config` defaults to the bundle's policy."""
+        from kvcal.models import adapter_for, fingerprint, weights_hash
+
+        adapter = adapter_for(model.config)
+        bundle.check_model(fingerprint(model.config), weights_hash(model, adapter))
+        install(model)
+        if config is None:
+            config = CompressionConfig.from_policy(bundle.policy)
+        return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window)
+
+    def _ensure_kv(self, key_states: torch.Tensor) -> None:
+        if self.kv is None:
+            raw16 = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
+            self.kv = CompressedKV.from_bundle(self.bundle, self.config, batch=key_states.shape[0],
+                                               sliding=self.sliding, device=key_states.device, raw16=raw16)
+
+    # --------------------------------------------------------------------------------------------- accounting
+
+    def memory(self) -> dict[str, float]:
+        """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus dense
+        sliding layers, against an fp16 dense cache of the same tokens."""
+        paged = self.kv.store.bytes_in_use() if self.kv else 0
+        dense = dense_fp16 = 0
+        for layer, sliding in zip(self.layers, self.sliding):
+            if sliding and layer.is_initialized:
+                dense += layer.keys.numel() * layer.keys.element_size() * 2
+                dense_fp16 += layer.keys.numel() * 2 * 2
+        if self.kv is not None:
+            L = self.kv.layers
+            H, d = self.bundle.model.num_kv_heads, self.bundle.model.head_dim
+            tokens = self.kv.length[L[0]] * self.kv.batch - int(self.kv.n_pad.sum()) if L else 0
+            dense_fp16 += tokens * len(L) * H * d * 2 * 2
+        total = paged + dense
+        return {"paged_bytes": paged, "dense_bytes": dense, "total_bytes": total, "fp16_bytes": dense_fp16,
+                "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan")}
+
+    def release(self) -> int:
+        """Return every page to the arena's free list (the sequences are finished)."""
+        return self.kv.release() if self.kv else 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KvcalCache does not support expanding the batch; build one cache per batch")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("KvcalCache does not support selecting batch rows")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("KvcalCache cannot be cropped (compressed tokens cannot be un-written)")

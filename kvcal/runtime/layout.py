@@ -1,0 +1,142 @@
+"""Byte layout of one page: which segment sits where, for one tier format and one head's ranks.
+
+A page belongs to one (sequence, layer, KV head) and holds tokens of one tier (DiffKV §5, "unified page"). Segments,
+in order, each starting on a 16-byte boundary (T = tokens per page):
+
+    k      uint8 [T, k_bytes]          K·R[:, :r_k], packed codes (or raw float for 16/32-bit tiers)
+    k_meta fp16  [T, k_groups, 2]      (scale, zero) per token and channel group          -- key mode "token"
+           fp16  [r_k, 2]              (scale, zero) per channel over the page's tokens    -- key mode "channel"
+    v      uint8 [T, v_bytes]          V·B[:, :r_v], packed codes
+    v_meta fp16  [T, v_groups, 2]      (scale, zero) per token and channel group
+    score  fp32  [T]                   cumulative attention probability received (max over the query heads)
+    pos    int32 [T]                   cache index of the token; -1 marks an empty or dropped slot
+
+Raw tiers (16 or 32 bits) store floats and have no meta segments. All offsets are computed here once, in Python, and
+handed to every reader and writer (the torch store and the CUDA kernels), so no layout is written twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcal.runtime.quant import packed_size
+
+ALIGN = 16
+RAW_BITS = (16, 32)
+QUANT_BITS = (2, 4, 8)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class TierFormat:
+    """How one tier stores a token. `k_mode` "channel" = KIVI-style per-channel key scales over the page's tokens."""
+
+    k_bits: int = 8                  # 2, 4, 8, or 16/32 for raw floats
+    v_bits: int = 4
+    k_mode: str = "token"            # "token" or "channel"
+    k_group: int | None = None       # channels per (scale, zero) for per-token keys; None = the whole vector
+    v_group: int | None = None       # channels per (scale, zero) for values; None = the whole vector
+
+    def __post_init__(self):
+        for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if bits not in QUANT_BITS + RAW_BITS:
+                raise ValueError(f"`{name}={bits}` is not one of {QUANT_BITS + RAW_BITS}")
+        if self.k_mode not in ("token", "channel"):
+            raise ValueError(f"`k_mode={self.k_mode}` must be `token` or `channel`")
+        if self.k_mode == "channel" and self.k_bits in RAW_BITS:
+            raise ValueError("per-channel keys need quantized keys (k_bits 2, 4 or 8)")
+
+    @property
+    def name(self) -> str:
+        k = f"K{self.k_bits}{'c' if self.k_mode == 'channel' else ''}"
+        return f"{k}V{self.v_bits}"
+
+    @classmethod
+    def parse(cls, spec: str) -> TierFormat:
+        """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys; 'K16V16' / 'K32V32' -> raw."""
+        import re
+
+        m = re.fullmatch(r"[Kk](\d+)(c?)[Vv](\d+)", spec.strip())
+        if not m:
+            raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys) or K16V16")
+        return cls(int(m.group(1)), int(m.group(3)), "channel" if m.group(2) else "token")
+
+
+def _groups(n: int, group: int | None) -> int:
+    if group is None or group >= n:
+        return 1
+    if n % group:
+        raise ValueError(f"quantization group {group} does not divide the stored rank {n}; use a group that divides "
+                         "every rank, or None")
+    return n // group
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Offsets (bytes from the page start) and sizes for one (tier format, r_k, r_v) in pages of `page_bytes`."""
+
+    fmt: TierFormat
+    r_k: int
+    r_v: int
+    page_bytes: int
+    tokens: int          # T: tokens per page
+    k_bytes: int         # per token
+    v_bytes: int
+    k_groups: int        # per-token key groups (0 for per-channel or raw keys)
+    v_groups: int        # (0 for raw values)
+    k_off: int
+    k_meta_off: int
+    v_off: int
+    v_meta_off: int
+    score_off: int
+    pos_off: int
+    end: int             # bytes actually used (<= page_bytes)
+
+    @classmethod
+    def build(cls, fmt: TierFormat, r_k: int, r_v: int, page_bytes: int) -> PageLayout:
+        """The layout with the most tokens per page that fits `page_bytes`."""
+        sizes = _sizes(fmt, r_k, r_v)
+        k_bytes, v_bytes, k_groups, v_groups = sizes
+        T = max(1, page_bytes // (k_bytes + v_bytes + 4 * (k_groups + v_groups) + 8))
+        while T > 1 and _offsets(fmt, r_k, sizes, T)[-1] > page_bytes:   # alignment padding can overflow
+            T -= 1
+        offs = _offsets(fmt, r_k, sizes, T)
+        if offs[-1] > page_bytes:
+            raise ValueError(f"a page of {page_bytes} B cannot hold one {fmt.name} token at ranks ({r_k}, {r_v}); "
+                             f"raise `page_bytes` to at least {offs[-1]}")
+        return cls(fmt, r_k, r_v, page_bytes, T, *sizes, *offs)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Page bytes per token slot, padding and meta included."""
+        return self.page_bytes / self.tokens
+
+
+def _sizes(fmt: TierFormat, r_k: int, r_v: int) -> tuple[int, int, int, int]:
+    """(k_bytes, v_bytes per token, per-token key groups, value groups)"""
+    def elem_bytes(bits: int, n: int) -> int:
+        return n * bits // 8 if bits in RAW_BITS else packed_size(n, bits)
+
+    k_groups = _groups(r_k, fmt.k_group) if fmt.k_bits in QUANT_BITS and fmt.k_mode == "token" else 0
+    v_groups = _groups(r_v, fmt.v_group) if fmt.v_bits in QUANT_BITS else 0
+    return elem_bytes(fmt.k_bits, r_k), elem_bytes(fmt.v_bits, r_v), k_groups, v_groups
+
+
+def _offsets(fmt: TierFormat, r_k: int, sizes: tuple[int, int, int, int], T: int) -> tuple[int, ...]:
+    """(k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, end) for T tokens per page"""
+    k_bytes, v_bytes, k_groups, v_groups = sizes
+    k_meta = r_k * 4 if fmt.k_mode == "channel" else T * k_groups * 4
+    k_meta_off = _align(T * k_bytes)
+    v_off = _align(k_meta_off + k_meta)
+    v_meta_off = _align(v_off + T * v_bytes)
+    score_off = _align(v_meta_off + T * v_groups * 4)
+    pos_off = _align(score_off + T * 4)
+    return 0, k_meta_off, v_off, v_meta_off, score_off, pos_off, pos_off + T * 4
+
+
+def default_page_bytes(head_dim: int, fmt: TierFormat, tokens: int = 32) -> int:
+    """Page size that holds `tokens` full-rank tokens of `fmt` (DiffKV's geometry: 32 K8V4 tokens per page)."""
+    return _offsets(fmt, head_dim, _sizes(fmt, head_dim, head_dim), tokens)[-1]

@@ -1,0 +1,388 @@
+"""Compressed K/V of every (sequence, layer, KV head), held in one page arena.
+
+Per token and KV head, K after RoPE is kept as K·R[:, :r_k] and V as V·B[:, :r_v] (ranks per head from the bundle),
+quantized at the token's tier. The high section of an entry grows from the left of its page-table row, the low
+section from the right (kvcal.runtime.pages); page byte layouts come from kvcal.runtime.layout.
+
+Heads of one layer may have different ranks and therefore different page layouts; heads sharing (r_k, r_v) form a
+*group* and are processed together (vectorized over sequences and heads; a layer has at most H groups, usually one).
+Rotated vectors are passed around zero-padded to the layer's largest rank, which leaves dot products unchanged.
+
+Slots: a section's slot s lives in its page s // T at index s % T. `fill[layer, b, h, side]` counts slots ever
+written; a slot below `fill` with position -1 is a hole (a pruned or moved token). High-section holes are reused by
+new tokens; per-channel low pages are written whole and never rewritten, so their holes stay until the sequence ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.runtime import quant
+from kvcal.runtime.layout import RAW_BITS, PageLayout, TierFormat, default_page_bytes
+from kvcal.runtime.pages import HIGH, LOW, PageArena
+
+_RAW_DTYPES = {32: torch.float32, 16: torch.float16}
+
+
+@dataclass
+class _Group:
+    heads: torch.Tensor        # int64 [n] KV heads of this group
+    layouts: tuple[PageLayout, PageLayout]   # (high, low)
+    r_k: int
+    r_v: int
+
+
+@dataclass
+class Gathered:
+    """All stored tokens of one layer, dequantized. S = slots of the longest entry (both sections)."""
+
+    keys: torch.Tensor      # float32 [B, H, S, r_k max]
+    values: torch.Tensor    # float32 [B, H, S, r_v max]
+    pos: torch.Tensor       # int64 [B, H, S]  cache index, -1 = no token
+    score: torch.Tensor     # float32 [B, H, S] cumulative significance
+    side: torch.Tensor      # int64 [B, H, S]  HIGH / LOW
+    slot: torch.Tensor      # int64 [B, H, S]  slot within its section
+
+
+class CompressedStore:
+    """Page-arena storage for the compressed layers of one batch of sequences.
+
+    rank_k, rank_v: int [L, H] stored ranks per (layer, KV head); layers: indices of the layers stored here.
+    """
+
+    def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
+                 low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
+                 page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64):
+        if high.k_mode != "token":
+            raise ValueError("the high tier needs per-token keys (it holds the recent window, written token by token)")
+        self.high, self.low = high, low
+        self.layers = list(layers)
+        self.batch, self.device = batch, torch.device(device)
+        self.raw16 = raw16
+        self.page_bytes = page_bytes or default_page_bytes(head_dim, high)
+        L, H = rank_k.shape
+        self.num_kv_heads = H
+        self.groups: dict[int, list[_Group]] = {}
+        min_tokens = []
+        for layer in self.layers:
+            pairs = sorted({(int(rank_k[layer, h]), int(rank_v[layer, h])) for h in range(H)})
+            groups = []
+            for r_k, r_v in pairs:
+                heads = [h for h in range(H) if (int(rank_k[layer, h]), int(rank_v[layer, h])) == (r_k, r_v)]
+                lay = (PageLayout.build(high, r_k, r_v, self.page_bytes), PageLayout.build(low, r_k, r_v,
+                                                                                       self.page_bytes))
+                groups.append(_Group(torch.tensor(heads, device=self.device), lay, r_k, r_v))
+                min_tokens += [lay[0].tokens, lay[1].tokens]
+            self.groups[layer] = groups
+        self.r_k_max = {layer: max(g.r_k for g in gs) for layer, gs in self.groups.items()}
+        self.r_v_max = {layer: max(g.r_v for g in gs) for layer, gs in self.groups.items()}
+        self.max_tokens = 1 << 20
+        max_pages = -(-self.max_tokens // min(min_tokens)) * 2
+        self.arena = PageArena(initial_pages, self.page_bytes, slots=batch, layers=L, kv_heads=H,
+                               max_pages_per_entry=max_pages, device=self.device)
+        self.fill = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)
+        self.page_seconds = 0.0   # time spent in page allocation (for the page-management share of a step)
+
+    # ------------------------------------------------------------------------------------------------- addressing
+
+    def _flat(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.arena.arena.view(-1).view(dtype)
+
+    def _page_of(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
+                 lay: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte offset of the page holding each slot, and the slot's index in that page; all [n]."""
+        k = slot // lay.tokens
+        col = k if side == HIGH else self.arena.max_pages_per_entry - 1 - k
+        page = self.arena.page_table[b, layer, h, col].long()
+        assert bool((page >= 0).all()), "slot without a page"
+        return page * self.page_bytes, slot % lay.tokens
+
+    def _ensure_pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, need_slots: torch.Tensor,
+                      lay: PageLayout) -> None:
+        """Allocate pages so that each entry (b, h) [n] has at least `need_slots` [n] slots on `side`."""
+        import time
+
+        t0 = time.perf_counter()
+        have = self.arena.num_pages_used[b, layer, h, side].long()
+        count = (-(-need_slots // lay.tokens) - have).clamp(min=0)
+        if bool((count > 0).any()):
+            nz = count > 0
+            need = int(count.sum())
+            if need > self.arena.num_free:
+                self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages // 2, 16))
+            n = int(nz.sum())
+            self.arena.allocate(b[nz], torch.full((n,), layer, device=self.device), h[nz],
+                                torch.full((n,), side, device=self.device), count[nz])
+        self.page_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------------- writing
+
+    def _raw(self, x: torch.Tensor, bits: int) -> torch.Tensor:
+        dtype = torch.float32 if bits == 32 else self.raw16
+        return x.to(dtype).contiguous().view(torch.uint8)
+
+    def write(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """Write tokens one by one (per-token formats): b, h, slot, pos [n]; keys [n, >= r_k]; values [n, >= r_v];
+        score [n]. Pages must exist (`append`). Tokens of different groups may be mixed."""
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if not bool(sel.any()):
+                continue
+            lay = g.layouts[side]
+            base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            fmt = lay.fmt
+            assert fmt.k_mode == "token", "per-channel pages are written whole (write_pages)"
+            k, v = keys[sel, :g.r_k].float(), values[sel, :g.r_v].float()
+            self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
+                              lay.k_groups)
+            self._put_vectors(base, idx, v, fmt.v_bits, fmt.v_group, lay.v_off, lay.v_meta_off, lay.v_bytes,
+                              lay.v_groups)
+            self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
+            self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = pos[sel].to(torch.int32)
+
+    def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, ngroups) -> None:
+        if bits in RAW_BITS:
+            data = self._raw(x, bits)
+        else:
+            codes, scale, zero = quant.quantize_per_token(x, bits, group)
+            data = quant.pack(codes, bits)
+            meta = torch.stack([scale, zero], -1).reshape(len(x), -1)                  # [n, groups * 2] fp16
+            m_idx = (base + meta_off)[:, None] // 2 + idx[:, None] * (ngroups * 2) + torch.arange(ngroups * 2,
+                                                                                             device=x.device)
+            self._flat(torch.float16)[m_idx] = meta
+        b_idx = (base + off)[:, None] + idx[:, None] * nbytes + torch.arange(nbytes, device=x.device)
+        self._flat(torch.uint8)[b_idx] = data
+
+    def write_pages(self, layer: int, b: torch.Tensor, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    pos: torch.Tensor, score: torch.Tensor) -> None:
+        """Per-channel low tier: append one whole new low page per entry. b, h [n]; keys [n, T, >= r_k];
+        values [n, T, >= r_v]; pos, score [n, T] (T = the group's low-page capacity)."""
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if not bool(sel.any()):
+                continue
+            lay = g.layouts[LOW]
+            bs, hs = b[sel], h[sel]
+            T = lay.tokens
+            start = self.fill[layer, bs, hs, LOW]
+            self._ensure_pages(layer, LOW, bs, hs, start + T, lay)
+            self.fill[layer, bs, hs, LOW] = start + T
+            base, _ = self._page_of(layer, LOW, bs, hs, start, lay)
+            k = keys[sel, :, :g.r_k].float()
+            codes, scale, zero = quant.quantize_per_channel(k, lay.fmt.k_bits)          # [n, T, r_k], [n, r_k]
+            data = quant.pack(codes, lay.fmt.k_bits).reshape(len(bs), -1)             # [n, T * k_bytes]
+            ar = lambda n: torch.arange(n, device=self.device)                         # noqa: E731
+            self._flat(torch.uint8)[(base + lay.k_off)[:, None] + ar(T * lay.k_bytes)] = data
+            meta = torch.stack([scale, zero], -1).reshape(len(bs), -1)                 # [n, r_k * 2]
+            self._flat(torch.float16)[(base + lay.k_meta_off)[:, None] // 2 + ar(g.r_k * 2)] = meta
+            idx = ar(T).expand(len(bs), T).reshape(-1)
+            v = values[sel, :, :g.r_v].reshape(-1, g.r_v).float()
+            self._put_vectors(base.repeat_interleave(T), idx, v, lay.fmt.v_bits, lay.fmt.v_group, lay.v_off,
+                              lay.v_meta_off, lay.v_bytes, lay.v_groups)
+            self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
+            self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
+
+    def append(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, keys, values, pos, score) -> None:
+        """Append tokens (per-token formats) at the end of their entries' sections: b, h, pos, score [n] (several
+        tokens per entry allowed, written in order); keys [n, >= r_k]; values [n, >= r_v]."""
+        if len(b) == 0:
+            return
+        L, B, H = self.fill.shape[:3]
+        entry = b * H + h
+        order = torch.argsort(entry, stable=True)
+        b, h, entry = b[order], h[order], entry[order]
+        keys, values, pos, score = keys[order], values[order], pos[order], score[order]
+        uniq, counts = torch.unique_consecutive(entry, return_counts=True)
+        rank = torch.arange(len(b), device=self.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        ub, uh = uniq // H, uniq % H
+        start = self.fill[layer, ub, uh, side]
+        for g in self.groups[layer]:
+            sel = torch.isin(uh, g.heads)
+            if bool(sel.any()):
+                self._ensure_pages(layer, side, ub[sel], uh[sel], (start + counts)[sel], g.layouts[side])
+        self.fill[layer, ub, uh, side] = start + counts
+        slot = torch.repeat_interleave(start, counts) + rank
+        self.write(layer, side, b, h, slot, keys, values, pos, score)
+
+    def insert(self, layer: int, side: int, b, h, keys, values, pos, score) -> None:
+        """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append."""
+        assert side == HIGH or self.low.k_mode == "token", "per-channel low pages are written whole"
+        sec_pos = self.section_meta(layer, side, b, h)[1]                               # [n, S]
+        fill = self.fill[layer, b, h, side]
+        holes = (sec_pos < 0) & (torch.arange(sec_pos.shape[1], device=self.device) < fill[:, None])
+        has = holes.any(-1)
+        if bool(has.any()):
+            slot = holes.to(torch.int8).argmax(-1)
+            self.write(layer, side, b[has], h[has], slot[has], keys[has], values[has], pos[has], score[has])
+        new = ~has
+        if bool(new.any()):
+            self.append(layer, side, b[new], h[new], keys[new], values[new], pos[new], score[new])
+
+    def drop(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
+        """Mark slots [n] empty (position -1): the token is pruned or has moved."""
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if bool(sel.any()):
+                lay = g.layouts[side]
+                base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+                self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
+
+    def add_scores(self, layer: int, gathered: Gathered, delta: torch.Tensor) -> None:
+        """score += delta [B, H, S] for every stored token of `gathered` (the same layer, unchanged since)."""
+        valid = gathered.pos >= 0
+        if not bool(valid.any()):
+            return
+        b, h, _ = torch.nonzero(valid, as_tuple=True)
+        side, slot, new = gathered.side[valid], gathered.slot[valid], (gathered.score + delta)[valid]
+        for s in (HIGH, LOW):
+            for g in self.groups[layer]:
+                sel = (side == s) & torch.isin(h, g.heads)
+                if bool(sel.any()):
+                    lay = g.layouts[s]
+                    base, idx = self._page_of(layer, s, b[sel], h[sel], slot[sel], lay)
+                    self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = new[sel]
+
+    # ------------------------------------------------------------------------------------------------- reading
+
+    def _entries(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(g.heads)
+        b = torch.arange(self.batch, device=self.device).repeat_interleave(n)
+        return b, g.heads.repeat(self.batch)
+
+    def _pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """page ids [n, P] of the entries' side in slot order (-1 padded)."""
+        n = len(b)
+        return self.arena.pages_of(b, torch.full((n,), layer, device=self.device), h,
+                                   torch.full((n,), side, device=self.device)).long()
+
+    def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
+        """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes."""
+        S_all, P_all = [], []
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if not bool(sel.any()):
+                continue
+            lay = g.layouts[side]
+            pages = self._pages(layer, side, b[sel], h[sel])
+            data = self.arena.arena[pages.clamp(min=0)]                                     # [n, P, page_bytes]
+            n, P = pages.shape
+            score = data[..., lay.score_off:lay.score_off + 4 * lay.tokens].contiguous().view(torch.float32)
+            pos = data[..., lay.pos_off:lay.pos_off + 4 * lay.tokens].contiguous().view(torch.int32).long()
+            score, pos = score.reshape(n, P * lay.tokens), pos.reshape(n, P * lay.tokens)
+            fill = self.fill[layer, b[sel], h[sel], side]
+            pos = torch.where(torch.arange(P * lay.tokens, device=self.device) < fill[:, None], pos, -1)
+            S_all.append((sel, score))
+            P_all.append((sel, pos))
+        width = max([s.shape[1] for _, s in S_all], default=0)
+        out_s = torch.zeros(len(b), width, device=self.device)
+        out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
+        for (sel, score), (_, pos) in zip(S_all, P_all):
+            out_s[sel, :score.shape[1]] = score
+            out_p[sel, :pos.shape[1]] = pos
+        return out_s, out_p
+
+    def read(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor):
+        """Dequantized (keys [n, r_k max], values [n, r_v max], score [n], pos [n]) of given slots."""
+        n = len(b)
+        keys = torch.zeros(n, self.r_k_max[layer], device=self.device)
+        values = torch.zeros(n, self.r_v_max[layer], device=self.device)
+        score, pos = torch.zeros(n, device=self.device), torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if not bool(sel.any()):
+                continue
+            lay = g.layouts[side]
+            base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            pages = (base // self.page_bytes)[:, None]
+            k, v, sc, ps = self._decode(self.arena.arena[pages], lay)                      # [m, 1 * T, ...]
+            pick = idx[:, None]
+            keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
+            values[sel, :g.r_v] = v.gather(1, pick[..., None].expand(-1, -1, g.r_v)).squeeze(1)
+            score[sel] = sc.gather(1, pick).squeeze(1)
+            pos[sel] = ps.gather(1, pick).squeeze(1)
+        return keys, values, score, pos
+
+    def _decode(self, data: torch.Tensor, lay: PageLayout):
+        """data uint8 [n, P, page_bytes] -> keys [n, P*T, r_k], values [n, P*T, r_v] float32, score, pos [n, P*T]."""
+        n, P, _ = data.shape
+        T, fmt = lay.tokens, lay.fmt
+
+        def seg(off: int, nbytes: int) -> torch.Tensor:
+            return data[..., off:off + nbytes].contiguous()
+
+        def vectors(off, meta_off, nbytes, ngroups, bits, group, r) -> torch.Tensor:
+            raw = seg(off, T * nbytes).view(n, P * T, nbytes)
+            if bits in RAW_BITS:
+                return raw.view(torch.float32 if bits == 32 else self.raw16).float()
+            codes = quant.unpack(raw, bits, r)
+            meta = seg(meta_off, T * ngroups * 4).view(torch.float16).view(n, P * T, ngroups, 2)
+            return quant.dequantize_per_token(codes, meta[..., 0], meta[..., 1], group)
+
+        if fmt.k_mode == "channel":
+            codes = quant.unpack(seg(lay.k_off, T * lay.k_bytes).view(n, P, T, lay.k_bytes), fmt.k_bits, lay.r_k)
+            meta = seg(lay.k_meta_off, lay.r_k * 4).view(torch.float16).view(n, P, lay.r_k, 2)
+            keys = quant.dequantize_per_channel(codes, meta[..., 0], meta[..., 1]).reshape(n, P * T, lay.r_k)
+        else:
+            keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k)
+        values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v)
+        score = seg(lay.score_off, 4 * T).view(torch.float32).reshape(n, P * T)
+        pos = seg(lay.pos_off, 4 * T).view(torch.int32).reshape(n, P * T).long()
+        return keys, values, score, pos
+
+    def gather(self, layer: int) -> Gathered:
+        """Every stored token of `layer`, dequantized, high section first (see `Gathered`)."""
+        B, H = self.batch, self.num_kv_heads
+        parts = []
+        for side in (HIGH, LOW):
+            for g in self.groups[layer]:
+                b, h = self._entries(layer, g)
+                pages = self._pages(layer, side, b, h)
+                if pages.shape[1] == 0:
+                    continue
+                lay = g.layouts[side]
+                k, v, score, pos = self._decode(self.arena.arena[pages.clamp(min=0)], lay)
+                slot = torch.arange(pos.shape[1], device=self.device)
+                pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
+                # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
+                live = (pos >= 0)[..., None]
+                k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
+                parts.append((side, g, b, h, k, v, score, pos, slot))
+        widths = {}
+        for side, _, _, _, k, *_ in parts:
+            widths[side] = max(widths.get(side, 0), k.shape[1])
+        S = sum(widths.values())
+        out = Gathered(
+            keys=torch.zeros(B, H, S, self.r_k_max[layer], device=self.device),
+            values=torch.zeros(B, H, S, self.r_v_max[layer], device=self.device),
+            pos=torch.full((B, H, S), -1, dtype=torch.int64, device=self.device),
+            score=torch.zeros(B, H, S, device=self.device),
+            side=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
+            slot=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
+        )
+        for side, g, b, h, k, v, score, pos, slot in parts:
+            start = 0 if side == HIGH else widths.get(HIGH, 0)
+            n = k.shape[1]
+            cols = slice(start, start + n)
+            out.keys[b, h, cols, :g.r_k] = k
+            out.values[b, h, cols, :g.r_v] = v
+            out.pos[b, h, cols] = pos
+            out.score[b, h, cols] = score
+            out.side[b, h, cols] = side
+            out.slot[b, h, cols] = slot
+        return out
+
+    # ------------------------------------------------------------------------------------------------- accounting
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the pages this store holds (metadata and fragmentation included)."""
+        return self.arena.used_bytes()
+
+    def release(self) -> int:
+        """Return every page to the free list (the batch finished); returns the number of pages freed."""
+        freed = self.arena.free_slots(torch.arange(self.batch, device=self.device))
+        self.fill.zero_()
+        return freed

@@ -1,0 +1,214 @@
+"""kvcal.runtime on tiny random models: exactness without compression, store round trips per tier format, memory
+accounting, the token policy's branches, sliding-window layers."""
+
+import pytest
+import torch
+from conftest import make_model, random_text
+from transformers import DynamicCache
+
+from kvcal.bundle import Bundle, ModelInfo
+from kvcal.models import adapter_for, fingerprint, tokenizer_hash, weights_hash
+from kvcal.profile.quality import decode_fidelity
+from kvcal.profile.rotation import eig_basis
+from kvcal.runtime.cache import CompressedKV, CompressionConfig
+from kvcal.runtime.hf import KvcalCache
+from kvcal.runtime.layout import PageLayout, TierFormat
+from kvcal.runtime.pages import HIGH, LOW
+from kvcal.runtime.policy import HIGH as T_HIGH
+from kvcal.runtime.policy import LOW as T_LOW
+from kvcal.runtime.policy import PRUNED, TokenPolicy, classify_prompt, decode_actions
+from kvcal.runtime.store import CompressedStore
+
+
+def random_bundle(model, tok, rank_k=None, rank_v=None, seed=0) -> Bundle:
+    """A valid bundle with random orthonormal bases (the runtime's math must hold for any rotation)."""
+    a = adapter_for(model.config)
+    L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, L, H, d, d, generator=g, dtype=torch.float64)
+    (R, sr), (Bv, sv) = eig_basis(x[0] @ x[0].transpose(-1, -2)), eig_basis(x[1] @ x[1].transpose(-1, -2))
+    full = torch.full((L, H), d, dtype=torch.int32)
+    return Bundle(
+        model=ModelInfo(name="tiny", fingerprint=fingerprint(model.config), weights_hash=weights_hash(model, a),
+                        tokenizer_hash=tokenizer_hash(tok), family=a.family, num_layers=L, num_kv_heads=H,
+                        num_q_heads=a.num_q_heads, head_dim=d, layer_types=list(a.layer_types)),
+        qk_rotation=R.float(), qk_spectrum=sr.float(), qk_rank=full if rank_k is None else rank_k,
+        v_basis=Bv.float(), v_spectrum=sv.float(), v_rank=full if rank_v is None else rank_v,
+        qk_source="random-tokens", qk_weighting="trace", v_source="activations-text")
+
+
+def padded_batch(tok, lengths=(40, 23)):
+    tok.padding_side = "left"
+    return tok([random_text(n, seed=n) for n in lengths], return_tensors="pt", padding=True)
+
+
+def generate(model, inputs, cache, n=16):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, past_key_values=cache)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_no_compression_reproduces_dense_generation(model_type):
+    model, tok = make_model(model_type)
+    inputs = padded_batch(tok)
+    ref = generate(model, inputs, DynamicCache(config=model.config))
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model, CompressionConfig.none())
+    got = generate(model, inputs, cache)
+    assert torch.equal(ref.sequences, got.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores))
+    assert diff < 1e-4
+    if model_type == "gemma3_text":     # sliding layers stay transformers' own, bounded by the window
+        sliding = [layer for layer, s in zip(cache.layers, cache.sliding) if s]
+        assert sliding and all(layer.keys.shape[-2] <= 16 for layer in sliding)
+
+
+def test_full_rank_rotation_is_exact_up_to_float_error():
+    model, tok = make_model("llama")
+    inputs = padded_batch(tok)
+    ref = generate(model, inputs, DynamicCache(config=model.config))
+    cfg = CompressionConfig.none().with_(rotate=True)            # random R and B at full rank, raw float32 storage
+    got = generate(model, inputs, KvcalCache.from_bundle(random_bundle(model, tok), model, cfg))
+    assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-3
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_memory_equals_allocated_pages_and_release_frees_all():
+    model, tok = make_model("llama")
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model, CompressionConfig())
+    generate(model, padded_batch(tok), cache, n=8)
+    arena = cache.kv.store.arena
+    mem = cache.memory()
+    assert mem["paged_bytes"] == arena.num_used * arena.page_bytes == arena.used_bytes() > 0
+    used_by_tables = int((arena.page_table >= 0).sum())
+    assert used_by_tables == arena.num_used
+    arena.check_invariants()
+    cache.release()
+    assert arena.num_free == arena.num_pages and cache.memory()["paged_bytes"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["K8V4", "K4V2", "K8V8", "K2V2", "K16V16", "K32V32"])
+def test_store_round_trip_per_token_formats(fmt):
+    torch.manual_seed(0)
+    H, d = 2, 16
+    ranks = torch.tensor([[16, 8]])
+    store = CompressedStore(ranks, torch.tensor([[12, 16]]), [0], high=TierFormat.parse(fmt),
+                            low=TierFormat.parse("K4V2"), head_dim=d, batch=2, page_bytes=512, initial_pages=2)
+    n = 70                                                             # several pages per entry, forces growth
+    b, h = torch.arange(2).repeat_interleave(H * n), torch.arange(H).repeat_interleave(n).repeat(2)
+    keys, values = torch.randn(len(b), 16), torch.randn(len(b), 16)
+    pos = torch.arange(n).repeat(2 * H)
+    store.append(0, HIGH, b, h, keys, values, pos, torch.rand(len(b)))
+    got = store.gather(0)
+    for bi in range(2):
+        for hi in range(H):
+            sel = (b == bi) & (h == hi)
+            rk, rv = int(ranks[0, hi]), (12, 16)[hi]
+            k_ref, v_ref = keys[sel, :rk], values[sel, :rv]
+            k_got = got.keys[bi, hi][got.pos[bi, hi] >= 0][:, :rk]
+            v_got = got.values[bi, hi][got.pos[bi, hi] >= 0][:, :rv]
+            assert torch.equal(got.pos[bi, hi][got.pos[bi, hi] >= 0], torch.arange(n))
+            f = TierFormat.parse(fmt)
+            if f.k_bits == 32:
+                assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+            else:
+                span = k_ref.amax(-1, keepdim=True) - k_ref.amin(-1, keepdim=True)
+                assert ((k_got - k_ref).abs() <= span / (2 ** min(f.k_bits, 10) - 1) * 0.51 + 1e-2).all()
+            assert (got.keys[bi, hi, :, rk:] == 0).all()                # padded coordinates are exactly zero
+
+
+def test_per_channel_pages_keep_outlier_channels():
+    torch.manual_seed(0)
+    store = CompressedStore(torch.tensor([[16]]), torch.tensor([[16]]), [0], high=TierFormat(8, 4),
+                            low=TierFormat(4, 2, "channel"), head_dim=16, batch=1, page_bytes=512)
+    T = PageLayout.build(TierFormat(4, 2, "channel"), 16, 16, 512).tokens
+    keys = torch.randn(1, T, 16)
+    keys[..., 3] *= 50                                                  # an outlier channel
+    store.write_pages(0, torch.tensor([0]), torch.tensor([0]), keys, torch.randn(1, T, 16),
+                      torch.arange(T)[None], torch.zeros(1, T))
+    got = store.gather(0)
+    k = got.keys[0, 0][got.side[0, 0] == LOW]
+    normal = [c for c in range(16) if c != 3]
+    err = (k[:, normal] - keys[0][:, normal]).abs().mean()
+    assert err < 0.2 * keys[0][:, normal].std()
+
+
+def test_prompt_classification_and_window():
+    policy = TokenPolicy(window=2, alpha_high=2.0, alpha_low=0.5)
+    N = 8
+    pos = torch.arange(N)[None, None]
+    seen = (N - pos).float()
+    mean = torch.tensor([[[0.5, 0.3, 0.2, 0.05, 0.01, 0.3, 0.0, 0.0]]])  # desired mean significance
+    tier = classify_prompt(policy, mean * seen, pos, torch.zeros(1, dtype=torch.long), torch.tensor([N]))
+    # thresholds: high >= 2/8 = 0.25, low >= 0.5/8 = 0.0625; the last 2 tokens are the window
+    assert tier[0, 0].tolist() == [T_HIGH, T_HIGH, T_LOW, PRUNED, PRUNED, T_HIGH, T_HIGH, T_HIGH]
+
+
+def _actions(hi_mean, lo_mean, length, window=2, channel=False, policy=None):
+    """decode_actions for one (sequence, head) given the mean significance of each high and low slot."""
+    policy = policy or TokenPolicy(window=window, alpha_high=2.0, alpha_low=0.5)
+    L = torch.tensor([length])
+    hi_pos = torch.arange(len(hi_mean)).view(1, 1, -1)
+    lo_pos = torch.arange(len(lo_mean)).view(1, 1, -1)        # the policy only needs how many queries saw them
+    hi_s = torch.tensor(hi_mean).view(1, 1, -1) * (L - hi_pos)
+    lo_s = torch.tensor(lo_mean, dtype=torch.float32).view(1, 1, -1) * (L - lo_pos)
+    return decode_actions(policy, hi_s, hi_pos, lo_s, lo_pos, torch.zeros(1, dtype=torch.long), L, channel)
+
+
+def test_algorithm1_branches():
+    # length 8, window 2 -> candidate t_c is cache index 5; thresholds high 0.25, low 0.0625
+    # t_c high (0.3): the least significant eligible high token (index 1, 0.1) is downgraded to low
+    a = _actions([0.5, 0.1, 0.4, 0.3, 0.5, 0.3, 0.9, 0.9], [], 8)
+    assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (1, -1, -1)
+    # t_c high, victim below the low threshold: pruned instead
+    a = _actions([0.5, 0.01, 0.4, 0.3, 0.5, 0.3, 0.9, 0.9], [], 8)
+    assert (a.high_to_low.item(), a.prune_high.item()) == (-1, 1)
+    # t_c low (0.1): it moves to low, and the least significant low token is pruned if below 0.0625
+    a = _actions([0.5, 0.5, 0.4, 0.3, 0.5, 0.1, 0.9, 0.9], [0.2, 0.01], 8)
+    assert (a.high_to_low.item(), a.prune_low.item()) == (5, 1)
+    # t_c below the low threshold: pruned directly
+    a = _actions([0.5, 0.5, 0.4, 0.3, 0.5, 0.01, 0.9, 0.9], [0.2], 8)
+    assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (-1, 5, -1)
+    # no tiering: nothing ever moves
+    a = _actions([0.0] * 8, [], 8, policy=TokenPolicy(window=2))
+    assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (-1, -1, -1)
+
+
+def test_decode_policy_keeps_counts_consistent():
+    """Tiered decoding on a tiny model: every token-head is in exactly one tier; the window stays high."""
+    model, tok = make_model("llama")
+    cfg = CompressionConfig(low=TierFormat(4, 2), policy=TokenPolicy(window=4, alpha_high=1.6, alpha_low=1.1))
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model, cfg)
+    ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids
+    res = decode_fidelity(model, ids[:, :40], ids[:, 40:], lambda: cache)
+    assert abs(sum(res.tiers.values()) - 1) < 1e-6
+    assert res.tiers["low"] > 0 and res.tiers["pruned"] > 0
+    assert 0 <= res.top1 <= 1 and res.kl >= 0
+
+
+def test_scores_are_received_probability():
+    """Prefill significance equals the brute-force column sums of the attention probabilities (max over the
+    group's query heads)."""
+    torch.manual_seed(0)
+    B, H, g, n, d = 1, 2, 2, 6, 8
+    q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, d)
+    from kvcal.runtime.attention import TorchBackend
+
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    out, score = TorchBackend.prefill(q, k, v, mask, 0.3)
+    logits = torch.einsum("bhgnd,bhsd->bhgns", q, k) * 0.3
+    probs = torch.softmax(logits.masked_fill(~mask[:, None, None], float("-inf")), -1)
+    torch.testing.assert_close(score, probs.amax(2).sum(2))
+    torch.testing.assert_close(out, probs @ v[:, :, None])
+
+
+def test_ragged_ranks_per_head():
+    model, tok = make_model("llama")
+    rank = torch.tensor([[16, 8], [12, 16]], dtype=torch.int32)
+    bundle = random_bundle(model, tok, rank_k=rank, rank_v=rank.flip(-1))
+    cfg = CompressionConfig(high=TierFormat(32, 32))
+    cache = KvcalCache.from_bundle(bundle, model, cfg)
+    generate(model, padded_batch(tok), cache, n=4)
+    kv: CompressedKV = cache.kv
+    assert [len(kv.store.groups[layer]) for layer in kv.layers] == [2, 2]
+    assert kv.rotation[0].shape == (2, 16, 16) and (kv.rotation[0][1, :, 8:] == 0).all()
