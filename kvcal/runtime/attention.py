@@ -4,15 +4,17 @@ Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key ra
 
     prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool, scale)
         -> out [B, H, g, n, d], score [B, H, n]
-    attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale)
+    attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale,
+           track_scores=True)
         -> out [B, H, g, n, r_v], new_score [B, H, n]
 
 `prefill` runs on uncompressed K/V (compression happens when the cache is written, as in DiffKV). `score` is each
 key's significance: the sum over queries of the attention probability it received, max over the g query heads.
 `attend` runs one softmax over every token the store retains (both tiers) plus the n new tokens, which attend to
 each other causally. It adds the probabilities the stored tokens received to their scores in the store, and returns
-the new tokens' own scores. The softmax scale is the model's (1/sqrt(d) of the original head dim), because the
-rotated, truncated product approximates the original logits.
+the new tokens' own scores (with `track_scores=False`, when no token policy reads them, it does neither). The
+softmax scale is the model's (1/sqrt(d) of the original head dim), because the rotated, truncated product
+approximates the original logits.
 
 Backends declare what they support. `select_backend("auto")` takes the first that supports the request; naming a
 backend that cannot run raises a one-line ValueError with its reasons.
@@ -50,7 +52,7 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def attend(store, layer, query, new_keys, new_values, scale): ...
+    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True): ...
 
 
 def _softmax_attend(query, keys, values, allowed, scale):
@@ -89,7 +91,7 @@ class TorchBackend(AttentionBackend):
         return out, score
 
     @staticmethod
-    def attend(store, layer, query, new_keys, new_values, scale):
+    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
         stored = store.gather(layer)
         B, H, g, n, _ = query.shape
         S = stored.pos.shape[-1]
@@ -99,6 +101,8 @@ class TorchBackend(AttentionBackend):
         allowed = torch.cat([(stored.pos >= 0)[:, :, None, None, :].expand(B, H, 1, n, S),
                              causal.expand(B, H, 1, n, n)], dim=-1)
         out, probs = _softmax_attend(query, keys, values, allowed, scale)
+        if not track_scores:
+            return out, torch.zeros(B, H, n, device=query.device)
         store.add_scores(layer, stored, probs[..., :S].sum(dim=2))
         return out, probs[..., S:].sum(dim=2)
 

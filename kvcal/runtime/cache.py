@@ -171,7 +171,8 @@ class CompressedKV:
         R = self.rotation[layer]
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
-        out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale)
+        out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
+                                               track_scores=self.config.policy.tiered)
         start = self.length[layer]
         b = torch.arange(B, device=self.device).repeat_interleave(H)
         h = torch.arange(H, device=self.device).repeat(B)

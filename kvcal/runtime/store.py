@@ -83,6 +83,7 @@ class CompressedStore:
         self.arena = PageArena(initial_pages, self.page_bytes, slots=batch, layers=L, kv_heads=H,
                                max_pages_per_entry=max_pages, device=self.device)
         self.fill = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)
+        self.holes = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)   # empty slots below fill
         self.page_seconds = 0.0   # time spent in page allocation (for the page-management share of a step)
 
     # ------------------------------------------------------------------------------------------------- addressing
@@ -192,6 +193,15 @@ class CompressedStore:
             return
         L, B, H = self.fill.shape[:3]
         entry = b * H + h
+        if len(torch.unique(entry)) == len(entry):            # one token per entry (decode): no ordering needed
+            start = self.fill[layer, b, h, side]
+            for g in self.groups[layer]:
+                sel = torch.isin(h, g.heads)
+                if bool(sel.any()):
+                    self._ensure_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
+            self.fill[layer, b, h, side] = start + 1
+            self.write(layer, side, b, h, start, keys, values, pos, score)
+            return
         order = torch.argsort(entry, stable=True)
         b, h, entry = b[order], h[order], entry[order]
         keys, values, pos, score = keys[order], values[order], pos[order], score[order]
@@ -211,6 +221,9 @@ class CompressedStore:
     def insert(self, layer: int, side: int, b, h, keys, values, pos, score) -> None:
         """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append."""
         assert side == HIGH or self.low.k_mode == "token", "per-channel low pages are written whole"
+        if not bool((self.holes[layer, b, h, side] > 0).any()):       # the common case: nothing to reuse
+            self.append(layer, side, b, h, keys, values, pos, score)
+            return
         sec_pos = self.section_meta(layer, side, b, h)[1]                               # [n, S]
         fill = self.fill[layer, b, h, side]
         holes = (sec_pos < 0) & (torch.arange(sec_pos.shape[1], device=self.device) < fill[:, None])
@@ -218,12 +231,17 @@ class CompressedStore:
         if bool(has.any()):
             slot = holes.to(torch.int8).argmax(-1)
             self.write(layer, side, b[has], h[has], slot[has], keys[has], values[has], pos[has], score[has])
+            self.holes[layer, b[has], h[has], side] -= 1
         new = ~has
         if bool(new.any()):
             self.append(layer, side, b[new], h[new], keys[new], values[new], pos[new], score[new])
 
     def drop(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
-        """Mark slots [n] empty (position -1): the token is pruned or has moved."""
+        """Mark slots [n] empty (position -1): the token is pruned or has moved. Slots must hold a token, each once."""
+        n = len(b)
+        self.holes.index_put_((torch.full((n,), layer, device=self.device), b, h,
+                               torch.full((n,), side, device=self.device)),
+                              torch.ones(n, dtype=torch.int64, device=self.device), accumulate=True)
         for g in self.groups[layer]:
             sel = torch.isin(h, g.heads)
             if bool(sel.any()):
@@ -254,33 +272,39 @@ class CompressedStore:
         return b, g.heads.repeat(self.batch)
 
     def _pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """page ids [n, P] of the entries' side in slot order (-1 padded)."""
-        n = len(b)
-        return self.arena.pages_of(b, torch.full((n,), layer, device=self.device), h,
-                                   torch.full((n,), side, device=self.device)).long()
+        """page ids int64 [n, P] of the entries' side in slot order (-1 padded); P = the longest side asked for.
+
+        Reads the page table directly (no argument validation): this runs for every layer of every decode step.
+        """
+        rows = self.arena.page_table[b, layer, h]                                       # [n, P_max]
+        count = self.arena.num_pages_used[b, layer, h, side]                            # [n]
+        P = int(count.max()) if len(b) else 0
+        pages = rows[:, :P] if side == HIGH else rows[:, rows.shape[1] - P:].flip(-1)   # k-th low page at P_max-1-k
+        # an entry with fewer pages on this side must not read the other side's pages in those columns
+        return torch.where(torch.arange(P, device=self.device) < count[:, None], pages, -1).long()
 
     def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
-        """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes."""
-        S_all, P_all = [], []
+        """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
+        Reads only the score and position segments."""
+        parts = []
         for g in self.groups[layer]:
             sel = torch.isin(h, g.heads)
             if not bool(sel.any()):
                 continue
             lay = g.layouts[side]
             pages = self._pages(layer, side, b[sel], h[sel])
-            data = self.arena.arena[pages.clamp(min=0)]                                     # [n, P, page_bytes]
             n, P = pages.shape
-            score = data[..., lay.score_off:lay.score_off + 4 * lay.tokens].contiguous().view(torch.float32)
-            pos = data[..., lay.pos_off:lay.pos_off + 4 * lay.tokens].contiguous().view(torch.int32).long()
-            score, pos = score.reshape(n, P * lay.tokens), pos.reshape(n, P * lay.tokens)
+            word = (pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(lay.tokens,
+                                                                                         device=self.device)
+            score = self._flat(torch.float32)[word + lay.score_off // 4].reshape(n, P * lay.tokens)
+            pos = self._flat(torch.int32)[word + lay.pos_off // 4].reshape(n, P * lay.tokens).long()
             fill = self.fill[layer, b[sel], h[sel], side]
             pos = torch.where(torch.arange(P * lay.tokens, device=self.device) < fill[:, None], pos, -1)
-            S_all.append((sel, score))
-            P_all.append((sel, pos))
-        width = max([s.shape[1] for _, s in S_all], default=0)
+            parts.append((sel, score, pos))
+        width = max([score.shape[1] for _, score, _ in parts], default=0)
         out_s = torch.zeros(len(b), width, device=self.device)
         out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
-        for (sel, score), (_, pos) in zip(S_all, P_all):
+        for sel, score, pos in parts:
             out_s[sel, :score.shape[1]] = score
             out_p[sel, :pos.shape[1]] = pos
         return out_s, out_p
@@ -351,6 +375,8 @@ class CompressedStore:
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
                 parts.append((side, g, b, h, k, v, score, pos, slot))
+        if len(self.groups[layer]) == 1:
+            return self._gather_one_group(parts)
         widths = {}
         for side, _, _, _, k, *_ in parts:
             widths[side] = max(widths.get(side, 0), k.shape[1])
@@ -375,6 +401,22 @@ class CompressedStore:
             out.slot[b, h, cols] = slot
         return out
 
+    def _gather_one_group(self, parts) -> Gathered:
+        """Fast path when every head of the layer shares one layout: entries are already [B * H] in order, so the
+        sides only need reshaping and concatenating (no scatter)."""
+        B, H = self.batch, self.num_kv_heads
+        view = lambda t: t.reshape(B, H, *t.shape[1:])                                   # noqa: E731
+        cat = lambda i: torch.cat([view(p[i]) for p in parts], dim=2)                     # noqa: E731
+        if not parts:
+            r_k, r_v = self.groups[self.layers[0]][0].r_k, self.groups[self.layers[0]][0].r_v
+            empty = torch.zeros(B, H, 0, dtype=torch.int64, device=self.device)
+            return Gathered(torch.zeros(B, H, 0, r_k, device=self.device), torch.zeros(B, H, 0, r_v,
+                            device=self.device), empty - 1, empty.float(), empty, empty)
+        side = torch.cat([torch.full((B, H, p[4].shape[1]), p[0], dtype=torch.int64, device=self.device)
+                          for p in parts], dim=2)
+        slot = torch.cat([p[8].expand(B, H, -1) for p in parts], dim=2)
+        return Gathered(keys=cat(4), values=cat(5), pos=cat(7), score=cat(6), side=side, slot=slot)
+
     # ------------------------------------------------------------------------------------------------- accounting
 
     def bytes_in_use(self) -> int:
@@ -385,4 +427,5 @@ class CompressedStore:
         """Return every page to the free list (the batch finished); returns the number of pages freed."""
         freed = self.arena.free_slots(torch.arange(self.batch, device=self.device))
         self.fill.zero_()
+        self.holes.zero_()
         return freed
