@@ -8,7 +8,8 @@ Tensors (L layers, H KV heads, d head dim):
     v.basis      [L, H, d, d] float32  V basis B; columns orthonormal, by descending spectrum
     v.spectrum   [L, H, d]    float32
     v.rank       [L, H]       int32    V is cached as V @ B[:, :rank]
-    + optional tensors in OPTIONAL_TENSORS (written by later calibration stages)
+    k.absmax     [L, H]       float32  optional: max |K| (post-RoPE) per head on calibration text
+    v.absmax     [L, H]       float32  optional: max |V| per head on calibration text
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
@@ -44,7 +45,11 @@ REQUIRED_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     "v.spectrum": (("L", "H", "d"), torch.float32),
     "v.rank": (("L", "H"), torch.int32),
 }
-OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {}
+OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
+    # largest |K| (post-RoPE) and |V| element per (layer, KV head) on calibration text: FP8 scales for `kvcal export`
+    "k.absmax": (("L", "H"), torch.float32),
+    "v.absmax": (("L", "H"), torch.float32),
+}
 _FIELDS = {name: name.replace(".", "_") for name in REQUIRED_TENSORS}
 
 

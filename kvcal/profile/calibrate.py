@@ -234,6 +234,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis=v_basis.float(), v_spectrum=v_spectrum.float(), v_rank=v_rank,
         qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
         calibration=calibration,
+        extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone()},
     )
     summary = {
         "bundle": str(out),

@@ -61,7 +61,8 @@ class GramCollector:
     """Streaming float64 Gram matrices per (layer, KV head).
 
     kk [L, H, d, d]: sum of k k^T over key rows;  qq [L, H, d, d]: sum of q q^T over the rows of every query head of
-    the group;  vv [L, H, d, d]: sum of v v^T;  rows [L]: token rows seen per layer (per KV head).
+    the group;  vv [L, H, d, d]: sum of v v^T;  rows [L]: token rows seen per layer (per KV head);
+    k_absmax, v_absmax [L, H]: largest |element| of K (post-RoPE) and V, for FP8 scales (kvcal export).
     """
 
     def __init__(self, adapter: ModelAdapter):
@@ -70,6 +71,8 @@ class GramCollector:
         self.qq = torch.zeros(L, H, d, d, dtype=torch.float64)
         self.vv = torch.zeros(L, H, d, d, dtype=torch.float64)
         self.rows = torch.zeros(L, dtype=torch.int64)
+        self.k_absmax = torch.zeros(L, H, dtype=torch.float32)
+        self.v_absmax = torch.zeros(L, H, dtype=torch.float32)
         self.group = adapter.group_size
 
     @torch.no_grad()
@@ -82,10 +85,14 @@ class GramCollector:
         self.qq[layer] += torch.einsum("bhgsd,bhgse->hde", q, q)
         self.vv[layer] += torch.einsum("bhsd,bhse->hde", v, v)
         self.rows[layer] += B * S
+        k_max, v_max = (t.detach().abs().amax(dim=(0, 2, 3)).float().cpu() for t in (key, value))
+        self.k_absmax[layer] = torch.maximum(self.k_absmax[layer], k_max)
+        self.v_absmax[layer] = torch.maximum(self.v_absmax[layer], v_max)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"kk": self.kk, "qq": self.qq, "vv": self.vv, "rows": self.rows}
+        return {"kk": self.kk, "qq": self.qq, "vv": self.vv, "rows": self.rows, "k_absmax": self.k_absmax,
+                "v_absmax": self.v_absmax}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name in ("kk", "qq", "vv", "rows"):
+        for name in ("kk", "qq", "vv", "rows", "k_absmax", "v_absmax"):
             getattr(self, name).copy_(state[name])
