@@ -212,3 +212,39 @@ def test_ragged_ranks_per_head():
     kv: CompressedKV = cache.kv
     assert [len(kv.store.groups[layer]) for layer in kv.layers] == [2, 2]
     assert kv.rotation[0].shape == (2, 16, 16) and (kv.rotation[0][1, :, 8:] == 0).all()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_probe_replay_equals_full_run(model_type):
+    """DecodeProbe (recorded prefill, replayed writes) gives the same logits as running the prefill per setting."""
+    from kvcal.profile.quality import DecodeProbe
+
+    model, tok = make_model(model_type)
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(70, seed=5), random_text(70, seed=6)], return_tensors="pt").input_ids
+    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), policy=TokenPolicy(window=4, alpha_high=1.6,
+                                                                                alpha_low=1.1))
+    probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:])
+    replayed = probe.measure(cfg)
+    full = decode_fidelity(model, ids[:, :40], ids[:, 40:], lambda: KvcalCache.from_bundle(bundle, model, cfg))
+    assert replayed.top1 == full.top1 and abs(replayed.kl - full.kl) < 1e-6
+    assert replayed.memory == full.memory and replayed.tiers == full.tiers
+
+
+def test_per_channel_low_tier_seals_pages_in_prefill_and_decode():
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(90, seed=7)], return_tensors="pt").input_ids
+    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), page_bytes=256,
+                            policy=TokenPolicy(window=4, alpha_high=2.0, alpha_low=0.9))
+    cache = KvcalCache.from_bundle(bundle, model, cfg)
+    with torch.no_grad():
+        model(input_ids=ids[:, :50], past_key_values=cache, use_cache=True)
+        T_low = cache.kv.store.groups[0][0].layouts[LOW].tokens
+        after_prefill = cache.kv.store.fill[:, :, :, LOW].clone()
+        for t in range(50, 89):
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        cache_tokens = cache.kv.store.fill[:, :, :, LOW]
+    assert int(after_prefill.sum()) > 0 and bool((after_prefill % T_low == 0).all())   # whole pages only
+    assert bool((cache_tokens > after_prefill).any())                                   # sealed during decode too
+    assert bool((cache_tokens % T_low == 0).all())

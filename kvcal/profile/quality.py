@@ -49,40 +49,91 @@ def dense_logits(model, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-@torch.inference_mode()
-def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
-                    make_cache: Callable[[], object]) -> Fidelity:
-    """prompt [B, P], continuation [B, M + 1] token ids; `make_cache()` returns a fresh cache (KvcalCache or
-    DynamicCache). Scores M predictions per sequence."""
-    B, P = prompt.shape
-    M = continuation.shape[1] - 1
-    ids = torch.cat([prompt, continuation], dim=1)
-    ref = dense_logits(model, ids[:, :P + M])[:, P:P + M]                     # predicts continuation[1:]
-    cache = make_cache()
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    kv = getattr(cache, "kv", None)
-    page_s0 = kv.store.page_seconds if kv is not None else 0.0
+def _teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Feed continuation[:, :-1] one token per step through `cache`: logits [B, M, vocab] float32, seconds."""
     steps = []
     t0 = time.perf_counter()
-    for t in range(M):
+    for t in range(continuation.shape[1] - 1):
         out = model(input_ids=continuation[:, t:t + 1], past_key_values=cache, use_cache=True)
         steps.append(out.logits[:, -1].float())
-    seconds = time.perf_counter() - t0
-    got = torch.stack(steps, dim=1)                                              # [B, M, vocab]
-    target = continuation[:, 1:]
+    return torch.stack(steps, dim=1), time.perf_counter() - t0
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
+             cache=None) -> Fidelity:
+    """Metrics of logits `got` against `ref` (both [B, M, vocab]) for true next tokens `target` [B, M]."""
+    B, M = target.shape
     logp_ref, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
     kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
     nll_ref = -logp_ref.gather(-1, target[..., None]).mean().item()
     nll = -logp.gather(-1, target[..., None]).mean().item()
     result = Fidelity(kl=kl, top1=(ref.argmax(-1) == got.argmax(-1)).float().mean().item(), ppl=math.exp(nll),
                       ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
-                      prompt_tokens=P, decode_ms_per_step=1000 * seconds / max(M, 1))
-    if kv is not None:
+                      prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1))
+    if getattr(cache, "kv", None) is not None:
         result.memory = cache.memory()
         result.tiers = tier_fractions(cache)
+    return result
+
+
+@torch.inference_mode()
+def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
+                    make_cache: Callable[[], object]) -> Fidelity:
+    """prompt [B, P], continuation [B, M + 1] token ids; `make_cache()` returns a fresh cache (KvcalCache or
+    DynamicCache). Scores M predictions per sequence."""
+    P, M = prompt.shape[1], continuation.shape[1] - 1
+    ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M])[:, P:P + M]
+    cache = make_cache()
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = getattr(cache, "kv", None)
+    page_s0 = kv.store.page_seconds if kv is not None else 0.0
+    got, seconds = _teacher_force(model, cache, continuation)
+    result = _compare(ref, got, continuation[:, 1:], P, seconds, cache)
+    if kv is not None:
         result.page_ms_per_step = 1000 * (kv.store.page_seconds - page_s0) / max(M, 1)
         cache.release()
     return result
+
+
+class DecodeProbe:
+    """`decode_fidelity` for many compression settings on the same inputs, paying the shared work once.
+
+    The dense reference logits and the prefill attention do not depend on the settings, so both run once here; each
+    `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
+    write_prefill`) and teacher-forces the continuation through it. Results equal `decode_fidelity` with the same
+    cache settings.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor):
+        from kvcal.runtime.cache import CompressionConfig
+        from kvcal.runtime.hf import KvcalCache
+
+        self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation
+        P, M = prompt.shape[1], continuation.shape[1] - 1
+        self.ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M])[:, P:P + M]
+        recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
+        recording.record = True
+        model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
+        self.records = dict(recording.kv.recorder)
+        for i, layer in enumerate(recording.layers):
+            if recording.sliding[i]:
+                self.records[i] = (layer.keys, layer.values, layer.cumulative_length)
+        recording.release()
+
+    @torch.inference_mode()
+    def measure(self, config, bundle=None) -> Fidelity:
+        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle)."""
+        from kvcal.runtime.hf import KvcalCache
+
+        cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config)
+        cache.prime(self.records)
+        page_s0 = cache.kv.store.page_seconds
+        got, seconds = _teacher_force(self.model, cache, self.continuation)
+        result = _compare(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
+        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
+        cache.release()
+        return result
 
 
 def tier_fractions(cache) -> dict[str, float]:

@@ -84,6 +84,7 @@ class CompressedKV:
         self.backend = select_backend(config.backend, str(self.device))
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
 
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
@@ -115,14 +116,27 @@ class CompressedKV:
         real = pad if pad is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]   # [B, n, n]
         out, score = self.backend.prefill(q.float(), key.float(), value.float(), mask, scale)
+        if self.recorder is not None:
+            self.recorder[layer] = (key.float(), value.float(), score, real)
+        self.write_prefill(layer, key, value, score, real)
+        return out
+
+    def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor,
+                      real: torch.Tensor) -> None:
+        """Tier and write a prompt whose dense prefill attention already ran: key, value [B, H, n, d] post-RoPE;
+        score [B, H, n] significance from that attention; real bool [B, n] non-padding tokens.
+
+        Split from `_prefill` because the prefill attention does not depend on the compression settings: a search
+        over settings runs it once, records (key, value, score, real) through `recorder`, and replays the writes.
+        """
+        B, H, n, _ = key.shape
         self.n_pad = (~real).sum(-1).to(self.device)
         self.length[layer] = n
-        pos = torch.where(real, torch.arange(n, device=q.device), -1)[:, None, :].expand(B, H, n)    # [B, H, n]
+        pos = torch.where(real, torch.arange(n, device=key.device), -1)[:, None, :].expand(B, H, n)   # [B, H, n]
         length = torch.full((B,), n, device=self.device)
         tier = classify_prompt(self.config.policy, score, pos, self.n_pad, length)
         k_rot, v_proj = self._project(layer, key, value)
         self._write_prompt(layer, tier, k_rot, v_proj, pos, score, length)
-        return out
 
     def _write_prompt(self, layer, tier, k_rot, v_proj, pos, score, length):
         store = self.store
@@ -142,7 +156,8 @@ class CompressedKV:
             hs = g.heads
             is_low = tier[:, hs] == T_LOW                                               # [B, Hg, n]
             n_pages = is_low.sum(-1) // T                                               # [B, Hg]
-            if not bool((n_pages > 0).any()):
+            if not bool((n_pages > 0).any()):                 # no full page yet: every low token waits high
+                tier[:, hs] = torch.where(is_low, torch.full_like(tier[:, hs], T_HIGH), tier[:, hs])
                 continue
             # rank low tokens by significance, least first
             key = torch.where(is_low, m[:, hs], torch.full_like(m[:, hs], float("inf")))

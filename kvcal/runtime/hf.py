@@ -111,6 +111,7 @@ class KvcalCache(Cache):
     def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None):
         self.bundle, self.config = bundle, config
         self.kv: CompressedKV | None = None
+        self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV)
         self.sliding = [t == "sliding_attention" for t in layer_types]
         layers = [DynamicSlidingWindowLayer(sliding_window) if s else KvcalLayer(self, i)
                   for i, s in enumerate(self.sliding)]
@@ -129,11 +130,28 @@ class KvcalCache(Cache):
             config = CompressionConfig.from_policy(bundle.policy)
         return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window)
 
+    def prime(self, records: dict) -> None:
+        """Fill an empty cache with a recorded prefill instead of running it: `records` maps each layer to
+        (key, value, score, real) for compressed layers (CompressedKV.recorder) or, for sliding layers, the kept
+        window (key, value) and the number of tokens seen."""
+        for i, layer in enumerate(self.layers):
+            if self.sliding[i]:
+                keys, values, seen = records[i]
+                layer.update(keys, values)
+                layer.cumulative_length = seen
+            else:
+                key, value, score, real = records[i]
+                layer.lazy_initialization(key, value)
+                layer.seen = key.shape[-2]
+                self.kv.write_prefill(i, key, value, score, real)
+
     def _ensure_kv(self, key_states: torch.Tensor) -> None:
         if self.kv is None:
             raw16 = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
             self.kv = CompressedKV.from_bundle(self.bundle, self.config, batch=key_states.shape[0],
                                                sliding=self.sliding, device=key_states.device, raw16=raw16)
+            if self.record:
+                self.kv.recorder = {}
 
     # --------------------------------------------------------------------------------------------- accounting
 
