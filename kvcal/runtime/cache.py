@@ -35,6 +35,7 @@ class CompressionConfig:
     policy: TokenPolicy = field(default_factory=TokenPolicy)
     use_ranks: bool = True        # False: store full rank even if the bundle has lower ranks
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
+    mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see _mixing)
     page_bytes: int | None = None  # None: 32 full-rank high-tier tokens per page
     backend: str = "auto"
 
@@ -53,6 +54,21 @@ class CompressionConfig:
 
     def with_(self, **changes) -> CompressionConfig:
         return replace(self, **changes)
+
+
+def _mixing(width: int, rank: int) -> torch.Tensor:
+    """[width, width] orthogonal on the first `rank` coordinates (identity elsewhere), seeded by `rank` alone.
+
+    R and B sort coordinates by energy, so the first few carry most of it; a per-token quantizer then spends its range
+    on them and rounds the rest to nothing. A fixed random rotation inside the kept subspace spreads the energy evenly
+    (the incoherence step of QuaRot/QuIP) and changes no dot product: (q R M)(k R M)^T = (q R)(k R)^T for orthogonal
+    M, and the value output maps back through (B M)^T. Deterministic, so a bundle always serves the same way.
+    """
+    g = torch.Generator().manual_seed(rank)
+    q, r = torch.linalg.qr(torch.randn(rank, rank, generator=g, dtype=torch.float64))
+    m = torch.eye(width, dtype=torch.float64)
+    m[:rank, :rank] = q * torch.sign(torch.diagonal(r))        # sign fix: a unique Haar-distributed orthogonal
+    return m.float()
 
 
 class CompressedKV:
@@ -77,8 +93,12 @@ class CompressedKV:
             rk, rv = int(rank_k[layer].max()), int(rank_v[layer].max())
             keep_k = (cols[None, :] < rank_k[layer, :, None]).float()[:, None, :]         # [H, 1, d]
             keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
-            self.rotation[layer] = (rotation[layer].float() * keep_k)[..., :rk].to(self.device)  # [H, d, rk]
-            self.basis[layer] = (basis[layer].float() * keep_v)[..., :rv].to(self.device)        # [H, d, rv]
+            R = (rotation[layer].float() * keep_k)[..., :rk]                               # [H, d, rk]
+            Bv = (basis[layer].float() * keep_v)[..., :rv]                                 # [H, d, rv]
+            if config.mix and config.rotate:
+                R = torch.stack([R[h] @ _mixing(rk, int(rank_k[layer, h])) for h in range(H)])
+                Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
+            self.rotation[layer], self.basis[layer] = R.to(self.device), Bv.to(self.device)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_bytes, raw16=raw16)
         self.backend = select_backend(config.backend, str(self.device))
