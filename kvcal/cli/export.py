@@ -1,8 +1,90 @@
-"""`kvcal export` (not built yet)."""
+"""`kvcal export BUNDLE`: write a bundle in forms other serving stacks read (docs/export.md).
 
-from kvcal.cli._options import fail
+    kvcal export smollm2-135m.kvcal.safetensors --format vllm-fp8 --model smollm2-135m --out fp8-scales
+    kvcal export smollm2-135m.kvcal.safetensors --format vllm-fp8 --strategy head --with-weights --out smollm2-fp8kv
+    kvcal export smollm2-135m.kvcal.safetensors --format manifest --out smollm2-manifest --json
+    kvcal export smollm2-135m.kvcal.safetensors --format hf-lowrank-v --model smollm2-135m --out smollm2-lowrank-v
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
+from kvcal.export import DEFAULT_MARGIN
 
 
-def export() -> None:
-    """Not built yet: will write a bundle in forms other serving stacks read."""
-    raise fail("`kvcal export` is not built yet (tracked as issue 6); nothing was written", code=2)
+class ExportFormat(StrEnum):
+    vllm_fp8 = "vllm-fp8"
+    manifest = "manifest"
+    hf_lowrank_v = "hf-lowrank-v"
+
+
+class Strategy(StrEnum):
+    tensor = "tensor"
+    head = "head"
+
+
+def export(
+    bundle: BundleArg,
+    fmt: Annotated[ExportFormat, typer.Option("--format", "-f", help="vllm-fp8: FP8 KV-cache scales for vLLM; "
+                                                 "manifest: bases + page layout for custom runtimes; hf-lowrank-v: "
+                                                 "V's rank truncation folded into a transformers checkpoint.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (written atomically).")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="The bundle's model (packaged name, .gguf or "
+                                              "HF folder); required except for manifest, where it adds a check.")]
+    = None,
+    strategy: Annotated[Strategy, typer.Option(help="vllm-fp8: one scale per layer (tensor) or per KV head (head, "
+                                               "vLLM's Flash Attention backend only).")] = Strategy.tensor,
+    margin: Annotated[float, typer.Option(help="vllm-fp8: scale = margin * calibration max / 448.")] = DEFAULT_MARGIN,
+    with_weights: Annotated[bool, typer.Option("--with-weights", help="vllm-fp8: write a complete model folder "
+                                               "(weights hard-linked) that `vllm serve` loads as is.")] = False,
+    dtype: Annotated[str, typer.Option(help="hf-lowrank-v: dtype to load and save the model in.")] = "bfloat16",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out folder.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Export a bundle for vLLM (FP8 scales), for custom runtimes (manifest), or as a folded transformers checkpoint."""
+    from kvcal.bundle import BundleError, load_bundle
+    from kvcal.export import export_hf_lowrank_v, export_manifest, export_vllm_fp8
+
+    try:
+        if model is None and fmt is not ExportFormat.manifest:
+            raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
+        b = load_bundle(bundle)
+        if fmt is ExportFormat.vllm_fp8:
+            result = export_vllm_fp8(b, model, out, strategy=strategy.value, margin=margin, with_weights=with_weights,
+                                     overwrite=overwrite)
+        elif fmt is ExportFormat.manifest:
+            result = export_manifest(b, out, model=model, overwrite=overwrite)
+        else:
+            result = export_hf_lowrank_v(b, model, out, dtype=dtype, overwrite=overwrite)
+    except (BundleError, ValueError, TypeError, OSError) as e:
+        raise fail(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if json_out:
+        print(json.dumps({"format": result.format, "out": str(result.out), "files": result.files,
+                          "summary": result.summary}, indent=2, default=str))
+        return
+    t = Table(title=f"kvcal export {result.format}: {b.model.name}", show_header=False)
+    t.add_row("out", str(result.out))
+    t.add_row("files", ", ".join(result.files) if len(result.files) <= 8 else f"{len(result.files)} files")
+    s = result.summary
+    if result.format == "vllm-fp8":
+        t.add_row("scheme", f"compressed-tensors kv_cache_scheme, strategy {s['strategy']}, margin {s['margin']}")
+        t.add_row("k_scale", f"{s['k_scale_range'][0]:.3g} .. {s['k_scale_range'][1]:.3g}")
+        t.add_row("v_scale", f"{s['v_scale_range'][0]:.3g} .. {s['v_scale_range'][1]:.3g}")
+        t.add_row("use", f"vllm serve {result.out} --kv-cache-dtype fp8" if s["with_weights"] else
+                  "merge into the model folder (docs/export.md), then --kv-cache-dtype fp8")
+    elif result.format == "manifest":
+        c = s["config"]
+        t.add_row("tiers", f"high {c['high']['name']}, low {c['low']['name']}, pages of {c['page_bytes']} B")
+        t.add_row("compressed layers", str(s["compressed_layers"]))
+    else:
+        t.add_row("folded layers", ", ".join(map(str, s["folded_layers"])) or "none")
+        t.add_row("use", f"AutoModelForCausalLM.from_pretrained('{result.out}')")
+    stdout.print(t)
