@@ -1,0 +1,193 @@
+"""Calibration by quality: choose tiers, key mode and ranks by measured decode fidelity (DiffKV §7.1, FDC §5.2).
+
+Every candidate is measured with the serving runtime itself (`DecodeProbe`: the runtime's write path and decode
+path on held-out calibration text), so what the search accepts is what users get. A candidate is feasible when it
+meets the `QualityTarget` (top-1 agreement and continuation-perplexity ratio against dense). Among feasible
+candidates the search keeps the one with the fewest KV bytes per token, as measured in the page arena.
+
+Stages, each starting from the previous stage's choice; every measured point is kept in `SearchResult.path`:
+
+1. precision: the high tier, K8V4, or K8V8 if K8V4 misses the target;
+2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), alpha_high over {1, ..., 5} with no
+   pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
+   ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
+   the grid follows the data rather than the paper;
+3. ranks: binary search on the FDC removal rate for QK, then for V, kept only if bytes drop.
+
+Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
+and binary search valid; the path records every point, so a reader can check that assumption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcal.profile.ranks import rank_from_removal_rate
+from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policy import TokenPolicy
+
+logger = logging.getLogger(__name__)
+
+ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
+ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+LOW_TIERS = ("K4cV2", "K4V2")
+
+
+@dataclass(frozen=True)
+class QualityTarget:
+    top1: float = 0.97          # top-1 agreement with dense on held-out calibration text
+    ppl_ratio: float = 1.02     # continuation perplexity / dense perplexity
+
+    def met(self, point: Point) -> bool:
+        return point.top1 >= self.top1 and point.ppl_ratio <= self.ppl_ratio
+
+
+@dataclass
+class Point:
+    """One measured candidate."""
+
+    stage: str
+    label: str
+    settings: dict             # everything needed to rebuild the candidate (tiers, alphas, removal rates)
+    bytes_ratio: float         # KV bytes held / fp16 dense bytes of the same tokens
+    top1: float
+    kl: float
+    ppl_ratio: float
+    tiers: dict
+    feasible: bool
+    seconds: float
+
+
+@dataclass
+class SearchResult:
+    config: CompressionConfig
+    qk_rank: torch.Tensor
+    v_rank: torch.Tensor
+    chosen: Point
+    path: list[Point] = field(default_factory=list)
+
+
+def largest_feasible(feasible: Callable[[float], bool], lo: float, hi: float, iters: int) -> float:
+    """Largest x in [lo, hi] with feasible(x), for a feasibility that holds below some threshold and fails above it.
+    `lo` is taken as feasible; `hi` is tried first; then `iters` bisection steps."""
+    if feasible(hi):
+        return hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def cheapest(points: list[Point]) -> Point | None:
+    """The feasible point with the fewest bytes (ties: the earlier, i.e. less aggressive, one)."""
+    ok = [p for p in points if p.feasible]
+    return min(ok, key=lambda p: p.bytes_ratio) if ok else None
+
+
+def config_for(settings: dict) -> CompressionConfig:
+    policy = TokenPolicy(alpha_high=settings.get("alpha_high"), alpha_low=settings.get("alpha_low", 0.0),
+                         window=settings.get("window", 64), threshold_base=settings.get("threshold_base", "length"))
+    return CompressionConfig(high=TierFormat.parse(settings["high"]), low=TierFormat.parse(settings["low"]),
+                             policy=policy, use_ranks=True)
+
+
+class Search:
+    """Runs the stages against a `DecodeProbe` (see module docstring)."""
+
+    def __init__(self, probe, bundle, target: QualityTarget, *, rank_iters: int = 4, max_removal_rate: float = 0.3,
+                 report: Callable[[Point], None] | None = None):
+        self.probe, self.bundle, self.target = probe, bundle, target
+        self.rank_iters, self.max_removal_rate = rank_iters, max_removal_rate
+        self.report = report
+        self.path: list[Point] = []
+
+    def measure(self, stage: str, label: str, settings: dict) -> Point:
+        t0 = time.perf_counter()
+        bundle = dataclasses.replace(
+            self.bundle,
+            qk_rank=rank_from_removal_rate(self.bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0)),
+            v_rank=rank_from_removal_rate(self.bundle.v_spectrum, settings.get("v_removal_rate", 0.0)))
+        fid = self.probe.measure(config_for(settings), bundle)
+        point = Point(stage=stage, label=label, settings=dict(settings), bytes_ratio=fid.memory["ratio_to_fp16"],
+                      top1=fid.top1, kl=fid.kl, ppl_ratio=fid.ppl_ratio, tiers=fid.tiers, feasible=False,
+                      seconds=round(time.perf_counter() - t0, 2))
+        point.feasible = self.target.met(point)
+        self.path.append(point)
+        if self.report:
+            self.report(point)
+        return point
+
+    # ----------------------------------------------------------------------------------------------------- stages
+
+    def precision(self, base: dict) -> Point:
+        first = self.measure("precision", "K8V4, no tiers", {**base, "high": "K8V4", "alpha_high": None})
+        if first.feasible:
+            return first
+        second = self.measure("precision", "K8V8, no tiers", {**base, "high": "K8V8", "alpha_high": None})
+        return second if second.feasible else first
+
+    def tiers(self, base: dict) -> Point:
+        best = []
+        for low in LOW_TIERS:
+            chosen = None
+            for a_h in ALPHA_HIGH_GRID:
+                p = self.measure("tiers", f"{base['high']}/{low} a=({a_h:g},0)",
+                                 {**base, "low": low, "alpha_high": a_h, "alpha_low": 0.0})
+                if not p.feasible:
+                    break
+                chosen = p
+            if chosen is None:
+                continue
+            a_h = chosen.settings["alpha_high"]
+            for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
+                p = self.measure("tiers", f"{base['high']}/{low} a=({a_h:g},{a_l:g})",
+                                 {**chosen.settings, "alpha_low": a_l})
+                if not p.feasible:
+                    break
+                chosen = p
+            best.append(chosen)
+        return cheapest(best) if best else None
+
+    def ranks(self, start: Point) -> Point:
+        best = start
+        for key in ("qk_removal_rate", "v_removal_rate"):
+            found: dict[float, Point] = {}
+
+            def feasible(rate: float, key=key, base=best, found=found) -> bool:
+                found[rate] = self.measure("ranks", f"{key.split('_')[0]} removal rate {rate:.3f}",
+                                           {**base.settings, key: rate})
+                return found[rate].feasible
+
+            rate = largest_feasible(feasible, 0.0, self.max_removal_rate, self.rank_iters)
+            if rate > 0 and found[rate].bytes_ratio < best.bytes_ratio:
+                best = found[rate]
+        return best
+
+    def run(self, base: dict) -> SearchResult:
+        """base: starting settings, e.g. {"high": "K8V4", "low": "K4cV2", "window": 64}."""
+        start = self.precision(base)
+        chosen = start if start.feasible else None
+        if start.feasible:
+            tiered = self.tiers(start.settings)
+            if tiered is not None and tiered.bytes_ratio < start.bytes_ratio:
+                chosen = tiered
+            chosen = self.ranks(chosen)
+        if chosen is None:
+            logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",
+                           self.target)
+            chosen = max(self.path, key=lambda p: (p.top1, -p.ppl_ratio))
+        s = chosen.settings
+        return SearchResult(config=config_for(s),
+                            qk_rank=rank_from_removal_rate(self.bundle.qk_spectrum, s.get("qk_removal_rate", 0.0)),
+                            v_rank=rank_from_removal_rate(self.bundle.v_spectrum, s.get("v_removal_rate", 0.0)),
+                            chosen=chosen, path=self.path)
