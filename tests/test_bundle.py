@@ -14,6 +14,7 @@ from kvcal.profile.calibrate import CalibrationConfig, calibrate
 
 
 def _cfg(model_dir, text_file, out, **kw):
+    kw = {"search": False, **kw}
     return CalibrationConfig(model=str(model_dir), out=out, random_tokens=256, text_tokens=256, seq_len=64,
                              dataset=str(text_file), dtype="float32", **kw)
 
@@ -160,3 +161,25 @@ def test_other_families_calibrate(model_type, text_file, tmp_path):
     if model_type == "gemma3_text":
         assert res.bundle.model.layer_types.count("sliding_attention") == 2
         assert a.sliding_window == 16 and a.scaling == 32 ** -0.5
+
+
+def test_calibrate_with_search_writes_a_ready_bundle_and_report(tiny_dir, text_file, tmp_path):
+    """End to end on a tiny model: the search measures points with the runtime, records them, picks a feasible
+    configuration (or says none was), and writes the Markdown/JSON/PNG report beside the bundle."""
+    from kvcal.profile.report import report_paths
+    from kvcal.runtime.cache import CompressionConfig
+
+    out = tmp_path / "searched.kvcal.safetensors"
+    res = calibrate(_cfg(tiny_dir, text_file, out, search=True, search_windows=2, search_prompt=48, search_steps=6,
+                         eval_windows=2, eval_steps=6, window=8, target_top1=0.5, target_ppl_ratio=1.5))
+    b = load_bundle(out)
+    search = b.calibration["search"]
+    assert len(search["path"]) >= 3 and search["chosen"]["settings"] == res.summary["search"]["chosen"]["settings"]
+    assert search["held_out"]["predictions"] == 12
+    assert set(b.policy) >= {"high", "window"}
+    CompressionConfig.from_policy(b.policy)                     # the recorded policy is readable by the runtime
+    paths = report_paths(out)
+    assert all(p.is_file() for p in paths.values())
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "Every point measured" in paths["md"].read_text()
+    assert not (tmp_path / "searched.kvcal.safetensors.ckpt").exists()

@@ -13,7 +13,7 @@ def test_calibrate_then_inspect(tiny_dir, text_file, tmp_path):
     out = tmp_path / "cli.kvcal.safetensors"
     args = ["calibrate", "--model", str(tiny_dir), "--out", str(out), "--random-tokens", "128", "--text-tokens",
             "128", "--seq-len", "64", "--dataset", str(text_file), "--dtype", "float32", "--removal-rate", "0.2",
-            "--quiet", "--json"]
+            "--quiet", "--json", "--no-search"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
@@ -36,7 +36,7 @@ def test_inspect_refuses_other_model_and_bad_files(tiny_dir, text_file, tmp_path
 
     out = tmp_path / "b.kvcal.safetensors"
     runner.invoke(app, ["calibrate", "--model", str(tiny_dir), "--out", str(out), "--random-tokens", "64",
-                        "--text-tokens", "64", "--seq-len", "64", "--dataset", str(text_file), "-q"])
+                        "--text-tokens", "64", "--seq-len", "64", "--dataset", str(text_file), "-q", "--no-search"])
     other = save_model(tmp_path / "other", "qwen2")
     r = runner.invoke(app, ["inspect", str(out), "--model", str(other)])
     assert r.exit_code == 1 and "calibrate this model" in r.stderr

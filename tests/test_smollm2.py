@@ -24,7 +24,8 @@ def smol(tmp_path_factory):
     except ValueError as e:
         pytest.skip(f"smollm2-135m unavailable: {e}")
     out = tmp_path_factory.mktemp("smol") / "b.safetensors"
-    res = calibrate(CalibrationConfig(random_tokens=2048, text_tokens=2048, out=out, dtype="float32"), lm=lm)
+    res = calibrate(CalibrationConfig(random_tokens=2048, text_tokens=2048, out=out, dtype="float32", search=False),
+                    lm=lm)
     return lm, res.bundle
 
 

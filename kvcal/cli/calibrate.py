@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +42,13 @@ def calibrate(
     dtype: Annotated[str, typer.Option(help="Model dtype: bfloat16, float32 or float16.")] = "bfloat16",
     device_map: Annotated[str | None, typer.Option(help="Passed to transformers (e.g. auto) for big models.")] = None,
     max_memory: Annotated[str | None, typer.Option(help="Per-device caps for device_map, e.g. cpu=2GiB.")] = None,
+    search: Annotated[bool, typer.Option("--search/--no-search", help="Choose tiers and ranks by measured quality "
+                                         "(writes a report); --no-search writes statistics only.")] = True,
+    target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")] = 0.97,
+    target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")] = 1.02,
+    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 4,
+    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 1024,
+    search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -52,7 +60,10 @@ def calibrate(
                                 seq_len=seq_len, max_position=max_position, dataset=dataset,
                                 removal_rate=removal_rate, qk_source=qk_source, qk_weighting=qk_weighting,
                                 v_source=v_source, dtype=dtype, device_map=device_map,
-                                max_memory=parse_max_memory(max_memory))
+                                max_memory=parse_max_memory(max_memory), search=search, target_top1=target_top1,
+                                target_ppl_ratio=target_ppl_ratio, search_windows=search_windows,
+                                search_prompt=search_prompt, search_steps=search_steps,
+                                command=" ".join(["kvcal", *sys.argv[1:]]))
         bars = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr,
                         disable=quiet, transient=False)
@@ -81,8 +92,8 @@ def calibrate(
         return
     t = Table(title=f"kvcal calibrate: {s['model']}", show_header=False)
     t.add_row("bundle", s["bundle"])
-    t.add_row("wall time",
-              f"{s['wall_seconds']:.1f} s (load {s['load_seconds']:.1f} s, passes {s['pass_seconds']:.1f} s)")
+    t.add_row("wall time", f"{s['wall_seconds']:.1f} s (load {s['load_seconds']:.1f} s, passes "
+                           f"{s['pass_seconds']:.1f} s, search {s['search_seconds']:.1f} s)")
     t.add_row("tokens", f"{s['tokens']['random']} random + {s['tokens']['text']} text")
     t.add_row("peak RSS", f"{s['peak_rss_mib']:.0f} MiB")
     for kind in ("qk", "v"):
@@ -91,4 +102,16 @@ def calibrate(
     ti = s["token_independence"]
     t.add_row("token independence", f"δ̄/ε̄ = {ti['ratio']:.3%} (δ̄ {ti['delta']:.2e}, ε̄ {ti['epsilon']:.2e}); "
                                     f"subspace overlap d/2 {ti['overlap_half']:.3f}")
+    if "search" in s:
+        c = s["search"]["chosen"]
+        t.add_row("chosen", f"{json.dumps(c['settings'], sort_keys=True)}")
+        t.add_row("search windows", f"{c['bytes_ratio']:.3f} of fp16 bytes ({1 / c['bytes_ratio']:.2f}x), top-1 "
+                                    f"{c['top1']:.3f}, ppl ratio {c['ppl_ratio']:.3f}")
+        h = s["search"]["held_out"]
+        t.add_row("held-out text", f"{h['bytes_ratio']:.3f} of fp16 bytes, top-1 {h['top1']:.3f}, ppl ratio "
+                                   f"{h['ppl_ratio']:.3f} ({h['predictions']} predictions)")
+        for name, p in s["search"]["families"].items():
+            t.add_row(name, "none met the target" if p is None else f"{p['bytes_ratio']:.3f} of fp16 bytes "
+                            f"({p['label']})")
+        t.add_row("report", s["report"]["md"])
     stdout.print(t)

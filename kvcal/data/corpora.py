@@ -6,8 +6,9 @@ manual text, always present). `default` mixes ShareGPT, GSM8K and CHAMP, or fall
 the data packages are not installed. User files: `.txt` (one document per file) or `.jsonl` (one document per line,
 from a `text` field).
 
-Every document belongs to exactly one split, decided by a hash of its text (1 in 10 goes to `eval`), so evaluation
-text is disjoint from calibration text whatever the seeds and window counts.
+Every document belongs to exactly one split, decided by a hash of its text: 1 in 10 goes to `eval` (reports), 1 in 10
+to `search` (the quality searches during calibration), the rest to `calib` (statistics). Evaluation text is therefore
+disjoint from everything calibration saw, whatever the seeds and window counts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-EVAL_ONE_IN = 10          # 10% of documents are held out for evaluation
+SPLITS = ("calib", "search", "eval")
 _MAX_DOCS_PER_SOURCE = 3000  # enough text for any sensible calibration; keeps loading to about a second
 
 
@@ -39,7 +40,8 @@ class Corpus:
 
 
 def _split_of(text: str) -> str:
-    return "eval" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % EVAL_ONE_IN == 0 else "calib"
+    bucket = int(hashlib.sha1(text.encode()).hexdigest(), 16) % 10
+    return "eval" if bucket == 0 else "search" if bucket == 1 else "calib"
 
 
 def _sharegpt() -> list[str]:
@@ -98,9 +100,21 @@ def _interleave(groups: list[list[str]]) -> list[str]:
     return out
 
 
+def _chunks(text: str, size: int = 4000) -> list[str]:
+    """A long text as paragraph-aligned pieces of about `size` characters, so even one big .txt file has documents
+    in every split."""
+    out, cur = [], ""
+    for para in text.split("\n\n"):
+        cur = f"{cur}\n\n{para}" if cur else para
+        if len(cur) >= size:
+            out.append(cur)
+            cur = ""
+    return out + ([cur] if cur.strip() else [])
+
+
 def _user_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        return _chunks(path.read_text(encoding="utf-8", errors="replace"))
     if path.suffix == ".jsonl":
         docs = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -119,10 +133,10 @@ def _user_file(path: Path, text_field: str) -> list[str]:
 
 
 def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str = "text") -> Corpus:
-    """Documents of one split ('calib' or 'eval') of a packaged corpus name, a comma list of them, or user files
-    (a path to a .txt/.jsonl file or a folder of them)."""
-    if split not in ("calib", "eval", "all"):
-        raise ValueError(f"split `{split}` must be calib, eval or all")
+    """Documents of one split ('calib', 'search', 'eval' or 'all') of a packaged corpus name, a comma list of them, or
+    user files (a path to a .txt/.jsonl file or a folder of them)."""
+    if split not in (*SPLITS, "all"):
+        raise ValueError(f"split `{split}` must be one of {', '.join(SPLITS)}, all")
     path = Path(spec).expanduser()
     if path.exists():
         files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path]

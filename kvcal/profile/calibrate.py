@@ -57,6 +57,16 @@ class CalibrationConfig:
     dtype: str = "bfloat16"
     device_map: str | None = None
     max_memory: dict | None = None
+    command: str | None = None          # the command line, recorded in the report
+    search: bool = True                 # False: statistics only (full ranks, default runtime policy)
+    target_top1: float = 0.97           # quality target of the searches (vs dense, held-out calibration text)
+    target_ppl_ratio: float = 1.02
+    search_windows: int = 4             # windows of held-out calibration text per measured point
+    search_prompt: int = 1024           # prompt tokens per window
+    search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
+    eval_windows: int = 4               # final check of the chosen configuration on evaluation text
+    eval_steps: int = 64
+    window: int = 64                    # recent tokens always at high precision (DiffKV W)
 
     def __post_init__(self):
         if self.qk_source not in QK_SOURCES:
@@ -69,6 +79,9 @@ class CalibrationConfig:
             raise ValueError(f"`--removal-rate {self.removal_rate}` must be in [0, 1)")
         if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
             raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
+        if not (0 < self.target_top1 <= 1 and self.target_ppl_ratio >= 1):
+            raise ValueError(f"quality target needs 0 < top-1 <= 1 and perplexity ratio >= 1 (got "
+                             f"{self.target_top1}, {self.target_ppl_ratio})")
 
 
 @dataclass
@@ -115,6 +128,24 @@ class Checkpoint:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def load_search(self) -> dict:
+        """Measured search points of an interrupted run (settings key -> Point)."""
+        from kvcal.profile.search import Point
+
+        path = self.folder / "search.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: Point(**v) for k, v in data.get("points", {}).items()} if data.get("key") == self.key else {}
+
+    def save_search(self, memo: dict) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / "search.json"
+        tmp = path.with_name(f".search.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": self.key, "points": {k: asdict(p) for k, p in memo.items()}}))
+        os.replace(tmp, path)
 
     def clear(self) -> None:
         if self.folder.is_dir():
@@ -235,25 +266,115 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
         calibration=calibration,
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone()},
+        policy={"window": cfg.window},
     )
+    report = None
+    t_search = time.perf_counter()
+    if cfg.search:
+        search_key = key + json.dumps([cfg.search_windows, cfg.search_prompt, cfg.search_steps, cfg.window])
+        report = run_search(lm, bundle, cfg, Checkpoint(checkpoint.folder, hashlib.sha256(
+            search_key.encode()).hexdigest()[:16]), say)
+        qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
+    search_seconds = time.perf_counter() - t_search
     summary = {
         "bundle": str(out),
         "model": lm.name,
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "load_seconds": round(lm.load_seconds, 2),
         "pass_seconds": round(pass_seconds, 2),
+        "search_seconds": round(search_seconds, 2),
         "tokens": {"random": int(random_ids.numel()), "text": int(text_ids.numel())},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "ranks": {"qk": _histogram(qk_rank, a.head_dim), "v": _histogram(v_rank, a.head_dim)},
         "energy_kept": {"qk": energy_kept(qk_spectrum, qk_rank).mean().item(),
                         "v": energy_kept(v_spectrum, v_rank).mean().item()},
         "token_independence": independence,
+        "policy": bundle.policy,
     }
+    if report is not None:
+        summary["search"] = {"chosen": report["search"]["chosen"], "families": report["search"]["families"],
+                             "held_out": _brief(report.get("held_out")), "points": len(report["search"]["path"])}
     bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
-                                                             "peak_rss_mib")}
+                                                             "search_seconds", "peak_rss_mib")}
     save_bundle(bundle, out)
+    if report is not None:
+        from kvcal.profile.report import write_report
+
+        report.update(model=lm.name, bundle=str(out), created=bundle.created or bundle.calibration.get("created", ""),
+                      kvcal_version=_version(), command=cfg.command or "kvcal calibrate",
+                      provenance={k: v for k, v in bundle.calibration.items() if k != "search"})
+        summary["report"] = {k: str(v) for k, v in write_report(out, report).items()}
     checkpoint.clear()
     return CalibrationResult(bundle, out, summary)
+
+
+def _version() -> str:
+    from kvcal import __version__
+
+    return __version__
+
+
+def _brief(fid: dict | None) -> dict | None:
+    if fid is None:
+        return None
+    return {"bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"], "ppl_ratio": fid["ppl_ratio"],
+            "kl": fid["kl"], "predictions": fid["predictions"]}
+
+
+def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
+               say: Callable[[str], None]) -> dict:
+    """Quality searches (kvcal.profile.search) on held-out calibration text; updates the bundle's ranks, policy and
+    calibration metadata in place and returns the report (all points, families, held-out check)."""
+    from dataclasses import asdict as as_dict
+
+    from kvcal.profile.quality import DecodeProbe
+    from kvcal.profile.search import QualityTarget, Search, cheapest
+
+    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio)
+    P, M = cfg.search_prompt, cfg.search_steps
+    windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
+                            cfg.seed + 1)
+    say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens")
+    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:])
+    memo = checkpoint.load_search()
+
+    def report_point(point) -> None:
+        checkpoint.save_search(search.memo)
+        say(f"  {point.stage:9} {point.label:34} bytes {point.bytes_ratio:.3f}  top-1 {point.top1:.3f}  "
+            f"ppl {point.ppl_ratio:.3f}  {'meets' if point.feasible else 'misses'} ({point.seconds:.0f} s)")
+
+    search = Search(probe, bundle, target, report=report_point, memo=memo)
+    base = {"high": "K8V4", "low": "K4cV2", "window": cfg.window}
+    result = search.run(base)
+    # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
+    tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers")])
+    rank_start = search.measure("family", "K16V16 (fp16 store), full rank", {**base, "high": "K16V16",
+                                                                              "alpha_high": None})
+    rank_only = search.ranks(rank_start) if rank_start.feasible else None
+    rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
+    families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only, "joint (kvcal)": result.chosen}
+
+    bundle.qk_rank, bundle.v_rank = result.qk_rank, result.v_rank
+    bundle.policy = policy_of(result.chosen.settings)
+    say("checking the chosen configuration on evaluation text")
+    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
+                                 P + cfg.eval_steps + 1, cfg.seed + 2)
+    held_out = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:]).measure(result.config)
+    search_meta = {
+        "target": as_dict(target),
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "split": "search"},
+        "chosen": as_dict(result.chosen),
+        "families": {k: as_dict(v) if v else None for k, v in families.items()},
+        "path": [as_dict(p) for p in search.path],
+    }
+    bundle.calibration["search"] = {**search_meta, "held_out": _brief(as_dict(held_out))}
+    return {"search": search_meta, "held_out": as_dict(held_out)}
+
+
+def policy_of(settings: dict) -> dict:
+    """The runtime settings a bundle records (read back by CompressionConfig.from_policy)."""
+    return {k: settings[k] for k in ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base",
+                                     "qk_removal_rate", "v_removal_rate") if k in settings}
 
 
 def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:

@@ -12,7 +12,8 @@ Stages, each starting from the previous stage's choice; every measured point is 
    pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
    ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
    the grid follows the data rather than the paper;
-3. ranks: binary search on the FDC removal rate for QK, then for V, kept only if bytes drop.
+3. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
+   one bisection step; kept only if bytes drop.
 
 Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
 and binary search valid; the path records every point, so a reader can check that assumption.
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 LOW_TIERS = ("K4cV2", "K4V2")
+RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 
 
 @dataclass(frozen=True)
@@ -74,24 +76,37 @@ class SearchResult:
     path: list[Point] = field(default_factory=list)
 
 
-def largest_feasible(feasible: Callable[[float], bool], lo: float, hi: float, iters: int) -> float:
-    """Largest x in [lo, hi] with feasible(x), for a feasibility that holds below some threshold and fails above it.
-    `lo` is taken as feasible; `hi` is tried first; then `iters` bisection steps."""
-    if feasible(hi):
-        return hi
+def largest_feasible(feasible: Callable[[float], bool], grid: tuple[float, ...], iters: int) -> float | None:
+    """Largest x with feasible(x), for a feasibility that holds up to some threshold and fails above it: walk the
+    ascending `grid` until the first failure, then bisect `iters` times between the last success and that failure.
+    None when grid[0] already fails. Cheap when the threshold is low (small models fail on the first point)."""
+    ok, bad = None, None
+    for x in grid:
+        if not feasible(x):
+            bad = x
+            break
+        ok = x
+    if ok is None or bad is None:
+        return ok
     for _ in range(iters):
-        mid = (lo + hi) / 2
+        mid = (ok + bad) / 2
         if feasible(mid):
-            lo = mid
+            ok = mid
         else:
-            hi = mid
-    return lo
+            bad = mid
+    return ok
 
 
 def cheapest(points: list[Point]) -> Point | None:
     """The feasible point with the fewest bytes (ties: the earlier, i.e. less aggressive, one)."""
     ok = [p for p in points if p.feasible]
     return min(ok, key=lambda p: p.bytes_ratio) if ok else None
+
+
+def settings_key(settings: dict) -> str:
+    import json
+
+    return json.dumps(settings, sort_keys=True)
 
 
 def config_for(settings: dict) -> CompressionConfig:
@@ -104,14 +119,20 @@ def config_for(settings: dict) -> CompressionConfig:
 class Search:
     """Runs the stages against a `DecodeProbe` (see module docstring)."""
 
-    def __init__(self, probe, bundle, target: QualityTarget, *, rank_iters: int = 4, max_removal_rate: float = 0.3,
-                 report: Callable[[Point], None] | None = None):
+    def __init__(self, probe, bundle, target: QualityTarget, *, report: Callable[[Point], None] | None = None,
+                 memo: dict[str, Point] | None = None):
         self.probe, self.bundle, self.target = probe, bundle, target
-        self.rank_iters, self.max_removal_rate = rank_iters, max_removal_rate
         self.report = report
+        self.memo = memo if memo is not None else {}   # settings key -> point: a resumed search skips known points
         self.path: list[Point] = []
 
     def measure(self, stage: str, label: str, settings: dict) -> Point:
+        key = settings_key(settings)
+        if key in self.memo:
+            point = self.memo[key]
+            point.feasible = self.target.met(point)
+            self.path.append(point)
+            return point
         t0 = time.perf_counter()
         bundle = dataclasses.replace(
             self.bundle,
@@ -123,6 +144,7 @@ class Search:
                       seconds=round(time.perf_counter() - t0, 2))
         point.feasible = self.target.met(point)
         self.path.append(point)
+        self.memo[key] = point
         if self.report:
             self.report(point)
         return point
@@ -158,19 +180,21 @@ class Search:
             best.append(chosen)
         return cheapest(best) if best else None
 
-    def ranks(self, start: Point) -> Point:
+    def ranks(self, start: Point, rank_iters: int = 2) -> Point:
+        """Removal rates for QK, then V (FDC §5.2 binary search, bracketed from below by `RATE_GRID`); a rate is
+        kept only if it saves bytes."""
         best = start
         for key in ("qk_removal_rate", "v_removal_rate"):
-            found: dict[float, Point] = {}
+            base, points = best, {}
 
-            def feasible(rate: float, key=key, base=best, found=found) -> bool:
-                found[rate] = self.measure("ranks", f"{key.split('_')[0]} removal rate {rate:.3f}",
-                                           {**base.settings, key: rate})
-                return found[rate].feasible
+            def feasible(rate: float, key=key, base=base, points=points) -> bool:
+                points[rate] = self.measure("ranks", f"{key.split('_')[0]} removal rate {rate:.3f}",
+                                            {**base.settings, key: rate})
+                return points[rate].feasible
 
-            rate = largest_feasible(feasible, 0.0, self.max_removal_rate, self.rank_iters)
-            if rate > 0 and found[rate].bytes_ratio < best.bytes_ratio:
-                best = found[rate]
+            rate = largest_feasible(feasible, RATE_GRID, rank_iters)
+            if rate is not None and points[rate].bytes_ratio < best.bytes_ratio:
+                best = points[rate]
         return best
 
     def run(self, base: dict) -> SearchResult:

@@ -1,0 +1,75 @@
+"""The search's decision rules, with mocks where the rule is the point (a monotone feasibility, a grid of points)."""
+
+from kvcal.profile.search import Point, QualityTarget, Search, cheapest, largest_feasible
+
+
+def test_largest_feasible_under_a_monotone_mock():
+    for threshold in (0.0, 0.013, 0.05, 0.1234, 0.29, 0.5):
+        calls = []
+
+        def feasible(x, t=threshold, calls=calls):
+            calls.append(x)
+            return x <= t
+
+        got = largest_feasible(feasible, (0.01, 0.02, 0.04, 0.08, 0.16, 0.3), iters=8)
+        if threshold < 0.01:
+            assert got is None and calls == [0.01]
+        elif threshold >= 0.3:
+            assert got == 0.3
+        else:
+            assert got <= threshold and threshold - got < 0.16 / 2 ** 8 + 1e-12   # within the final bracket
+            assert all(x <= threshold for x in calls if x <= got)
+
+
+def _point(bytes_ratio, top1, ppl=1.0, label=""):
+    p = Point("tiers", label, {}, bytes_ratio, top1, 0.0, ppl, {}, False, 0.0)
+    p.feasible = QualityTarget().met(p)
+    return p
+
+
+def test_cheapest_feasible_point_is_chosen():
+    pts = [_point(0.5, 0.99, label="a"), _point(0.3, 0.98, label="b"), _point(0.2, 0.95, label="c"),
+           _point(0.25, 0.99, ppl=1.05, label="d"), _point(0.3, 0.975, label="e")]
+    assert cheapest(pts).label == "b"
+    assert cheapest([_point(0.1, 0.5)]) is None
+
+
+class GridProbe:
+    """A fake probe: bytes fall and quality falls with alpha; the search must pick the cheapest feasible point."""
+
+    def __init__(self, limit_high, limit_low):
+        self.limit_high, self.limit_low, self.calls = limit_high, limit_low, []
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        a_h = config.policy.alpha_high or 0.0
+        a_l = config.policy.alpha_low
+        self.calls.append((config.low.name, a_h, a_l))
+        ok = a_h <= self.limit_high and a_l <= self.limit_low
+        channel_bonus = 0.01 if config.low.k_mode == "channel" else 0.0
+        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=1,
+                        prompt_tokens=1, memory={"ratio_to_fp16": 0.5 - 0.05 * a_h - 0.02 * a_l - channel_bonus},
+                        tiers={})
+
+
+def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
+    import torch
+
+    from kvcal.bundle import Bundle, ModelInfo
+
+    bundle = Bundle(ModelInfo("m", "f", "w", "t", "llama", 1, 1, 1, 4, ["full_attention"]), torch.eye(4)[None, None],
+                    torch.ones(1, 1, 4), torch.full((1, 1), 4, dtype=torch.int32), torch.eye(4)[None, None],
+                    torch.ones(1, 1, 4), torch.full((1, 1), 4, dtype=torch.int32), "both", "trace", "activations-text")
+    probe = GridProbe(limit_high=3.0, limit_low=1.0)
+    search = Search(probe, bundle, QualityTarget())
+    best = search.tiers({"high": "K8V4", "window": 64})
+    assert best.settings["alpha_high"] == 3.0 and best.settings["alpha_low"] == 1.0
+    assert best.settings["low"] == "K4cV2"                     # the cheaper key mode at equal alphas
+    # early stop: alpha_high 5 is never tried after 4 failed; alpha_low stops after its first failure (1.5)
+    assert ("K4cV2", 5.0, 0.0) not in probe.calls and ("K4cV2", 3.0, 2.0) not in probe.calls
+    assert all(p.settings for p in search.path)
+    # a resumed search does not measure known points again
+    again = Search(probe, bundle, QualityTarget(), memo=search.memo)
+    n = len(probe.calls)
+    assert again.tiers({"high": "K8V4", "window": 64}).settings == best.settings and len(probe.calls) == n
