@@ -10,6 +10,7 @@ Tensors (L layers, H KV heads, d head dim):
     v.rank       [L, H]       int32    V is cached as V @ B[:, :rank]
     k.absmax     [L, H]       float32  optional: max |K| (post-RoPE) per head on calibration text
     v.absmax     [L, H]       float32  optional: max |V| per head on calibration text
+    fastgen.recovery, fastgen.kept_fraction  [L, H, 4] float32  optional: FastGen policy statistics (-1: not profiled)
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
@@ -49,6 +50,10 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     # largest |K| (post-RoPE) and |V| element per (layer, KV head) on calibration text: FP8 scales for `kvcal export`
     "k.absmax": (("L", "H"), torch.float32),
     "v.absmax": (("L", "H"), torch.float32),
+    # FastGen on calibration text, per compressed policy (special, +punct, +frequent, +local): retained attention
+    # and kept fraction of tokens; -1 where a layer is not profiled (sliding-window layers)
+    "fastgen.recovery": (("L", "H", "4"), torch.float32),
+    "fastgen.kept_fraction": (("L", "H", "4"), torch.float32),
 }
 _FIELDS = {name: name.replace(".", "_") for name in REQUIRED_TENSORS}
 

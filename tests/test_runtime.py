@@ -282,3 +282,36 @@ def test_low_rank_matches_projected_reference():
     cfg = CompressionConfig(high=TierFormat(32, 32), low=TierFormat(32, 32))
     got = generate(model, inputs, KvcalCache.from_bundle(bundle, model, cfg), n=12)
     assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-4
+
+
+def test_fastgen_every_head_full_reproduces_dense():
+    from kvcal.runtime.fastgen import FULL, FastGenConfig
+
+    model, tok = make_model("llama")
+    inputs = padded_batch(tok)
+    ref = generate(model, inputs, DynamicCache(config=model.config))
+    cfg = CompressionConfig.none().with_(fastgen=FastGenConfig(recovery=1.0, r_local=0.0, r_frequent=0.0))
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model, cfg, tokenizer=tok)
+    got = generate(model, inputs, cache)
+    assert all(bool((p == FULL).all()) for p in cache.kv.fastgen_policy.values())
+    assert torch.equal(ref.sequences, got.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-4
+
+
+def test_fastgen_prunes_and_replays():
+    from kvcal.profile.quality import DecodeProbe
+    from kvcal.runtime.fastgen import FastGenConfig
+
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(70, seed=8), random_text(70, seed=9)], return_tensors="pt").input_ids
+    fast = FastGenConfig(recovery=0.5)
+    cfg = CompressionConfig(fastgen=fast)
+    with pytest.raises(ValueError, match="tokenizer"):
+        KvcalCache.from_bundle(bundle, model, cfg)
+    full = decode_fidelity(model, ids[:, :40], ids[:, 40:],
+                           lambda: KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok))
+    assert full.tiers["pruned"] > 0.1 and full.tiers["low"] == 0
+    probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok, fastgen=fast)
+    replayed = probe.measure(cfg)
+    assert replayed.top1 == full.top1 and abs(replayed.kl - full.kl) < 1e-6 and replayed.tiers == full.tiers

@@ -46,7 +46,7 @@ def calibrate(
                                          "(writes a report); --no-search writes statistics only.")] = True,
     target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")] = 0.97,
     target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")] = 1.02,
-    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 4,
+    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 8,
     search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 1024,
     search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
     json_out: JsonOpt = False,

@@ -24,6 +24,7 @@ from kvcal.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
 from kvcal.models import DEFAULT_MODEL, LoadedModel, fingerprint, load_model, tokenizer_hash, weights_hash
 from kvcal.profile.capture import GramCollector, capturing
+from kvcal.profile.policies import PolicyCollector
 from kvcal.profile.ranks import energy_kept, rank_from_removal_rate
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
@@ -33,6 +34,7 @@ from kvcal.profile.rotation import (
     token_independence,
     weight_svd_basis,
 )
+from kvcal.runtime.fastgen import FastGenConfig, token_classes
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,13 @@ class CalibrationConfig:
     search: bool = True                 # False: statistics only (full ranks, default runtime policy)
     target_top1: float = 0.97           # quality target of the searches (vs dense, held-out calibration text)
     target_ppl_ratio: float = 1.02
-    search_windows: int = 4             # windows of held-out calibration text per measured point
+    search_windows: int = 8             # windows of held-out calibration text per measured point
     search_prompt: int = 1024           # prompt tokens per window
     search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
     eval_windows: int = 4               # final check of the chosen configuration on evaluation text
     eval_steps: int = 64
     window: int = 64                    # recent tokens always at high precision (DiffKV W)
+    policy_windows: int = 2             # calibration windows profiled for FastGen statistics
 
     def __post_init__(self):
         if self.qk_source not in QK_SOURCES:
@@ -168,6 +171,8 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
     device = lm.model.device
     for i in range(done, n):
         positions = torch.arange(offsets[i], offsets[i] + S)[None]
+        if hasattr(collector, "set_tokens"):          # collectors that need the token ids (FastGen classes)
+            collector.set_tokens(windows[i][None])
         with capturing(lm.model, collector):
             # logits_to_keep=1: only the captured statistics matter, and [S, vocab] logits cost GBs on big vocabularies
             lm.model(input_ids=windows[i][None].to(device), position_ids=positions.to(device), use_cache=False,
@@ -220,6 +225,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     t_pass = time.perf_counter()
     random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
     text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
+    # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
+    policy_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.policy_windows], [0] * cfg.policy_windows,
+                            PolicyCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
     pass_seconds = time.perf_counter() - t_pass
 
     say("eigendecomposing Gram matrices")
@@ -265,7 +273,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis=v_basis.float(), v_spectrum=v_spectrum.float(), v_rank=v_rank,
         qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
         calibration=calibration,
-        extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone()},
+        extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
+                "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
+                "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
         policy={"window": cfg.window},
     )
     report = None
@@ -335,7 +345,8 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
                             cfg.seed + 1)
     say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens")
-    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:])
+    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
+                        fastgen=FastGenConfig())
     memo = checkpoint.load_search()
 
     def report_point(point) -> None:
@@ -352,14 +363,18 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                                                                               "alpha_high": None})
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
     rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
-    families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only, "joint (kvcal)": result.chosen}
+    policies_only = search.policies(rank_start) if rank_start.feasible else None
+    policies_only = policies_only if policies_only is not None and policies_only is not rank_start else None
+    families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only,
+                "policies-only (FastGen)": policies_only, "joint (kvcal)": result.chosen}
 
     bundle.qk_rank, bundle.v_rank = result.qk_rank, result.v_rank
     bundle.policy = policy_of(result.chosen.settings)
     say("checking the chosen configuration on evaluation text")
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                                  P + cfg.eval_steps + 1, cfg.seed + 2)
-    held_out = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:]).measure(result.config)
+    held_out = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer,
+                           fastgen=FastGenConfig()).measure(result.config)
     search_meta = {
         "target": as_dict(target),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "split": "search"},
@@ -374,7 +389,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
 def policy_of(settings: dict) -> dict:
     """The runtime settings a bundle records (read back by CompressionConfig.from_policy)."""
     return {k: settings[k] for k in ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base",
-                                     "qk_removal_rate", "v_removal_rate") if k in settings}
+                                     "fastgen", "qk_removal_rate", "v_removal_rate") if k in settings}
 
 
 def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:

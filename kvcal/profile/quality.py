@@ -105,14 +105,19 @@ class DecodeProbe:
     """
 
     @torch.inference_mode()
-    def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor):
+    def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor, *, tokenizer=None,
+                 fastgen=None):
+        """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
+        FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`."""
         from kvcal.runtime.cache import CompressionConfig
         from kvcal.runtime.hf import KvcalCache
 
         self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation
+        self.tokenizer, self.fastgen = tokenizer, fastgen
         P, M = prompt.shape[1], continuation.shape[1] - 1
         self.ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M])[:, P:P + M]
-        recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
+        recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
+                                           tokenizer=tokenizer)
         recording.record = True
         model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
         self.records = dict(recording.kv.recorder)
@@ -126,8 +131,12 @@ class DecodeProbe:
         """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle)."""
         from kvcal.runtime.hf import KvcalCache
 
-        cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config)
-        cache.prime(self.records)
+        if config.fastgen is not None and (self.fastgen is None or (config.fastgen.r_local, config.fastgen.r_frequent)
+                                           != (self.fastgen.r_local, self.fastgen.r_frequent)):
+            raise ValueError("this probe recorded no FastGen statistics for these r_local / r_frequent; make it with "
+                             "`fastgen=`")
+        cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
+        cache.prime(self.records, token_ids=self.prompt)
         page_s0 = cache.kv.store.page_seconds
         got, seconds = _teacher_force(self.model, cache, self.continuation)
         result = _compare(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)

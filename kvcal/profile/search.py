@@ -12,8 +12,11 @@ Stages, each starting from the previous stage's choice; every measured point is 
    pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
    ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
    the grid follows the data rather than the paper;
-3. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
-   one bisection step; kept only if bytes drop.
+3. policies: FastGen per-head policies (chosen per prompt at prefill) on top of the tiers, recovery threshold T
+   over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
+   pruned whatever its tier; the tokens it keeps are tiered by significance as before;
+4. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
+   bisection; kept only if bytes drop.
 
 Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
 and binary search valid; the path records every point, so a reader can check that assumption.
@@ -31,6 +34,7 @@ import torch
 
 from kvcal.profile.ranks import rank_from_removal_rate
 from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
 from kvcal.runtime.policy import TokenPolicy
 
@@ -40,6 +44,7 @@ ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 LOW_TIERS = ("K4cV2", "K4V2")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
+RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 
 
 @dataclass(frozen=True)
@@ -112,8 +117,9 @@ def settings_key(settings: dict) -> str:
 def config_for(settings: dict) -> CompressionConfig:
     policy = TokenPolicy(alpha_high=settings.get("alpha_high"), alpha_low=settings.get("alpha_low", 0.0),
                          window=settings.get("window", 64), threshold_base=settings.get("threshold_base", "length"))
+    fast = settings.get("fastgen")
     return CompressionConfig(high=TierFormat.parse(settings["high"]), low=TierFormat.parse(settings["low"]),
-                             policy=policy, use_ranks=True)
+                             policy=policy, use_ranks=True, fastgen=FastGenConfig(**fast) if fast else None)
 
 
 class Search:
@@ -180,6 +186,18 @@ class Search:
             best.append(chosen)
         return cheapest(best) if best else None
 
+    def policies(self, start: Point) -> Point:
+        """FastGen recovery thresholds on top of `start`, most conservative first."""
+        best = start
+        for t in RECOVERY_GRID:
+            p = self.measure("policies", f"FastGen T={t:g} on {start.label}",
+                             {**start.settings, "fastgen": {"recovery": t, "r_local": 0.3, "r_frequent": 0.3}})
+            if not p.feasible:
+                break
+            if p.bytes_ratio < best.bytes_ratio:
+                best = p
+        return best
+
     def ranks(self, start: Point, rank_iters: int = 2) -> Point:
         """Removal rates for QK, then V (FDC §5.2 binary search, bracketed from below by `RATE_GRID`); a rate is
         kept only if it saves bytes."""
@@ -205,6 +223,7 @@ class Search:
             tiered = self.tiers(start.settings)
             if tiered is not None and tiered.bytes_ratio < start.bytes_ratio:
                 chosen = tiered
+            chosen = self.policies(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:
             logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvcal.runtime import fastgen as fg
 from kvcal.runtime.attention import select_backend
 from kvcal.runtime.layout import TierFormat
 from kvcal.runtime.pages import HIGH, LOW
@@ -38,6 +39,7 @@ class CompressionConfig:
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see _mixing)
     page_bytes: int | None = None  # None: 32 full-rank high-tier tokens per page
     backend: str = "auto"
+    fastgen: fg.FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
 
     @classmethod
     def none(cls) -> CompressionConfig:
@@ -49,8 +51,10 @@ class CompressionConfig:
         """Settings a bundle's `policy` metadata records (missing keys keep their defaults)."""
         cfg = cls()
         tp = {k: policy[k] for k in ("window", "alpha_high", "alpha_low", "threshold_base") if k in policy}
+        fast = policy.get("fastgen")
         return replace(cfg, high=TierFormat.parse(policy.get("high", cfg.high.name)),
-                       low=TierFormat.parse(policy.get("low", cfg.low.name)), policy=TokenPolicy(**tp))
+                       low=TierFormat.parse(policy.get("low", cfg.low.name)), policy=TokenPolicy(**tp),
+                       fastgen=fg.FastGenConfig(**fast) if fast else None)
 
     def with_(self, **changes) -> CompressionConfig:
         return replace(self, **changes)
@@ -105,6 +109,11 @@ class CompressedKV:
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
+        # FastGen state: token ids by cache index (the classes of special / punctuation tokens need them), and the
+        # policy each (layer, sequence, KV head) chose at prefill
+        self.token_ids = torch.zeros(batch, 0, dtype=torch.int64, device=self.device)
+        self.special_ids = self.punct_ids = torch.zeros(0, dtype=torch.int64)
+        self.fastgen_policy: dict[int, torch.Tensor] = {}
 
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
@@ -136,13 +145,44 @@ class CompressedKV:
         real = pad if pad is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]   # [B, n, n]
         out, score = self.backend.prefill(q.float(), key.float(), value.float(), mask, scale)
+        recovery = self._prompt_recovery(q, key, real, score, scale) if self.config.fastgen else None
         if self.recorder is not None:
-            self.recorder[layer] = (key.float(), value.float(), score, real)
-        self.write_prefill(layer, key, value, score, real)
+            self.recorder[layer] = (key.float(), value.float(), score, real, recovery)
+        self.write_prefill(layer, key, value, score, real, recovery)
         return out
 
+    def observe_tokens(self, ids: torch.Tensor) -> None:
+        """Token ids [B, n] of the tokens this forward pass adds (FastGen classifies special / punctuation tokens)."""
+        self.token_ids = torch.cat([self.token_ids, ids.to(self.device)], dim=1)
+
+    def _flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return fg.token_flags(self.token_ids, self.special_ids.to(self.device), self.punct_ids.to(self.device))
+
+    def _prompt_recovery(self, q, key, real, score, scale) -> torch.Tensor:
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy (prompt attention recomputed in
+        query blocks, because the ranking of frequent tokens needs the final column sums first)."""
+        from kvcal.runtime.attention import _PREFILL_CHUNK
+
+        B, H, g, n, d = q.shape
+        if self.token_ids.shape[1] < n:
+            raise ValueError("FastGen needs the prompt's token ids: call the model with `input_ids` (not "
+                             "`inputs_embeds`) through a cache made by `KvcalCache.from_bundle(..., tokenizer=...)`")
+        is_special, is_punct = self._flags()
+        n_pad = (~real).sum(-1)
+        total = torch.zeros(4, B, H, device=q.device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]
+        for start in range(0, n, _PREFILL_CHUNK):
+            rows = torch.arange(start, min(start + _PREFILL_CHUNK, n), device=q.device)
+            probs = torch.softmax(torch.einsum("bhgnd,bhsd->bhgns", q[:, :, :, rows].float(), key.float()) * scale
+                                  + torch.where(causal[:, None, None, rows], 0.0, float("-inf")), dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)
+            total += fg.prompt_recovery(probs, rows, is_special[:, :n], is_punct[:, :n], score, self.config.fastgen,
+                                        n_pad)
+        return total / (n - n_pad).clamp(min=1).to(total.dtype)[None, :, None]
+
+
     def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor,
-                      real: torch.Tensor) -> None:
+                      real: torch.Tensor, recovery: torch.Tensor | None = None) -> None:
         """Tier and write a prompt whose dense prefill attention already ran: key, value [B, H, n, d] post-RoPE;
         score [B, H, n] significance from that attention; real bool [B, n] non-padding tokens.
 
@@ -155,6 +195,17 @@ class CompressedKV:
         pos = torch.where(real, torch.arange(n, device=key.device), -1)[:, None, :].expand(B, H, n)   # [B, H, n]
         length = torch.full((B,), n, device=self.device)
         tier = classify_prompt(self.config.policy, score, pos, self.n_pad, length)
+        if self.config.fastgen is not None:
+            # a token FastGen drops is pruned whatever its tier; the tokens it keeps are tiered by significance
+            if recovery is None:
+                raise ValueError("FastGen is on but this prefill has no recovery statistics (record with FastGen on)")
+            policy = fg.choose_policy(recovery, self.config.fastgen)                      # [B, H]
+            self.fastgen_policy[layer] = policy
+            is_special, is_punct = self._flags()
+            kept = fg.kept_sets(is_special[:, :n], is_punct[:, :n], score, pos, length, self.config.fastgen,
+                                self.n_pad)
+            drop = fg.decode_evictions(policy, kept, pos)
+            tier = torch.where(drop, torch.full_like(tier, T_PRUNED), tier)
         k_rot, v_proj = self._project(layer, key, value)
         self._write_prompt(layer, tier, k_rot, v_proj, pos, score, length)
 
@@ -217,6 +268,8 @@ class CompressedKV:
                                    pos, new_score[:, :, i].reshape(-1))
             self.length[layer] = start + i + 1
             self._policy_step(layer)
+            if self.config.fastgen is not None:
+                self._fastgen_step(layer)
         return torch.einsum("bhgnr,hdr->bhgnd", out_r, self.basis[layer])
 
     # --------------------------------------------------------------------------------------------- policy
@@ -246,6 +299,23 @@ class CompressedKV:
                 store.drop(layer, side, b[sel], h[sel], slots.view(-1)[sel])
         if channel:
             self._seal_pending(layer, b, h, length)
+
+    def _fastgen_step(self, layer: int) -> None:
+        """Re-apply each head's frozen FastGen policy at the new length (Alg. 2): drop what it no longer keeps."""
+        B, H = self.batch, self.store.num_kv_heads
+        b = torch.arange(B, device=self.device).repeat_interleave(H)
+        h = torch.arange(H, device=self.device).repeat(B)
+        length = torch.full((B,), self.length[layer], device=self.device)
+        is_special, is_punct = self._flags()
+        for side in (HIGH, LOW):
+            score, pos = (t.view(B, H, -1) for t in self.store.section_meta(layer, side, b, h))
+            if pos.shape[-1] == 0:
+                continue
+            kept = fg.kept_sets(is_special, is_punct, score, pos, length, self.config.fastgen, self.n_pad)
+            drop = fg.decode_evictions(self.fastgen_policy[layer], kept, pos)
+            db, dh, ds = torch.nonzero(drop, as_tuple=True)
+            if len(db):
+                self.store.drop(layer, side, db, dh, ds)
 
     def _seal_pending(self, layer, b, h, length) -> None:
         """Per-channel low tier in decode: once an entry has a page worth of high tokens that belong low, move the

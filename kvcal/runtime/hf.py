@@ -26,6 +26,12 @@ from kvcal.runtime.cache import CompressedKV, CompressionConfig
 
 KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
+_INPUT_IDS: ContextVar[torch.Tensor | None] = ContextVar("kvcal_input_ids", default=None)
+
+
+def _remember_input_ids(module, args) -> None:
+    """Forward pre-hook on the input embedding: FastGen needs the ids of the tokens each step adds."""
+    _INPUT_IDS.set(args[0] if args else None)
 
 
 def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -62,6 +68,10 @@ def install(model) -> None:
 
     AttentionInterface.register(KVCAL_IMPL, kvcal_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(KVCAL_IMPL, sdpa_mask)
+    embed = model.get_input_embeddings()
+    if not getattr(embed, "_kvcal_ids_hook", False):
+        embed.register_forward_pre_hook(_remember_input_ids)
+        embed._kvcal_ids_hook = True
     if model.config._attn_implementation != KVCAL_IMPL:
         model.set_attn_implementation(KVCAL_IMPL)
 
@@ -85,6 +95,12 @@ class KvcalLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        kv = self.owner.kv
+        if kv.config.fastgen is not None and self.layer_idx == kv.layers[0]:
+            ids = _INPUT_IDS.get()
+            if ids is None or ids.shape[-1] != key_states.shape[-2]:
+                raise ValueError("FastGen needs token ids: run the model with `input_ids`, not `inputs_embeds`")
+            kv.observe_tokens(ids)
         self.seen += key_states.shape[-2]
         _PENDING.set((self, key_states, value_states))
         return key_states, value_states
@@ -108,8 +124,16 @@ class KvcalLayer(CacheLayerMixin):
 class KvcalCache(Cache):
     """A transformers `Cache` whose full-attention layers are compressed by kvcal."""
 
-    def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None):
+    def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None, tokenizer=None):
         self.bundle, self.config = bundle, config
+        self.token_classes = None
+        if config.fastgen is not None:
+            if tokenizer is None:
+                raise ValueError("FastGen policies need the tokenizer (special and punctuation tokens): pass "
+                                 "`tokenizer=` to KvcalCache.from_bundle")
+            from kvcal.runtime.fastgen import token_classes
+
+            self.token_classes = token_classes(tokenizer)
         self.kv: CompressedKV | None = None
         self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV)
         self.sliding = [t == "sliding_attention" for t in layer_types]
@@ -118,7 +142,7 @@ class KvcalCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def from_bundle(cls, bundle, model, config: CompressionConfig | None = None) -> KvcalCache:
+    def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
         """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
         attention function on the model, and return an empty cache. `config` defaults to the bundle's policy."""
         from kvcal.models import adapter_for, fingerprint, weights_hash
@@ -128,22 +152,27 @@ class KvcalCache(Cache):
         install(model)
         if config is None:
             config = CompressionConfig.from_policy(bundle.policy)
-        return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window)
+        return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
+                   tokenizer=tokenizer)
 
-    def prime(self, records: dict) -> None:
+    def prime(self, records: dict, token_ids: torch.Tensor | None = None) -> None:
         """Fill an empty cache with a recorded prefill instead of running it: `records` maps each layer to
         (key, value, score, real) for compressed layers (CompressedKV.recorder) or, for sliding layers, the kept
-        window (key, value) and the number of tokens seen."""
+        window (key, value) and the number of tokens seen. `token_ids` [B, n]: the prompt (needed by FastGen)."""
+        first = True
         for i, layer in enumerate(self.layers):
             if self.sliding[i]:
                 keys, values, seen = records[i]
                 layer.update(keys, values)
                 layer.cumulative_length = seen
             else:
-                key, value, score, real = records[i]
+                key, value, score, real, recovery = records[i]
                 layer.lazy_initialization(key, value)
+                if first and token_ids is not None:
+                    self.kv.observe_tokens(token_ids)
+                first = False
                 layer.seen = key.shape[-2]
-                self.kv.write_prefill(i, key, value, score, real)
+                self.kv.write_prefill(i, key, value, score, real, recovery)
 
     def _ensure_kv(self, key_states: torch.Tensor) -> None:
         if self.kv is None:
@@ -152,6 +181,8 @@ class KvcalCache(Cache):
                                                sliding=self.sliding, device=key_states.device, raw16=raw16)
             if self.record:
                 self.kv.recorder = {}
+            if self.token_classes is not None:
+                self.kv.special_ids, self.kv.punct_ids = self.token_classes
 
     # --------------------------------------------------------------------------------------------- accounting
 
