@@ -74,3 +74,35 @@ def test_help_lists_the_four_commands():
     assert r.exit_code == 0
     for cmd in ("calibrate", "inspect", "bench", "export"):
         assert cmd in r.stdout
+
+
+def test_sigint_then_rerun_resumes(tiny_dir, text_file, tmp_path):
+    """A real Ctrl-C (SIGINT) in the middle of `kvcal calibrate`, then the same command again: finished passes and
+    search points are not recomputed, and the bundle appears only at the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "b.kvcal.safetensors"
+    ckpt = tmp_path / "b.kvcal.safetensors.ckpt"
+    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--model", str(tiny_dir), "--out", str(out),
+           "--random-tokens", "512", "--text-tokens", "512", "--seq-len", "64", "--dataset", str(text_file),
+           "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48", "--search-steps", "8",
+           "--target-top1", "0.5", "--target-ppl-ratio", "2", "--quiet", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (ckpt / "search.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "calibration finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "rerun the same command to resume" in err
+    assert not out.exists() and (ckpt / "random-tokens.safetensors").is_file()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["resumed"]["random-tokens"] == 8 and summary["resumed"]["calibration-text"] == 8
+    assert summary["resumed"]["search points"] >= 1
+    assert out.is_file() and not ckpt.exists()

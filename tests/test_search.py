@@ -22,7 +22,7 @@ def test_largest_feasible_under_a_monotone_mock():
 
 
 def _point(bytes_ratio, top1, ppl=1.0, label=""):
-    p = Point("tiers", label, {}, bytes_ratio, top1, 0.0, ppl, {}, False, 0.0)
+    p = Point("tiers", label, {}, bytes_ratio, top1, 0.0, ppl, {}, False, 0.0, predictions=0)
     p.feasible = QualityTarget().met(p)
     return p
 
@@ -48,7 +48,7 @@ class GridProbe:
         self.calls.append((config.low.name, a_h, a_l))
         ok = a_h <= self.limit_high and a_l <= self.limit_low
         channel_bonus = 0.01 if config.low.k_mode == "channel" else 0.0
-        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=1,
+        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
                         prompt_tokens=1, memory={"ratio_to_fp16": 0.5 - 0.05 * a_h - 0.02 * a_l - channel_bonus},
                         tiers={})
 
@@ -73,3 +73,14 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
     again = Search(probe, bundle, QualityTarget(), memo=search.memo)
     n = len(probe.calls)
     assert again.tiers({"high": "K8V4", "window": 64}).settings == best.settings and len(probe.calls) == n
+
+
+def test_target_asks_for_more_evidence_near_the_threshold():
+    from kvcal.profile.search import wilson_lower
+
+    t = QualityTarget(top1=0.97, ppl_ratio=1.02, z=1.0)
+    near = Point("tiers", "", {}, 0.3, 0.977, 0.0, 1.0, {}, False, 0.0, predictions=256)
+    clear = Point("tiers", "", {}, 0.3, 0.988, 0.0, 1.0, {}, False, 0.0, predictions=256)
+    assert not t.met(near) and t.met(clear)
+    assert QualityTarget(z=0).met(near)
+    assert wilson_lower(0.977, 256, 1.0) < 0.977 and abs(wilson_lower(0.977, 10**9, 1.0) - 0.977) < 1e-4

@@ -46,8 +46,10 @@ def calibrate(
                                          "(writes a report); --no-search writes statistics only.")] = True,
     target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")] = 0.97,
     target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")] = 1.02,
+    target_z: Annotated[float, typer.Option(help="Top-1 must hold at this many standard errors (0: as measured).")]
+    = 1.0,
     search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 8,
-    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 1024,
+    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 512,
     search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -61,7 +63,7 @@ def calibrate(
                                 removal_rate=removal_rate, qk_source=qk_source, qk_weighting=qk_weighting,
                                 v_source=v_source, dtype=dtype, device_map=device_map,
                                 max_memory=parse_max_memory(max_memory), search=search, target_top1=target_top1,
-                                target_ppl_ratio=target_ppl_ratio, search_windows=search_windows,
+                                target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
         bars = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),

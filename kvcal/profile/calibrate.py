@@ -22,7 +22,7 @@ import torch
 
 from kvcal.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
-from kvcal.models import DEFAULT_MODEL, LoadedModel, fingerprint, load_model, tokenizer_hash, weights_hash
+from kvcal.models import DEFAULT_MODEL, DTYPES, LoadedModel, fingerprint, load_model, tokenizer_hash, weights_hash
 from kvcal.profile.capture import GramCollector, capturing
 from kvcal.profile.policies import PolicyCollector
 from kvcal.profile.ranks import energy_kept, rank_from_removal_rate
@@ -63,8 +63,10 @@ class CalibrationConfig:
     search: bool = True                 # False: statistics only (full ranks, default runtime policy)
     target_top1: float = 0.97           # quality target of the searches (vs dense, held-out calibration text)
     target_ppl_ratio: float = 1.02
+    target_z: float = 1.0               # top-1 must hold at this many standard errors (Wilson bound); 0 = as measured
     search_windows: int = 8             # windows of held-out calibration text per measured point
-    search_prompt: int = 1024           # prompt tokens per window
+    search_prompt: int = 512            # prompt tokens per window
+    search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
     search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
     eval_windows: int = 4               # final check of the chosen configuration on evaluation text
     eval_steps: int = 64
@@ -82,6 +84,8 @@ class CalibrationConfig:
             raise ValueError(f"`--removal-rate {self.removal_rate}` must be in [0, 1)")
         if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
             raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
+        if self.search_dtype not in DTYPES:
+            raise ValueError(f"`search_dtype={self.search_dtype}` is not one of {', '.join(DTYPES)}")
         if not (0 < self.target_top1 <= 1 and self.target_ppl_ratio >= 1):
             raise ValueError(f"quality target needs 0 < top-1 <= 1 and perplexity ratio >= 1 (got "
                              f"{self.target_top1}, {self.target_ppl_ratio})")
@@ -102,6 +106,7 @@ class Checkpoint:
 
     def __init__(self, folder: Path, key: str):
         self.folder, self.key = folder, key
+        self.resumed: dict[str, int] = {}     # pass name -> windows loaded from an earlier, interrupted run
 
     def load(self, name: str, collector: GramCollector) -> int:
         from safetensors import safe_open
@@ -114,8 +119,9 @@ class Checkpoint:
                 meta = f.metadata() or {}
                 if meta.get("key") != self.key:
                     return 0
-                collector.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
-                return int(meta["done"])
+                collector.load_state_dict({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+                self.resumed[name] = int(meta["done"])
+                return self.resumed[name]
         except Exception as e:  # a checkpoint is only a cache: a bad one is recomputed
             logger.warning("ignoring unreadable checkpoint %s (%s)", path, e)
             return 0
@@ -141,7 +147,10 @@ class Checkpoint:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
-        return {k: Point(**v) for k, v in data.get("points", {}).items()} if data.get("key") == self.key else {}
+        if data.get("key") != self.key:
+            return {}
+        self.resumed["search points"] = len(data.get("points", {}))
+        return {k: Point(**v) for k, v in data.get("points", {}).items()}
 
     def save_search(self, memo: dict) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -281,9 +290,11 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     report = None
     t_search = time.perf_counter()
     if cfg.search:
-        search_key = key + json.dumps([cfg.search_windows, cfg.search_prompt, cfg.search_steps, cfg.window])
-        report = run_search(lm, bundle, cfg, Checkpoint(checkpoint.folder, hashlib.sha256(
-            search_key.encode()).hexdigest()[:16]), say)
+        search_key = key + json.dumps([cfg.search_windows, cfg.search_prompt, cfg.search_steps, cfg.window,
+                                       cfg.search_dtype])
+        search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
+        report = run_search(lm, bundle, cfg, search_checkpoint, say)
+        checkpoint.resumed.update(search_checkpoint.resumed)
         qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
     search_seconds = time.perf_counter() - t_search
     summary = {
@@ -300,6 +311,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                         "v": energy_kept(v_spectrum, v_rank).mean().item()},
         "token_independence": independence,
         "policy": bundle.policy,
+        "resumed": checkpoint.resumed,
     }
     if report is not None:
         summary["search"] = {"chosen": report["search"]["chosen"], "families": report["search"]["families"],
@@ -340,11 +352,14 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     from kvcal.profile.quality import DecodeProbe
     from kvcal.profile.search import QualityTarget, Search, cheapest
 
-    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio)
+    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
     P, M = cfg.search_prompt, cfg.search_steps
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
                             cfg.seed + 1)
-    say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens")
+    model_dtype = lm.model.dtype
+    if getattr(lm.model, "hf_device_map", None) is None:      # an offloaded model stays as accelerate placed it
+        lm.model.to(DTYPES[cfg.search_dtype])
+    say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
     probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
                         fastgen=FastGenConfig())
     memo = checkpoint.load_search()
@@ -377,12 +392,15 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                            fastgen=FastGenConfig()).measure(result.config)
     search_meta = {
         "target": as_dict(target),
-        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "split": "search"},
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "split": "search",
+                  "dtype": cfg.search_dtype},
         "chosen": as_dict(result.chosen),
         "families": {k: as_dict(v) if v else None for k, v in families.items()},
         "path": [as_dict(p) for p in search.path],
     }
     bundle.calibration["search"] = {**search_meta, "held_out": _brief(as_dict(held_out))}
+    if getattr(lm.model, "hf_device_map", None) is None:
+        lm.model.to(model_dtype)
     return {"search": search_meta, "held_out": as_dict(held_out)}
 
 

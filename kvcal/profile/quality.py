@@ -41,10 +41,10 @@ class Fidelity:
 
 
 @torch.inference_mode()
-def dense_logits(model, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """Logits [B, S, vocab] (float32) of one dense forward over ids [B, S], computed a few positions at a time at
-    the head so a large vocabulary does not need [S, vocab] logits for every position at once."""
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> torch.Tensor:
+    """Logits [B, S - start, vocab] (float32) at positions start.. of one dense forward over ids [B, S]; the head
+    runs a few positions at a time, only where logits are needed (a [S, vocab] tensor costs GBs on big vocabularies)."""
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, start:]
     head = model.get_output_embeddings()
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
@@ -82,7 +82,7 @@ def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
     """prompt [B, P], continuation [B, M + 1] token ids; `make_cache()` returns a fresh cache (KvcalCache or
     DynamicCache). Scores M predictions per sequence."""
     P, M = prompt.shape[1], continuation.shape[1] - 1
-    ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M])[:, P:P + M]
+    ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M], start=P)
     cache = make_cache()
     model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     kv = getattr(cache, "kv", None)
@@ -115,7 +115,7 @@ class DecodeProbe:
         self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation
         self.tokenizer, self.fastgen = tokenizer, fastgen
         P, M = prompt.shape[1], continuation.shape[1] - 1
-        self.ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M])[:, P:P + M]
+        self.ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M], start=P)
         recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
                                            tokenizer=tokenizer)
         recording.record = True
