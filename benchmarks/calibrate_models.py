@@ -1,4 +1,5 @@
-"""Calibration cost and token independence per packaged model: runs `kvcal calibrate --json` in a fresh process.
+"""Cost of the statistics passes and token independence per packaged model: runs `kvcal calibrate --no-search --json`
+(8192 random + 8192 text tokens, the random-token pass of FDC §5.1 plus the calibration-text pass) in a fresh process.
 
     python benchmarks/calibrate_models.py smollm2-135m gemma3-270m qwen2.5-coder-1.5b
 
@@ -22,14 +23,15 @@ def main(models: list[str]) -> None:
     rows = []
     for model in models:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = ["kvcal", "calibrate", "--model", model, "--out", f"{tmp}/b.safetensors", "--quiet", "--json"]
+            cmd = ["kvcal", "calibrate", "--model", model, "--out", f"{tmp}/b.safetensors", "--no-search", "--quiet",
+                   "--json"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode
             print(f"{model}: failed: {reason}")
             continue
         summary = json.loads(proc.stdout)
-        summary["command"] = " ".join(cmd[:4])
+        summary["command"] = " ".join(cmd[:4] + ["--no-search"])
         (RESULTS / f"calibrate-{model}.json").write_text(json.dumps(summary, indent=2))
         rows.append(summary)
     print(f"{'model':<22}{'wall s':>8}{'load s':>8}{'passes s':>10}{'peak RSS MiB':>14}{'δ̄/ε̄':>10}{'overlap d/2':>13}")

@@ -64,9 +64,9 @@ def test_unsupported_architecture(tmp_path):
     assert "unsupported architecture `gpt2`" in r.stderr and "llama" in r.stderr
 
 
-def test_unbuilt_commands_say_so():
+def test_bench_without_a_bundle_says_how_to_make_one():
     r = runner.invoke(app, ["bench"])
-    assert r.exit_code == 2 and "not built yet" in r.stderr
+    assert r.exit_code == 1 and "needs `--bundle`" in r.stderr and "kvcal calibrate" in r.stderr
 
 
 def test_help_lists_the_four_commands():

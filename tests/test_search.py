@@ -78,7 +78,7 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
 def test_target_asks_for_more_evidence_near_the_threshold():
     from kvcal.profile.search import wilson_lower
 
-    t = QualityTarget(top1=0.97, ppl_ratio=1.02, z=1.0)
+    t = QualityTarget(top1=0.97, ppl_ratio=1.02, z=1.0)   # z=1: 0.988 over 256 passes, 0.977 does not
     near = Point("tiers", "", {}, 0.3, 0.977, 0.0, 1.0, {}, False, 0.0, predictions=256)
     clear = Point("tiers", "", {}, 0.3, 0.988, 0.0, 1.0, {}, False, 0.0, predictions=256)
     assert not t.met(near) and t.met(clear)

@@ -1,8 +1,148 @@
-"""`kvcal bench` (not built yet)."""
+"""`kvcal bench`: kvcal against dense, quantization, eviction and low-rank baselines on one model, in one process.
 
-from kvcal.cli._options import fail
+    kvcal bench --bundle smollm2-135m.kvcal.safetensors --quick            # a few minutes on 2 CPU cores
+    kvcal bench --model smollm2-135m --bundle b.kvcal.safetensors --out bench-smollm2 --json
+    kvcal bench --bundle b.kvcal.safetensors --methods dense,kvcal,eviction --contexts 1024,4096
+
+Writes OUT/bench.json, OUT/bench.md, OUT/pareto.png and OUT/decode_time.png (kvcal.bench.report has the schema).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, stderr, stdout
+from kvcal.models import DEFAULT_MODEL
 
 
-def bench() -> None:
-    """Not built yet: will compare kvcal with baselines on quality, memory and speed."""
-    raise fail("`kvcal bench` is not built yet (tracked as issue 5); nothing was run", code=2)
+class Backend(StrEnum):
+    auto = "auto"
+    torch = "torch"
+    cuda = "cuda"
+
+
+def _ints(spec: str | None, name: str) -> tuple[int, ...] | None:
+    if spec is None:
+        return None
+    try:
+        return tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"`--{name} {spec}`: write comma-separated token counts, e.g. 1024,4096") from None
+
+
+def bench(
+    model: ModelOpt = DEFAULT_MODEL,
+    bundle: Annotated[Path | None, typer.Option("--bundle", "-b", help="The model's bundle (`kvcal calibrate`).")]
+    = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default ./bench-<model>).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Short run: 4 windows of 512 tokens, passkey and speed at "
+                                        "1k only, a small sweep.")] = False,
+    seed: SeedOpt = 0,
+    backend: Annotated[Backend, typer.Option(help="kvcal attention backend.")] = Backend.auto,
+    dtype: Annotated[str, typer.Option(help="Model dtype while measuring (float32: bf16 arithmetic alone flips "
+                                            "about 2% of top-1).")] = "float32",
+    dataset: Annotated[str, typer.Option(help="Corpus for held-out text (its eval split) and Palu's whitening "
+                                              "(calib split): packaged name or a .txt/.jsonl file or folder.")]
+    = "default",
+    methods: Annotated[str | None, typer.Option(help="Comma list of method keys or families to run (dense, "
+                                                     "quantization, eviction, low-rank, seed, kvcal); default all.")]
+    = None,
+    windows: Annotated[int | None, typer.Option(help="Held-out windows for quality (default 8, quick 4).")] = None,
+    prompt: Annotated[int | None, typer.Option(help="Prompt tokens per window (default 1024, quick 512).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Teacher-forced steps per window (default 64, quick 32).")]
+    = None,
+    contexts: Annotated[str | None, typer.Option(help="Speed: context lengths (default 1024,4096,16384; quick "
+                                                      "1024).")] = None,
+    passkey_lengths: Annotated[str | None, typer.Option(help="Passkey prompt lengths (default 1024,4096,16384; "
+                                                             "quick 1024).")] = None,
+    speed_steps: Annotated[int | None, typer.Option(help="Speed: decode steps averaged (default 16, quick 8).")]
+    = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compare kvcal with baselines on KV bytes, quality, passkey retrieval and CPU speed; write a report."""
+    from kvcal.bench import BenchSettings, run_bench, write_report
+    from kvcal.bundle import BundleError, load_bundle
+    from kvcal.models import load_model
+
+    try:
+        if bundle is None:
+            raise ValueError("`kvcal bench` needs `--bundle` (the model's bundle); create one with "
+                             f"`kvcal calibrate --model {model}`")
+        settings = BenchSettings.preset(
+            quick, seed=seed, backend=backend.value, dataset=dataset,
+            methods=tuple(x.strip() for x in methods.split(",") if x.strip()) if methods else None,
+            windows=windows, prompt=prompt, steps=steps, contexts=_ints(contexts, "contexts"),
+            passkey_lengths=_ints(passkey_lengths, "passkey-lengths"), speed_steps=speed_steps,
+            command=" ".join(["kvcal", *sys.argv[1:]]))
+        from kvcal.runtime.attention import select_backend
+
+        select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
+        b = load_bundle(bundle)
+        lm = load_model(model, dtype=dtype)
+        out_dir = out or Path(f"bench-{lm.name}")
+        bars = Progress(TextColumn("{task.description:<42}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("ETA"), TimeRemainingColumn(), console=stderr, disable=quiet, transient=False)
+        task = bars.add_task("loading", total=None)
+
+        def progress(label: str, done: int, total: int) -> None:
+            bars.update(task, description=label[:42], completed=done, total=total)
+
+        def status(msg: str) -> None:
+            if not quiet:
+                bars.console.print(f"[dim]{msg}[/]", highlight=False)
+
+        with bars:
+            report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
+        paths = write_report(report, out_dir)
+    except KeyboardInterrupt:
+        stderr.print("[yellow]interrupted[/]: nothing was written")
+        raise typer.Exit(code=130) from None
+    except (BundleError, ValueError, RuntimeError, OSError) as e:
+        raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    if json_out:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    _print_table(report)
+    s = report["summary"]
+    stdout.print(s["verdict"], highlight=False)
+    if s["note"]:
+        stdout.print(f"[yellow]where kvcal loses:[/] {s['note']}", highlight=False)
+    stdout.print(f"report: {paths['md']} (JSON {paths['json'].name}, plots {paths['pareto_png'].name}, "
+                 f"{paths['decode_png'].name})", highlight=False)
+
+
+def _print_table(r: dict) -> None:
+    ctx = r["settings"]["speed"]["contexts"]
+    t = Table(title=f"kvcal bench: {r['model']['name']} ({r['wall_seconds']:.0f} s)")
+    t.add_column("method", no_wrap=True)
+    for col in ("B/token", "of fp16", "KL", "top-1", "ppl ratio", "meets", "passkey"):
+        t.add_column(col, justify="right")
+    for c in ctx:
+        t.add_column(f"decode ms @{c}", justify="right")
+    for row in r["methods"]:
+        if not row["available"]:
+            t.add_row(row["name"], "[dim]unavailable[/]", *[""] * (6 + len(ctx)))
+            continue
+        if row["quality"] is None:
+            continue
+        q, m, pk = row["quality"], row["memory"], row["passkey"]
+        speeds = {s["context"]: s for s in row["speed"]}
+        style = "bold" if row["key"] == "kvcal-joint" else None
+        t.add_row(row["name"], f"{m['bytes_per_token']:,.0f}", f"{m['ratio_to_fp16']:.3f}", f"{max(q['kl'], 0.0):.4f}",
+                  f"{q['top1']:.3f}", f"{q['ppl_ratio']:.3f}", "yes" if q["meets_target"] else "no",
+                  f"{pk['accuracy']:.2f}" if pk else "",
+                  *[f"{speeds[c]['decode_ms_per_step']:.1f}" if c in speeds else "" for c in ctx], style=style)
+    # piped output has no terminal width: do not squeeze the table into 80 columns
+    (stdout if stdout.is_terminal else Console(width=200)).print(t)
+    for s in r["skipped"]:
+        stdout.print(f"[dim]skipped {s['what']} at {s['length']}: {s['reason']}[/]", highlight=False)

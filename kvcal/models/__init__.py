@@ -62,6 +62,11 @@ def load_model(
         kwargs["device_map"] = device_map
     if max_memory is not None:
         kwargs["max_memory"] = max_memory
+    if device_map is not None:
+        # layers that fit nowhere in `max_memory` go to disk (accelerate streams them in per forward)
+        from kvcal.models.sources import cache_dir
+
+        kwargs["offload_folder"] = str(cache_dir() / "offload" / source.name)
     model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs).eval()
     tokenizer = AutoTokenizer.from_pretrained(source.folder)
     return LoadedModel(model, tokenizer, adapter, source, time.perf_counter() - t0)

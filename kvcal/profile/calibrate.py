@@ -7,6 +7,7 @@ stopped, and a finished run deletes its checkpoints. The bundle is written atomi
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import logging
@@ -63,12 +64,12 @@ class CalibrationConfig:
     search: bool = True                 # False: statistics only (full ranks, default runtime policy)
     target_top1: float = 0.97           # quality target of the searches (vs dense, held-out calibration text)
     target_ppl_ratio: float = 1.02
-    target_z: float = 1.0               # top-1 must hold at this many standard errors (Wilson bound); 0 = as measured
+    target_z: float = 1.5               # top-1 must hold at this many standard errors (Wilson bound); 0 = as measured
     search_windows: int = 8             # windows of held-out calibration text per measured point
     search_prompt: int = 512            # prompt tokens per window
     search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
     search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
-    eval_windows: int = 4               # final check of the chosen configuration on evaluation text
+    eval_windows: int = 8               # final check of the chosen configuration on evaluation text
     eval_steps: int = 64
     window: int = 64                    # recent tokens always at high precision (DiffKV W)
     policy_windows: int = 2             # calibration windows profiled for FastGen statistics
@@ -282,6 +283,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis=v_basis.float(), v_spectrum=v_spectrum.float(), v_rank=v_rank,
         qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
         calibration=calibration,
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
                 "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
                 "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
@@ -322,7 +324,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     if report is not None:
         from kvcal.profile.report import write_report
 
-        report.update(model=lm.name, bundle=str(out), created=bundle.created or bundle.calibration.get("created", ""),
+        report.update(model=lm.name, bundle=str(out), created=bundle.created,
                       kvcal_version=_version(), command=cfg.command or "kvcal calibrate",
                       provenance={k: v for k, v in bundle.calibration.items() if k != "search"})
         summary["report"] = {k: str(v) for k, v in write_report(out, report).items()}

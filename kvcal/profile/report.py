@@ -91,9 +91,11 @@ def _plot(r: dict, path: Path) -> None:
             continue
         ok = [p for p in pts if p["feasible"]]
         bad = [p for p in pts if not p["feasible"]]
-        ax.scatter([p["bytes_ratio"] for p in ok], [p["top1"] for p in ok], color=color, label=f"{stage} (meets)")
-        ax.scatter([p["bytes_ratio"] for p in bad], [p["top1"] for p in bad], facecolors="none", edgecolors=color,
-                   label=f"{stage} (misses)")
+        if ok:
+            ax.scatter([p["bytes_ratio"] for p in ok], [p["top1"] for p in ok], color=color, label=f"{stage} (meets)")
+        if bad:
+            ax.scatter([p["bytes_ratio"] for p in bad], [p["top1"] for p in bad], facecolors="none", edgecolors=color,
+                       label=f"{stage} (misses)")
     c = s["chosen"]
     ax.scatter([c["bytes_ratio"]], [c["top1"]], marker="*", s=300, color="red", label="chosen", zorder=5)
     ax.axhline(s["target"]["top1"], color="red", linestyle="--", linewidth=1,

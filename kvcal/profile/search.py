@@ -53,7 +53,7 @@ MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of b
 class QualityTarget:
     top1: float = 0.97          # top-1 agreement with dense on held-out calibration text
     ppl_ratio: float = 1.02     # continuation perplexity / dense perplexity
-    z: float = 1.0              # top-1 must hold at this many standard errors (Wilson lower bound), see `met`
+    z: float = 1.5              # top-1 must hold at this many standard errors (Wilson lower bound), see `met`
 
     def met(self, point: Point) -> bool:
         """Top-1's Wilson lower bound at `z` reaches the target, and so does the perplexity ratio.

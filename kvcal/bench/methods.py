@@ -1,0 +1,236 @@
+"""The configurations `kvcal bench` compares, each a `Method`: what it is, how to build a fresh cache for it.
+
+Methods that are special cases of the kvcal store run on `KvcalCache` with a `CompressionConfig`:
+
+* uniform per-token quantization K8V8 / K4V4 / K2V2: the high tier only, no tiers, full rank, no rotation (plain
+  per-token asymmetric min-max in the model's basis, one fp16 scale/zero per token and head);
+* KIVI-style K4V2 / K2V2 (Liu et al., ICML 2024, arXiv 2402.02750): keys per channel, values per token, recent
+  tokens in fp16. High tier = `K16V16` (the fp16 residual), low tier = `K4cV2` / `K2cV2`, and a token policy that
+  sends every token leaving the 64-token window low (alpha_high = 1e9, nothing pruned). Pages are sized to hold 32
+  low tokens, so keys are quantized per channel in groups of 32 tokens (KIVI's G = 32); a group is written once 32
+  tokens wait, so the fp16 residual holds the last 64 tokens plus fewer than 32 waiting (KIVI: R = 128, flushed
+  whole). No rotation;
+* each seed method alone, as the bundle's calibration search measured it (`bundle.calibration["search"]
+  ["families"]`, rebuilt with `kvcal.profile.search.config_for`): FDC ranks only (a `K16V16` store with the
+  searched removal rates), DiffKV tiers only (full rank; the runtime's rotation and mixing are on, as in the
+  search), FastGen policies only (a `K16V16` store). Where the search kept no point for a family, a stated default;
+* kvcal joint: `CompressionConfig.from_policy(bundle.policy)` with the bundle's ranks; and a sweep of alpha_high x
+  {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
+
+The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`): dense (model dtype),
+transformers' `QuantizedCache` for each backend that runs offline, StreamingLLM, H2O, SnapKV and Palu. Eviction and
+Palu are "matched": built once kvcal joint's bytes ratio is measured, with that ratio as their memory budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcal.bench import caches
+from kvcal.bench.lowrank import PaluCache, unsupported_reason
+from kvcal.bundle import Bundle
+from kvcal.profile.ranks import rank_from_removal_rate
+from kvcal.profile.search import config_for
+from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.layout import TierFormat, default_page_bytes
+from kvcal.runtime.policy import TokenPolicy
+
+KIVI_WINDOW = 64          # recent tokens always fp16
+KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
+KIVI_ALPHA = 1e9          # alpha_high: every token that leaves the window goes to the low tier
+
+FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family
+    "rank-only (FDC)": {"high": "K16V16", "low": "K4cV2", "alpha_high": None, "qk_removal_rate": 0.04,
+                        "v_removal_rate": 0.04},
+    "tiers-only (DiffKV)": {"high": "K8V4", "low": "K4cV2", "alpha_high": 2.0, "alpha_low": 0.5},
+    "policies-only (FastGen)": {"high": "K16V16", "low": "K4cV2", "alpha_high": None,
+                                "fastgen": {"recovery": 0.95, "r_local": 0.3, "r_frequent": 0.3}},
+}
+
+
+@dataclass
+class Method:
+    key: str                   # stable id (JSON, --methods)
+    name: str                  # display name
+    family: str                # dense | quantization | eviction | low-rank | seed | kvcal
+    series: str                # plot series
+    description: str
+    settings: dict = field(default_factory=dict)
+    config: CompressionConfig | None = None          # KvcalCache methods
+    bundle: Bundle | None = None                     # ... with these ranks
+    factory: Callable[[int], Any] | None = None      # other caches: reserve (decode steps to come) -> fresh cache
+    unavailable: str | None = None                   # one-line reason it cannot run here
+    note: str | None = None                          # how it was built, when that needs saying
+
+    @property
+    def on_store(self) -> bool:
+        return self.config is not None
+
+    def make_cache(self, model, tokenizer, reserve: int = 0):
+        """A fresh, empty cache for this method (installs the attention function it needs on `model`)."""
+        if self.config is not None:
+            from kvcal.runtime.hf import KvcalCache
+
+            return KvcalCache.from_bundle(self.bundle, model, self.config, tokenizer=tokenizer)
+        caches.install(model)
+        return self.factory(reserve)
+
+
+def with_ranks(bundle: Bundle, settings: dict) -> Bundle:
+    """`bundle` with the ranks of a search point's removal rates (0: full rank), as the search measured it."""
+    return dataclasses.replace(
+        bundle, qk_rank=rank_from_removal_rate(bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0)),
+        v_rank=rank_from_removal_rate(bundle.v_spectrum, settings.get("v_removal_rate", 0.0)))
+
+
+def _tiers(config: CompressionConfig) -> str:
+    p = config.policy
+    if not p.tiered:
+        return f"{config.high.name}, no tiers"
+    return f"{config.high.name} / {config.low.name}, W={p.window}, a=({p.alpha_high:g},{p.alpha_low:g})"
+
+
+# --------------------------------------------------------------------------------------------- store methods
+
+
+def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
+    """Uniform and KIVI-style quantization, each seed family alone, and kvcal joint (all on the kvcal store)."""
+    d = bundle.model.head_dim
+    plain = CompressionConfig(use_ranks=False, rotate=False, mix=False, backend=backend)   # model basis, full rank
+    out = []
+    for bits in (8, 4, 2):
+        out.append(Method(f"uniform-k{bits}v{bits}", f"K{bits}V{bits} per-token", "quantization",
+                          "uniform per-token", f"every token K{bits}V{bits}, per-token min-max in the model basis",
+                          {"high": f"K{bits}V{bits}"}, plain.with_(high=TierFormat(bits, bits)), bundle))
+    for k_bits in (4, 2):
+        low = TierFormat(k_bits, 2, "channel")
+        cfg = plain.with_(high=TierFormat(16, 16), low=low, page_bytes=default_page_bytes(d, low, KIVI_GROUP),
+                          policy=TokenPolicy(window=KIVI_WINDOW, alpha_high=KIVI_ALPHA, alpha_low=0.0))
+        out.append(Method(f"kivi-k{k_bits}v2", f"KIVI K{k_bits}V2", "quantization", "KIVI-style",
+                          f"keys per channel (groups of {KIVI_GROUP} tokens), values per token, fp16 residual of "
+                          f"{KIVI_WINDOW} + <{KIVI_GROUP} tokens",
+                          {"high": "K16V16", "low": low.name, "window": KIVI_WINDOW, "group": KIVI_GROUP}, cfg, bundle))
+    families = (bundle.calibration.get("search") or {}).get("families") or {}
+    for name, key, label, series in (("rank-only (FDC)", "fdc-ranks", "FDC ranks only", "FDC ranks"),
+                                     ("tiers-only (DiffKV)", "diffkv-tiers", "DiffKV tiers only", "DiffKV tiers"),
+                                     ("policies-only (FastGen)", "fastgen", "FastGen policies only", "FastGen")):
+        point = families.get(name)
+        note = None
+        if point is None:
+            settings = {**FAMILY_DEFAULTS[name], "window": bundle.policy.get("window", 64)}
+            note = (f"the bundle's calibration search kept no `{name}` point (none met its target or saved bytes); "
+                    f"default settings {settings}")
+        else:
+            settings = dict(point["settings"])
+        cfg = config_for(settings).with_(backend=backend)
+        desc = _tiers(cfg)
+        if settings.get("qk_removal_rate") or settings.get("v_removal_rate"):
+            desc += (f", FDC removal rates qk {settings.get('qk_removal_rate', 0):g} / "
+                     f"v {settings.get('v_removal_rate', 0):g}")
+        if cfg.fastgen:
+            desc += f", FastGen T={cfg.fastgen.recovery:g}"
+        out.append(Method(key, label, "seed", series, desc, settings, cfg, with_ranks(bundle, settings), note=note))
+    out.append(joint_method(bundle, backend))
+    return out
+
+
+def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
+    cfg = CompressionConfig.from_policy(bundle.policy).with_(backend=backend)
+    note = None if "high" in bundle.policy else ("the bundle records no searched policy (`kvcal calibrate "
+                                                 "--no-search`); kvcal joint = the runtime's default settings")
+    L, H, d = bundle.shape
+    kept = (bundle.qk_rank.sum() + bundle.v_rank.sum()).item() / (2 * L * H * d)
+    desc = _tiers(cfg) + (f", FastGen T={cfg.fastgen.recovery:g}" if cfg.fastgen else "") + \
+        (f", ranks keep {kept:.3f} of K/V dims" if kept < 1 else "")
+    return Method("kvcal-joint", "kvcal joint", "kvcal", "kvcal joint", desc, dict(bundle.policy), cfg, bundle,
+                  note=note)
+
+
+def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
+    """Variants of the joint's tier thresholds (same ranks, tiers and FastGen): more and less aggressive."""
+    cfg = joint.config
+    p = cfg.policy
+    if p.tiered:
+        a_h, a_l = p.alpha_high, p.alpha_low
+        highs = {0.5: a_h / 2, 1: a_h, 2: 2 * a_h}
+        lows = {0: 0.0, 1: a_l, 2: 2 * a_l} if a_l > 0 else {0: 0.0, 1: 0.25, 2: 0.5}
+        grid = [(0.5, 1), (2, 2)] if quick else [(h, lo) for h in highs for lo in lows]
+        pairs = [(highs[h], lows[lo]) for h, lo in grid]
+    else:     # the joint has no tiers: try tiers at a few thresholds
+        pairs = [(1.0, 0.0), (2.0, 0.5)] if quick else [(1.0, 0.0), (2.0, 0.0), (2.0, 0.5), (4.0, 1.0)]
+    out, seen = [], {(p.alpha_high, p.alpha_low)}
+    for a_h, a_l in pairs:
+        a_l = min(a_l, a_h)
+        if (a_h, a_l) in seen:
+            continue
+        seen.add((a_h, a_l))
+        variant = cfg.with_(policy=dataclasses.replace(p, alpha_high=a_h, alpha_low=a_l))
+        out.append(Method(f"kvcal-a{a_h:g}-{a_l:g}", f"kvcal a=({a_h:g},{a_l:g})", "kvcal", "kvcal sweep",
+                          _tiers(variant), {**joint.settings, "alpha_high": a_h, "alpha_low": a_l}, variant,
+                          joint.bundle))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- other caches
+
+
+def cache_methods(model) -> list[Method]:
+    """Dense, and transformers' QuantizedCache per backend (unavailable ones say why)."""
+    out = [Method("dense", "dense", "dense", "dense", f"transformers DynamicCache in the model dtype ({model.dtype})",
+                  {"dtype": str(model.dtype).removeprefix("torch.")},
+                  factory=lambda reserve: caches.DenseCache(config=model.config))]
+    for backend, kwargs, label in (("quanto", {"nbits": 4}, "int4"), ("quanto", {"nbits": 2}, "int2"),
+                                   ("hqq", {"nbits": 4}, "int4"), ("fp8", {}, "")):
+        m = Method(f"hf-{backend}{'-' + label if label else ''}", f"HF QuantizedCache {backend} {label}".strip(),
+                   "quantization",
+                   "HF QuantizedCache",
+                   "transformers QuantizedCache: " + ("per-tensor fp8 (scale frozen at prefill)" if backend == "fp8"
+                                                      else "per-channel groups of 64, fp residual of 128 tokens"),
+                   {"backend": backend, **kwargs},
+                   factory=lambda reserve, b=backend, kw=kwargs: caches.MeasuredQuantizedCache(b, model.config, **kw))
+        try:
+            m.factory(0)
+        except (ImportError, ValueError) as e:
+            m.unavailable = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        out.append(m)
+    return out
+
+
+def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any]) -> list[Method]:
+    """StreamingLLM, H2O, SnapKV and Palu budgeted to `ratio` of fp16 bytes (kvcal joint's measured ratio).
+    `palu()` returns the PaluFactors (computed on first use)."""
+    common = {"ratio": ratio, "num_kv_heads": adapter.num_kv_heads, "head_dim": adapter.head_dim,
+              "dtype": model.dtype, "layer_types": list(adapter.layer_types),
+              "sliding_window": adapter.sliding_window}
+    out = [
+        Method("streamingllm", "StreamingLLM", "eviction", "StreamingLLM",
+               f"4 sink tokens + recent window, {ratio:.3f} of fp16 bytes", {"ratio": ratio, "sinks": 4},
+               factory=lambda reserve: caches.StreamingLLMCache(**common)),
+        Method("h2o", "H2O", "eviction", "H2O",
+               f"heavy hitters + recent (half the budget each), {ratio:.3f} of fp16 bytes",
+               {"ratio": ratio, "recent": "half the budget"}, factory=lambda reserve: caches.H2OCache(**common)),
+        Method("snapkv", "SnapKV", "eviction", "SnapKV",
+               f"observation window 32, avg-pool 7, prompt compressed once, {ratio:.3f} of fp16 bytes",
+               {"ratio": ratio, "window": 32, "kernel": 7},
+               factory=lambda reserve: caches.SnapKVCache(reserve=reserve, **common)),
+    ]
+    d = adapter.head_dim
+    rank = max(1, min(d, round(ratio * d)))
+    palu_method = Method("palu", "Palu low rank", "low-rank", "Palu",
+                         f"pre-RoPE whitened-SVD latents, rank {rank}/{d} for K and V (fp16)",
+                         {"rank": rank, "ratio": ratio},
+                         factory=lambda reserve: PaluCache(model, palu(), rank, list(adapter.layer_types)),
+                         unavailable=unsupported_reason(adapter))
+    out.append(palu_method)
+    return out
+
+
+def select(methods: list[Method], wanted: tuple[str, ...] | None) -> list[Method]:
+    """Methods whose key, family or series is in `wanted` (all when None); kvcal joint is always kept."""
+    if not wanted:
+        return methods
+    w = {x.lower() for x in wanted}
+    return [m for m in methods if m.key == "kvcal-joint" or {m.key, m.family.lower(), m.series.lower()} & w]

@@ -1,0 +1,361 @@
+"""`kvcal bench` on tiny random models: each baseline's memory accounting, exact eviction budgets, the dense baseline
+against the model's own logits, the store's special cases, and the report schema through the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import make_model, random_text
+from typer.testing import CliRunner
+
+from kvcal.bench import caches as C
+from kvcal.bench import methods as M
+from kvcal.bench.lowrank import PaluCache, palu_factors
+from kvcal.bench.report import SCHEMA, SCHEMA_VERSION, validate
+from kvcal.cli import app
+from kvcal.models import adapter_for
+from kvcal.profile.calibrate import CalibrationConfig, calibrate
+from kvcal.runtime.layout import PageLayout, TierFormat
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy machine makes two threads spin."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = make_model("llama")
+    return model, tok, adapter_for(model.config)
+
+
+@pytest.fixture(scope="module")
+def bundle_path(tiny_dir, text_file, tmp_path_factory):
+    """A searched bundle (policy and families), as `kvcal calibrate` writes it."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("bench") / "tiny.kvcal.safetensors"
+    calibrate(CalibrationConfig(model=str(tiny_dir), out=out, random_tokens=256, text_tokens=256, seq_len=64,
+                                dataset=str(text_file), dtype="float32", search=True, search_windows=2,
+                                search_prompt=48, search_steps=6, eval_windows=2, eval_steps=6, window=8,
+                                target_top1=0.5, target_ppl_ratio=1.5))
+    return out
+
+
+def _ids(tok, n_seq=2, n_words=70):
+    rows = [tok(random_text(n_words, seed=s), return_tensors="pt").input_ids[0, :n_words] for s in range(n_seq)]
+    return torch.stack(rows)
+
+
+def _eviction(cls, a, ratio=0.3, **kw):
+    return cls(ratio=ratio, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=torch.float32,
+               layer_types=list(a.layer_types), **kw)
+
+
+def _held(obj) -> int:
+    """Bytes of every tensor an object holds in its attributes, found independently of its `memory()`."""
+    total = 0
+    for value in vars(obj).values():
+        items = value if isinstance(value, tuple) else (value,)
+        total += sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+    return total
+
+
+@torch.inference_mode()
+def _decode(model, cache, ids, prompt):
+    """Prefill ids[:, :prompt] through `cache`, then one token per step; logits [B, S - prompt + 1, vocab]."""
+    logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+# --------------------------------------------------------------------------------------------- baselines
+
+
+def test_dense_baseline_reproduces_the_models_own_logits(tiny):
+    model, tok, a = tiny
+    ids = _ids(tok)
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits[:, 39:]
+    C.install(model)
+    cache = C.DenseCache(config=model.config)
+    got = _decode(model, cache, ids, 40)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    mem = cache.memory()
+    B, S = ids.shape
+    assert mem["total_bytes"] == sum(_held(layer) for layer in cache.layers) == a.num_layers * B * a.num_kv_heads \
+        * S * a.head_dim * 4 * 2                             # float32 K and V of every token
+    assert mem["ratio_to_fp16"] == 2.0
+
+
+@pytest.mark.parametrize("cls, ratio, P", [(C.StreamingLLMCache, 0.3, 40), (C.H2OCache, 0.3, 40),
+                                           (C.SnapKVCache, 0.5, 56)])
+def test_eviction_keeps_exactly_the_budget_and_counts_what_it_holds(tiny, cls, ratio, P):
+    model, tok, a = tiny
+    ids = _ids(tok)
+    steps = ids.shape[1] - P
+    C.install(model)
+    kw = {"reserve": steps, "window": 8} if cls is C.SnapKVCache else {}
+    cache = _eviction(cls, a, ratio, **kw)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True)
+        prompt_kept = cache.kept_tokens()[0]
+        for t in range(P, ids.shape[1]):
+            seen = t                                      # tokens seen before this step
+            want = cache.prompt_budget(P) + seen - P if cls is C.SnapKVCache else cache.budget(seen)
+            assert cache.kept_tokens() == [want] * a.num_layers, (t, cache.kept_tokens(), want)
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    n = ids.shape[1]
+    final = cache.kept_tokens()[0]
+    if cls is C.SnapKVCache:
+        assert prompt_kept == cache.prompt_budget(P) and final == cache.budget(n)     # memory met at the end
+    else:
+        assert final == cache.budget(n)
+    for layer in cache.layers:
+        assert layer.keys.shape == (2, a.num_kv_heads, final, a.head_dim) and layer.keys.dtype == torch.float16
+        pos = layer.pos
+        assert bool((pos[..., 1:] > pos[..., :-1]).all())                     # ascending, no duplicates
+        if cls is C.StreamingLLMCache:
+            assert pos[0, 0].tolist() == [0, 1, 2, 3] + list(range(n - final + 4, n))
+        elif cls is C.H2OCache:
+            recent = cache.recent_for(final)
+            assert bool((pos[..., -recent:] == torch.arange(n - recent, n)).all())
+        else:                                             # the observation window, then every decode token
+            assert bool((pos[..., -(steps + 8):] == torch.arange(P - 8, n)).all())
+    mem = cache.memory()
+    assert mem["total_bytes"] == sum(_held(layer) for layer in cache.layers)
+    assert mem["fp16_bytes"] == a.num_layers * 2 * a.num_kv_heads * n * a.head_dim * 4
+    per_token = 2 * a.head_dim * 2 + 4 + (4 if cls is C.H2OCache else 0)     # fp16 K, V + int32 position (+ score)
+    assert mem["total_bytes"] == a.num_layers * 2 * a.num_kv_heads * final * per_token
+    assert ratio <= mem["ratio_to_fp16"] < ratio + per_token / (n * a.head_dim * 4)   # matched, one token of slack
+
+
+def test_h2o_keeps_the_heaviest_hitters(tiny):
+    """After a prefill, H2O keeps the recent tokens and the prompt tokens with the most attention received, summed
+    over every query and the KV head's query heads (checked against transformers' eager attention weights)."""
+    model, tok, a = tiny
+    ids = _ids(tok, n_seq=1)
+    n, recent = ids.shape[1], 4
+    C.install(model)
+    cache = _eviction(C.H2OCache, a, ratio=0.5, recent=recent)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    eager, _ = make_model("llama")
+    eager.set_attn_implementation("eager")
+    with torch.inference_mode():
+        probs = eager(input_ids=ids, output_attentions=True).attentions            # per layer [1, Hq, n, n]
+    budget, g = cache.budget(n), a.num_q_heads // a.num_kv_heads
+    for layer, p in zip(cache.layers, probs):
+        score = p.sum(dim=2).view(1, a.num_kv_heads, g, n).sum(dim=2)              # [1, H, n]
+        heavy = score[..., :n - recent].topk(budget - recent, dim=-1).indices.sort(dim=-1).values
+        want = torch.cat([heavy, torch.arange(n - recent, n).expand(1, a.num_kv_heads, recent)], dim=-1)
+        assert torch.equal(layer.pos.long(), want)
+        torch.testing.assert_close(layer.score, score.gather(-1, want), atol=1e-4, rtol=1e-4)
+
+
+def test_palu_at_full_rank_is_dense_and_counts_its_latents(tiny):
+    model, tok, a = tiny
+    ids = _ids(tok)
+    calib = tok(random_text(200, seed=9), return_tensors="pt").input_ids
+    factors = palu_factors(model, a, calib)
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits[:, 39:]
+    C.install(model)
+    full = PaluCache(model, factors, a.head_dim, list(a.layer_types))
+    torch.testing.assert_close(_decode(model, full, ids, 40), ref, atol=2e-3, rtol=0)    # fp16 latents
+    half = PaluCache(model, factors, a.head_dim // 2, list(a.layer_types))
+    _decode(model, half, ids, 40)
+    mem = half.memory()
+    assert mem["total_bytes"] == sum(_held(layer) for layer in half.layers)
+    assert mem["ratio_to_fp16"] == 0.5
+
+
+def test_transformers_quantized_cache_fp8_counts_its_bytes(tiny):
+    model, tok, a = tiny
+    ids = _ids(tok)
+    C.install(model)
+    cache = C.MeasuredQuantizedCache("fp8", model.config)
+    _decode(model, cache, ids, 40)
+    mem = cache.memory()
+    held = sum(_held(layer) for layer in cache.layers)
+    assert mem["total_bytes"] == held
+    B, S = ids.shape
+    assert held == a.num_layers * (2 * B * a.num_kv_heads * S * a.head_dim + 2 * 4)   # 1 B codes + 2 fp32 scales
+    unavailable = [m for m in M.cache_methods(model) if m.unavailable]
+    assert all(m.unavailable.strip() and "\n" not in m.unavailable for m in unavailable)
+
+
+# --------------------------------------------------------------------------------------------- store special cases
+
+
+def _bundle(model, tok):
+    from test_runtime import random_bundle
+
+    return random_bundle(model, tok)
+
+
+def test_uniform_k8v8_ratio_is_the_page_layout(tiny):
+    model, tok, a = tiny
+    ids = _ids(tok, n_seq=2, n_words=70)
+    method = next(m for m in M.store_methods(_bundle(model, tok)) if m.key == "uniform-k8v8")
+    cache = method.make_cache(model, tok)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    d, n = a.head_dim, ids.shape[1]
+    page = cache.kv.store.page_bytes
+    T = PageLayout.build(TierFormat(8, 8), d, d, page).tokens
+    pages = a.num_layers * 2 * a.num_kv_heads * math.ceil(n / T)
+    mem = cache.memory()
+    assert mem["total_bytes"] == pages * page
+    assert mem["ratio_to_fp16"] == pytest.approx(pages * page / (a.num_layers * 2 * a.num_kv_heads * n * d * 4))
+    assert method.config.rotate is False and method.config.use_ranks is False and not method.config.policy.tiered
+    cache.release()
+
+
+def test_kivi_keeps_the_window_and_less_than_a_group_in_fp16(tiny):
+    model, tok, a = tiny
+    ids = torch.randint(3, len(tok), (1, 200))
+    method = next(m for m in M.store_methods(_bundle(model, tok)) if m.key == "kivi-k2v2")
+    cache = method.make_cache(model, tok)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for t in range(5):
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    counts = cache.kv.tier_counts()
+    n, heads = 205, a.num_layers * a.num_kv_heads
+    low = (n - M.KIVI_WINDOW) // M.KIVI_GROUP * M.KIVI_GROUP          # whole per-channel groups
+    assert counts == {"low": heads * low, "high": heads * (n - low)}
+    assert cache.kv.store.high.name == "K16V16" and cache.kv.store.low.name == "K2cV2"
+    cache.release()
+
+
+def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
+    from kvcal import load_bundle
+    from kvcal.models import load_model
+
+    b = load_bundle(bundle_path)
+    methods = M.store_methods(b)
+    joint = next(m for m in methods if m.key == "kvcal-joint")
+    assert joint.config.policy.alpha_high == b.policy.get("alpha_high") and joint.bundle is b
+    families = b.calibration["search"]["families"]
+    for key, name in (("fdc-ranks", "rank-only (FDC)"), ("diffkv-tiers", "tiers-only (DiffKV)"),
+                      ("fastgen", "policies-only (FastGen)")):
+        m = next(m for m in methods if m.key == key)
+        assert (m.note is None) == (families[name] is not None)          # a default is always said so
+    sweep = M.sweep_methods(b, joint, quick=True)
+    assert sweep and all(m.family == "kvcal" and m.config.policy != joint.config.policy for m in sweep)
+    lm = load_model(str(tiny_dir), dtype="float32")
+    matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None)
+    assert {m.key for m in matched} == {"streamingllm", "h2o", "snapkv", "palu"}
+    assert next(m for m in matched if m.key == "palu").settings["rank"] == round(0.4 * lm.adapter.head_dim)
+
+
+def test_passkey_replay_equals_generate(tiny):
+    from kvcal.bench.run import PasskeyProbe
+    from kvcal.runtime.fastgen import FastGenConfig
+
+    model, tok, a = tiny
+    bundle = _bundle(model, tok)
+    method = next(m for m in M.store_methods(bundle) if m.key == "uniform-k4v4")
+    filler = random_text(400, seed=3)
+    probe = PasskeyProbe(model, bundle, tok, filler, 120, 0.5, 0, FastGenConfig())
+    cache = method.make_cache(model, tok)
+    with torch.no_grad():
+        out = model.generate(input_ids=probe.prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                             pad_token_id=tok.eos_token_id)
+    cache.release()
+    assert probe.answer(method, 6) == tok.decode(out[0, probe.prompt.shape[1]:], skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------- CLI and schema
+
+QUICK = ["--quick", "--windows", "2", "--prompt", "32", "--steps", "4", "--contexts", "48,1024",
+         "--passkey-lengths", "64", "--speed-steps", "2", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(bundle_path, tiny_dir, text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    torch.set_num_threads(1)
+    r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--out", str(out),
+                            "--dataset", str(text_file), "--json", *QUICK])
+    return r, out
+
+
+def test_bench_json_report_is_stable(bench_run):
+    r, out = bench_run
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert validate(report) == []
+    assert report == json.loads((out / "bench.json").read_text())
+    assert report["schema_version"] == SCHEMA_VERSION == 1 and report["kind"] == "kvcal-bench"
+    assert set(report) == set(SCHEMA[""]) | {"outputs"}
+    assert set(report["summary"]) == set(SCHEMA["summary"])
+    keys = [m["key"] for m in report["methods"]]
+    for key in ("dense", "uniform-k8v8", "uniform-k4v4", "uniform-k2v2", "kivi-k4v2", "kivi-k2v2", "hf-fp8",
+                "streamingllm", "h2o", "snapkv", "palu", "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint"):
+        assert key in keys, key
+    assert any(k.startswith("kvcal-a") for k in keys)                                 # the sweep
+    for m in report["methods"]:
+        assert set(m) == set(SCHEMA["methods[]"])
+        if not m["available"]:
+            assert m["unavailable_reason"] and m["quality"] is None
+            continue
+        assert set(m["memory"]) == set(SCHEMA["methods[].memory"]) and m["memory"]["bytes_per_token"] > 0
+        assert set(m["quality"]) == set(SCHEMA["methods[].quality"])
+        assert set(m["passkey"]["cases"]) == {"64@0.1", "64@0.5", "64@0.9"}
+        assert [s["context"] for s in m["speed"]] == [48]
+    assert report["skipped"] == [{"what": "speed", "length": 1024, "reason": report["skipped"][0]["reason"]}]
+    assert "model's window" in report["skipped"][0]["reason"]
+    dense = next(m for m in report["methods"] if m["key"] == "dense")
+    assert dense["quality"]["top1"] == 1.0 and abs(dense["quality"]["kl"]) < 1e-6
+    joint = next(m for m in report["methods"] if m["key"] == "kvcal-joint")
+    assert report["settings"]["matched_ratio"] == joint["memory"]["ratio_to_fp16"]
+    assert report["summary"]["verdict"] and report["summary"]["kvcal_joint"]["key"] == "kvcal-joint"
+
+
+def test_bench_writes_markdown_and_png_plots(bench_run):
+    r, out = bench_run
+    assert r.exit_code == 0, r.output
+    for name in ("pareto.png", "decode_time.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    for part in ("## Result", "## Methods", "## Reproducibility", "pareto.png", "decode_time.png", "H2O",
+                 "unavailable:", "speed at 1024 tokens"):
+        assert part in md, part
+
+
+def test_validate_names_each_problem(bench_run):
+    report = json.loads(bench_run[0].stdout)
+    del report["summary"]["verdict"]
+    report["methods"][0]["quality"]["top1"] = "high"
+    report["seed"] = True
+    problems = validate(report)
+    assert any("summary.verdict" in p for p in problems)
+    assert any("methods[0].quality.top1" in p for p in problems)
+    assert any("`seed`" in p for p in problems)
+
+
+def test_bench_table_and_one_line_errors(bundle_path, tiny_dir, text_file, tmp_path):
+    r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--out",
+                            str(tmp_path / "o"), "--dataset", str(text_file), "--methods", "dense,h2o", *QUICK])
+    assert r.exit_code == 0, r.output
+    assert "kvcal joint" in r.stdout and "H2O" in r.stdout and "report:" in r.stdout
+    r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--backend", "cuda"])
+    assert r.exit_code == 1 and "attention backend `cuda`" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--methods", "nope",
+                            "--dataset", str(text_file), *QUICK])
+    assert r.exit_code == 1 and "unknown `nope`" in r.stderr
+    from conftest import save_model
+
+    other = save_model(tmp_path / "other", "llama", num_hidden_layers=3)
+    r = runner.invoke(app, ["bench", "--model", str(other), "--bundle", str(bundle_path), *QUICK])
+    assert r.exit_code == 1 and "calibrate this model" in r.stderr
