@@ -183,3 +183,17 @@ def test_calibrate_with_search_writes_a_ready_bundle_and_report(tiny_dir, text_f
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     assert "Every point measured" in paths["md"].read_text()
     assert not (tmp_path / "searched.kvcal.safetensors.ckpt").exists()
+
+
+def test_offloaded_model_gives_the_same_statistics(tiny_dir, text_file, tmp_path):
+    """--device-map auto with a memory cap below the model's size offloads layers to disk; the Gram statistics
+    stream per layer regardless, so the bundle matches an in-memory calibration."""
+    from kvcal.models import load_model
+
+    lm = load_model(str(tiny_dir), dtype="float32", device_map="auto", max_memory={"cpu": "60KB"})
+    assert "disk" in set(lm.model.hf_device_map.values())
+    offloaded = calibrate(_cfg(tiny_dir, text_file, tmp_path / "off.safetensors"), lm=lm).bundle
+    plain = calibrate(_cfg(tiny_dir, text_file, tmp_path / "plain.safetensors")).bundle
+    assert offloaded.model == plain.model
+    torch.testing.assert_close(offloaded.qk_spectrum, plain.qk_spectrum, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(offloaded.v_spectrum, plain.v_spectrum, rtol=1e-4, atol=1e-6)

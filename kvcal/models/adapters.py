@@ -154,9 +154,27 @@ def weights_hash(model: nn.Module, adapter: ModelAdapter) -> str:
     for layer in sorted({0, adapter.num_layers - 1}):
         attn = adapter.attention(model, layer)
         for proj in (attn.k_proj, attn.v_proj):
-            w = proj.weight.detach().to("cpu", torch.bfloat16).contiguous()
+            w = proj.weight
+            if w.device.type == "meta":       # offloaded by accelerate (device_map): read it from the checkpoint
+                w = _checkpoint_tensor(model, proj)
+            w = w.detach().to("cpu", torch.bfloat16).contiguous()
             h.update(w.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _checkpoint_tensor(model: nn.Module, module: nn.Module) -> torch.Tensor:
+    """The weight of `module` as stored in the model's safetensors checkpoint (for offloaded modules)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    name = next(n for n, m in model.named_modules() if m is module) + ".weight"
+    folder = Path(model.config._name_or_path)
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118
+                return f.get_tensor(name)
+    raise ValueError(f"offloaded weight `{name}` not found in the checkpoint at `{folder}`")
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -179,6 +179,8 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
     if progress:
         progress(name, done, n)
     device = lm.model.device
+    if device.type == "meta":          # everything offloaded to disk: accelerate runs the layers on the CPU
+        device = torch.device("cpu")
     for i in range(done, n):
         positions = torch.arange(offsets[i], offsets[i] + S)[None]
         if hasattr(collector, "set_tokens"):          # collectors that need the token ids (FastGen classes)
