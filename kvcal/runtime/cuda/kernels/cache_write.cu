@@ -1,0 +1,135 @@
+// Cache write: quantize and pack tokens into their page slots, with (scale, zero), score and position metadata.
+//
+//   write_tokens        one warp per token, per-token formats: K (unless per-channel or write_keys == 0) and V as
+//                       packed codes + fp16 (scale, zero) per channel group, or raw floats; then score and pos.
+//   write_channel_keys  one block per page, per-channel keys (KIVI): (scale, zero) per channel over the page's T
+//                       tokens, then the packed codes. The page's values/score/pos go through write_tokens with
+//                       write_keys = 0.
+//
+// Where each token goes (page byte offset, slot, descriptor row) is computed in Python (kvcal/runtime/cuda/plan.py
+// `write_plan`) from the store's page tables; segment offsets come from PageDesc (page_desc.cuh). Rounding follows
+// kvcal.runtime.quant exactly: fp32 min/max, scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min), codes =
+// clamp(rint((x - zero) / scale), 0, 2^bits - 1), 0 where scale == 0; IEEE division, round-half-even (= torch.round).
+// NOT EXECUTED IN DEVELOPMENT (no GPU was available): only compiled by NVRTC.
+#include "page_desc.cuh"
+
+#define WARPS 4
+#define MAX_GROUPS 32          // per-token (scale, zero) groups per vector; the plan checks it
+#define MAX_RANK 256           // per-channel keys: channels per page
+
+__device__ __forceinline__ unsigned encode(float x, float s, float z, int bits)
+{
+    if (s == 0.f) return 0u;
+    const float q = rintf(__fdiv_rn(__fsub_rn(x, z), s));
+    return (unsigned)fminf(fmaxf(q, 0.f), (float)((1 << bits) - 1));
+}
+
+// One warp writes one token's vector x [r] at slot t: codes into `off`, (scale, zero) pairs into `meta_off`
+__device__ void put_vector(unsigned char* page, int off, int meta_off, int nbytes, int bits, int group, int groups,
+                           int raw_bf16, int t, const float* x, int r, float2* sz_warp)
+{
+    const int lane = threadIdx.x & 31;
+    unsigned char* row = page + off + t * nbytes;
+    if (bits >= 16) {
+        for (int d = lane; d < r; d += 32) {
+            if (bits == 32) reinterpret_cast<float*>(row)[d] = x[d];
+            else if (raw_bf16) reinterpret_cast<__nv_bfloat16*>(row)[d] = __float2bfloat16_rn(x[d]);
+            else reinterpret_cast<__half*>(row)[d] = __float2half_rn(x[d]);
+        }
+        return;
+    }
+    __half* meta = reinterpret_cast<__half*>(page + meta_off) + 2 * t * groups;
+    const float levels = (float)((1 << bits) - 1);
+    for (int gi = 0; gi < groups; ++gi) {
+        float mn = __int_as_float(0x7f800000), mx = -mn;
+        for (int d = gi * group + lane; d < (gi + 1) * group; d += 32) { mn = fminf(mn, x[d]); mx = fmaxf(mx, x[d]); }
+        mn = warp_min(mn);
+        mx = warp_max(mx);
+        const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), levels)), hz = __float2half_rn(mn);
+        if (lane == 0) { meta[2 * gi] = hs; meta[2 * gi + 1] = hz; }
+        if (lane == 0) sz_warp[gi] = make_float2(__half2float(hs), __half2float(hz));
+    }
+    __syncwarp();
+    const int per = 8 / bits;                     // codes per byte; group % per == 0, so a byte never spans groups
+    for (int b = lane; b < nbytes; b += 32) {
+        unsigned byte = 0;
+        for (int k = 0; k < per; ++k) {
+            const int d = b * per + k;
+            if (d >= r) break;                    // a trailing partial byte is zero-padded
+            const float2 sz = sz_warp[d / group];
+            byte |= encode(x[d], sz.x, sz.y, bits) << (k * bits);
+        }
+        row[b] = (unsigned char)byte;
+    }
+    __syncwarp();                                 // sz_warp is reused by the next vector
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) write_tokens(
+    unsigned char* __restrict__ arena,
+    const int* __restrict__ descs,                // [n_desc, sizeof(PageDesc) / 4]
+    const long long* __restrict__ tok_page_off,   // [n] byte offset of the page holding each token
+    const int* __restrict__ tok_slot,             // [n] slot within that page
+    const int* __restrict__ tok_desc,             // [n] descriptor row
+    const float* __restrict__ keys,               // [n, k_stride] rotated keys (first r_k channels are stored)
+    const float* __restrict__ values,             // [n, v_stride] projected values
+    const int* __restrict__ pos,                  // [n]
+    const float* __restrict__ score,              // [n]
+    int n_tokens, int k_stride, int v_stride, int write_keys)
+{
+    __shared__ float2 sz[WARPS][MAX_GROUPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int i = blockIdx.x * WARPS + warp;
+    if (i >= n_tokens) return;                    // whole warps exit together: the __syncwarp()s stay legal
+    const PageDesc L = reinterpret_cast<const PageDesc*>(descs)[tok_desc[i]];
+    unsigned char* page = arena + tok_page_off[i];
+    const int t = tok_slot[i];
+    if (write_keys && !L.k_channel)
+        put_vector(page, L.k_off, L.k_meta_off, L.k_bytes, L.k_bits, L.k_group, L.k_groups, L.raw_bf16, t,
+                   keys + (long long)i * k_stride, L.r_k, sz[warp]);
+    put_vector(page, L.v_off, L.v_meta_off, L.v_bytes, L.v_bits, L.v_group, L.v_groups, L.raw_bf16, t,
+               values + (long long)i * v_stride, L.r_v, sz[warp]);
+    if (lane == 0) {
+        reinterpret_cast<float*>(page + L.score_off)[t] = score[i];
+        reinterpret_cast<int*>(page + L.pos_off)[t] = pos[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) write_channel_keys(
+    unsigned char* __restrict__ arena,
+    const int* __restrict__ descs,
+    const long long* __restrict__ page_off,       // [n_pages] byte offset of each whole page written
+    const int* __restrict__ page_desc,            // [n_pages]
+    const float* __restrict__ keys,               // [n_pages, T, k_stride] the page's keys, slot order
+    int n_pages, int k_stride)
+{
+    __shared__ float2 sz[MAX_RANK];
+    __shared__ PageDesc L;
+    const int pg = blockIdx.x;
+    if (pg >= n_pages) return;
+    if (threadIdx.x == 0) L = reinterpret_cast<const PageDesc*>(descs)[page_desc[pg]];
+    __syncthreads();
+    unsigned char* page = arena + page_off[pg];
+    const float* x = keys + (long long)pg * L.tokens * k_stride;
+    const float levels = (float)((1 << L.k_bits) - 1);
+    __half* meta = reinterpret_cast<__half*>(page + L.k_meta_off);          // [r_k, 2]
+    for (int d = threadIdx.x; d < L.r_k; d += blockDim.x) {                  // one thread per channel
+        float mn = __int_as_float(0x7f800000), mx = -mn;
+        for (int t = 0; t < L.tokens; ++t) { mn = fminf(mn, x[t * k_stride + d]); mx = fmaxf(mx, x[t * k_stride + d]); }
+        const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), levels)), hz = __float2half_rn(mn);
+        meta[2 * d] = hs;
+        meta[2 * d + 1] = hz;
+        sz[d] = make_float2(__half2float(hs), __half2float(hz));
+    }
+    __syncthreads();
+    const int per = 8 / L.k_bits;
+    for (int e = threadIdx.x; e < L.tokens * L.k_bytes; e += blockDim.x) {  // one thread per output byte
+        const int t = e / L.k_bytes, b = e % L.k_bytes;
+        unsigned byte = 0;
+        for (int k = 0; k < per; ++k) {
+            const int d = b * per + k;
+            if (d >= L.r_k) break;
+            byte |= encode(x[t * k_stride + d], sz[d].x, sz[d].y, L.k_bits) << (k * L.k_bits);
+        }
+        page[L.k_off + t * L.k_bytes + b] = (unsigned char)byte;
+    }
+}

@@ -1,0 +1,94 @@
+// Page descriptors and element access shared by cache_write.cu and decode_attention.cu.
+//
+// A PageDesc is one kvcal.runtime.layout.PageLayout flattened to ints. The Python side builds the descriptor table
+// (int32 [n_desc, sizeof(PageDesc) / 4]) from PageLayout by parsing the field names below, so the byte layout is
+// computed once, in Python, and never re-derived here. Field order here = column order there (kvcal/runtime/cuda/
+// plan.py `desc_fields`); add a field here and give it a value in `plan._desc_values`.
+//
+// The loader inlines this file in place of its #include (kvcal/runtime/cuda/backend.py `kernel_text`), so the NVRTC
+// cache key covers it.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+struct PageDesc {
+    int tokens;       // T: token slots per page
+    int r_k;          // stored key rank of the head (rotated, truncated K)
+    int r_v;          // stored value rank (projected V)
+    int k_bits;       // 2, 4, 8: packed codes; 16, 32: raw floats
+    int v_bits;
+    int k_channel;    // 1: per-channel key (scale, zero) [r_k, 2] over the page's tokens (KIVI); 0: per token
+    int k_group;      // channels per per-token key (scale, zero) group (r_k when ungrouped)
+    int v_group;      // channels per value group
+    int k_bytes;      // bytes per token of the k segment
+    int v_bytes;
+    int k_groups;     // per-token key groups (0 for per-channel or raw keys)
+    int v_groups;     // value groups (0 for raw values)
+    int k_off;        // segment offsets, bytes from the page start
+    int k_meta_off;
+    int v_off;
+    int v_meta_off;
+    int score_off;
+    int pos_off;
+    int raw_bf16;     // 1: 16-bit raw tiers hold bfloat16 (the store's `raw16`), 0: float16
+};
+
+// bits-wide code d of a packed row; element 0 in the least-significant bits of byte 0 (kvcal.runtime.quant.pack)
+__device__ __forceinline__ unsigned code_at(const unsigned char* row, int d, int bits)
+{
+    const int bit = d * bits;
+    return (row[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
+__device__ __forceinline__ float raw_at(const unsigned char* row, int d, int bits, int bf16)
+{
+    if (bits == 32) return reinterpret_cast<const float*>(row)[d];
+    const unsigned short u = reinterpret_cast<const unsigned short*>(row)[d];
+    return bf16 ? __bfloat162float(__ushort_as_bfloat16(u)) : __half2float(__ushort_as_half(u));
+}
+
+// code * scale + zero, fp32 multiply then fp32 add (no FMA): what quant.dequantize_* computes
+__device__ __forceinline__ float dequant(unsigned code, const __half* scale_zero)
+{
+    return __fadd_rn(__fmul_rn((float)code, __half2float(scale_zero[0])), __half2float(scale_zero[1]));
+}
+
+// Key channel d of token slot t in `page`
+__device__ __forceinline__ float key_at(const unsigned char* page, const PageDesc& L, int t, int d)
+{
+    const unsigned char* row = page + L.k_off + t * L.k_bytes;
+    if (L.k_bits >= 16) return raw_at(row, d, L.k_bits, L.raw_bf16);
+    const __half* meta = reinterpret_cast<const __half*>(page + L.k_meta_off);
+    const int pair = L.k_channel ? d : t * L.k_groups + d / L.k_group;   // [r_k, 2] or [T, k_groups, 2]
+    return dequant(code_at(row, d, L.k_bits), meta + 2 * pair);
+}
+
+// Value channel d of token slot t in `page` (values are always per token)
+__device__ __forceinline__ float value_at(const unsigned char* page, const PageDesc& L, int t, int d)
+{
+    const unsigned char* row = page + L.v_off + t * L.v_bytes;
+    if (L.v_bits >= 16) return raw_at(row, d, L.v_bits, L.raw_bf16);
+    const __half* meta = reinterpret_cast<const __half*>(page + L.v_meta_off);
+    return dequant(code_at(row, d, L.v_bits), meta + 2 * (t * L.v_groups + d / L.v_group));
+}
+
+__device__ __forceinline__ float warp_max(float x)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_min(float x)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
