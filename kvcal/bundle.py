@@ -174,6 +174,13 @@ def _kvcal_version() -> str:
     return __version__
 
 
+def make_shareable(path: str | os.PathLike) -> None:
+    """Give a file the permissions the umask allows (safetensors creates 0600; artefacts are meant to be shared)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_bundle(bundle: Bundle, path: str | Path) -> Path:
     """Validate and write `bundle` to `path` atomically: a reader sees the old file or the whole new one, never a
     partial one, and an interrupted write leaves nothing at `path`."""
@@ -189,6 +196,7 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=meta)
+        make_shareable(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcal.bundle import Bundle, BundleError, load_bundle
+from kvcal.bundle import Bundle, BundleError, load_bundle, make_shareable
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ def atomic_dir(out: str | Path, *, overwrite: bool = False):
         yield tmp
         for path in tmp.rglob("*"):
             if path.is_file() and path.stat().st_nlink == 1:   # hard links point at files already on disk
+                make_shareable(path)
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
         if out.is_dir() and any(out.iterdir()):

@@ -101,7 +101,7 @@ def _memory(cache, tokens: int) -> dict:
 def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer, target: dict) -> tuple[dict, dict]:
     """(quality, memory) of `method` on the probe's windows: store methods replay the probe's recorded prefill,
     other caches run their own."""
-    from kvcal.profile.quality import _compare, _teacher_force
+    from kvcal.profile.quality import compare_logits, teacher_force
 
     B, P = probe.prompt.shape
     steps = probe.continuation.shape[1] - 1
@@ -113,8 +113,8 @@ def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer, targ
     else:
         cache = method.make_cache(model, tokenizer, reserve=steps)
         model(input_ids=probe.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        got, seconds = _teacher_force(model, cache, probe.continuation)
-        fid = _compare(probe.ref, got, probe.continuation[:, 1:], P, seconds, cache)
+        got, seconds = teacher_force(model, cache, probe.continuation)
+        fid = compare_logits(probe.ref, got, probe.continuation[:, 1:], P, seconds, cache)
         mem = cache.memory()
         _release(cache)
     tokens = B * (P + steps)

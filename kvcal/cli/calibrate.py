@@ -54,7 +54,8 @@ def calibrate(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Run the random-token and calibration-text passes and write a validated bundle."""
+    """Random-token and calibration-text passes, quality searches (tiers, policies, ranks), then a validated bundle
+    and its report."""
     from kvcal.profile.calibrate import calibrate as run
 
     try:

@@ -49,7 +49,7 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-def _teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tensor, float]:
+def teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Feed continuation[:, :-1] one token per step through `cache`: logits [B, M, vocab] float32, seconds."""
     steps = []
     t0 = time.perf_counter()
@@ -59,8 +59,8 @@ def _teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tens
     return torch.stack(steps, dim=1), time.perf_counter() - t0
 
 
-def _compare(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
-             cache=None) -> Fidelity:
+def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
+                   cache=None) -> Fidelity:
     """Metrics of logits `got` against `ref` (both [B, M, vocab]) for true next tokens `target` [B, M]."""
     B, M = target.shape
     logp_ref, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
@@ -87,8 +87,8 @@ def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
     model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     kv = getattr(cache, "kv", None)
     page_s0 = kv.store.page_seconds if kv is not None else 0.0
-    got, seconds = _teacher_force(model, cache, continuation)
-    result = _compare(ref, got, continuation[:, 1:], P, seconds, cache)
+    got, seconds = teacher_force(model, cache, continuation)
+    result = compare_logits(ref, got, continuation[:, 1:], P, seconds, cache)
     if kv is not None:
         result.page_ms_per_step = 1000 * (kv.store.page_seconds - page_s0) / max(M, 1)
         cache.release()
@@ -138,8 +138,8 @@ class DecodeProbe:
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
         cache.prime(self.records, token_ids=self.prompt)
         page_s0 = cache.kv.store.page_seconds
-        got, seconds = _teacher_force(self.model, cache, self.continuation)
-        result = _compare(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
+        got, seconds = teacher_force(self.model, cache, self.continuation)
+        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
         result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
         cache.release()
         return result
