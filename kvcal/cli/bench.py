@@ -3,6 +3,7 @@
     kvcal bench --bundle smollm2-135m.kvcal.safetensors --quick            # a few minutes on 2 CPU cores
     kvcal bench --model smollm2-135m --bundle b.kvcal.safetensors --out bench-smollm2 --json
     kvcal bench --bundle b.kvcal.safetensors --methods dense,kvcal,eviction --contexts 1024,4096
+    kvcal bench --offload --quick                    # KVPR offloading only: OUT/offload.json, OUT/offload.md
 
 Writes OUT/bench.json, OUT/bench.md, OUT/pareto.png and OUT/decode_time.png (kvcal.bench.report has the schema).
 """
@@ -68,8 +69,13 @@ def bench(
     = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    offload: Annotated[bool, typer.Option("--offload", help="Only the KVPR offloading section: modelled step time "
+                                                            "at l = 0 / l* / full per layer, and a measured run "
+                                                            "(writes OUT/offload.json and OUT/offload.md).")] = False,
 ) -> None:
     """Compare kvcal with baselines on KV bytes, quality, passkey retrieval and CPU speed; write a report."""
+    if offload:
+        return _offload(model, bundle, out, quick, dtype, seed, contexts, json_out, quiet)
     from kvcal.bench import BenchSettings, run_bench, write_report
     from kvcal.bundle import BundleError, load_bundle
     from kvcal.models import load_model
@@ -119,6 +125,29 @@ def bench(
         stdout.print(f"[yellow]where kvcal loses:[/] {s['note']}", highlight=False)
     stdout.print(f"report: {paths['md']} (JSON {paths['json'].name}, plots {paths['pareto_png'].name}, "
                  f"{paths['decode_png'].name})", highlight=False)
+
+
+def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dtype: str, seed: int,
+             contexts: str | None, json_out: bool, quiet: bool) -> None:
+    """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled."""
+    from kvcal.bench.offload import OffloadSettings, run_offload, to_markdown, write_offload_report
+    from kvcal.bundle import BundleError, load_bundle
+    from kvcal.models import load_model
+
+    status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{msg}[/]", highlight=False))
+    try:
+        b = load_bundle(bundle) if bundle is not None else None
+        lm = load_model(model, dtype=dtype)
+        settings = OffloadSettings.preset(quick, seed=seed, contexts=_ints(contexts, "contexts"))
+        report = run_offload(lm, settings, bundle=b, status=status)
+        paths = write_offload_report(report, out or Path(f"bench-{lm.name}"))
+    except (BundleError, ValueError, RuntimeError, OSError) as e:
+        raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    if json_out:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print(to_markdown(report))
+    stdout.print(f"report: {paths['md']} (JSON {paths['json'].name})", highlight=False)
 
 
 def _print_table(r: dict) -> None:

@@ -106,7 +106,7 @@ class CompressedKV:
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_bytes, raw16=raw16)
         self.backend = select_backend(config.backend, str(self.device))
-        if hasattr(self.backend, "bind"):      # a backend with its own cache-write kernels takes over the store's writes
+        if hasattr(self.backend, "bind"):  # a backend with its own cache-write kernels takes the writes
             self.backend.bind(self.store)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
