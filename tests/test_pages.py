@@ -174,6 +174,31 @@ def test_random_batches_seeded():
 
 
 # --------------------------------------------------------------------------- targeted tests
+def test_grow_table_keeps_every_page_on_its_side():
+    """Widening the page table keeps each entry's high pages left and low pages right, in rank order, and later
+    allocations and frees keep working against the model."""
+    rng = random.Random(1)
+    a = PageArena(300, 8, slots=2, layers=2, kv_heads=2, max_pages_per_entry=4)
+    m = Model(300)
+    all_keys = [(s, l, h, d) for s in range(2) for l in range(2) for h in range(2) for d in (HIGH, LOW)]
+    for step in range(40):
+        rows = [(*k, rng.randint(0, 2)) for k in rng.sample(all_keys, 4)]
+        per_entry = collections.Counter()
+        for s, l, h, _, c in rows:
+            per_entry[(s, l, h)] += c
+        need = max(m.held(k) + c for k, c in per_entry.items())
+        if need > a.max_pages_per_entry:
+            a.grow_table(need + step % 3)          # sometimes exactly enough, sometimes more
+        assert a.allocate(*req(*rows)).tolist() == m.allocate(rows)
+        if step % 5 == 4:
+            keys = [k for k in all_keys if m.pages.get(k[:3], ([], []))[k[3]]]
+            rows = [(*k, rng.randint(0, len(m.pages[k[:3]][k[3]]))) for k in rng.sample(keys, min(len(keys), 3))]
+            a.free_last(*req(*rows))
+            m.free_last(rows)
+        check_against_model(a, m)
+    assert a.max_pages_per_entry > 4
+
+
 def test_exclusive_cumsum():
     off = PageArena.exclusive_cumsum(torch.tensor([3, 0, 2, 5], dtype=torch.int32))
     assert off.dtype == torch.int64 and off.tolist() == [0, 3, 3, 5]

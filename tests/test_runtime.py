@@ -93,8 +93,9 @@ def test_store_round_trip_per_token_formats(fmt):
     H, d = 2, 16
     ranks = torch.tensor([[16, 8]])
     store = CompressedStore(ranks, torch.tensor([[12, 16]]), [0], high=TierFormat.parse(fmt),
-                            low=TierFormat.parse("K4V2"), head_dim=d, batch=2, page_bytes=512, initial_pages=2)
-    n = 70                                                             # several pages per entry, forces growth
+                            low=TierFormat.parse("K4V2"), head_dim=d, batch=2, page_bytes=512, initial_pages=2,
+                            initial_tokens=8)
+    n = 70                                                  # several pages per entry: the arena and the table grow
     b, h = torch.arange(2).repeat_interleave(H * n), torch.arange(H).repeat_interleave(n).repeat(2)
     keys, values = torch.randn(len(b), 16), torch.randn(len(b), 16)
     pos = torch.arange(n).repeat(2 * H)

@@ -136,6 +136,20 @@ class PageArena:
         self.free_list[:self.num_free + extra_pages] = torch.cat([free_ids, new_ids])
         self.start, self.num_free = 0, self.num_free + extra_pages
 
+    def grow_table(self, max_pages_per_entry: int) -> None:
+        """Widen every page-table row to `max_pages_per_entry` columns. High pages keep their columns; low pages move
+        to the new right end, so each page keeps its rank k on its side. Page ids and contents are unchanged."""
+        P, Q = self.max_pages_per_entry, int(max_pages_per_entry)
+        if Q <= P:
+            return
+        col = torch.arange(P, device=self.device)
+        n_high, n_low = self.num_pages_used[..., HIGH, None], self.num_pages_used[..., LOW, None]
+        table = torch.full((*self.page_table.shape[:-1], Q), -1, dtype=torch.int32, device=self.device)
+        table[..., :P] = torch.where(col < n_high, self.page_table, -1)
+        low = torch.where(col >= P - n_low, self.page_table, -1)      # n_high + n_low <= P: no row overlaps
+        table[..., Q - P:] = torch.where(low >= 0, low, table[..., Q - P:])
+        self.page_table, self.max_pages_per_entry = table, Q
+
     # ------------------------------------------------------------------ batched operations
     def allocate(self, slot, layer, head, side, count) -> torch.Tensor:
         """Append ``count[i]`` pages to side ``side[i]`` of entry (slot[i], layer[i], head[i]).

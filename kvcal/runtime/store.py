@@ -54,7 +54,8 @@ class CompressedStore:
 
     def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
-                 page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64):
+                 page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
+                 initial_tokens: int = 2048):
         if high.k_mode != "token":
             raise ValueError("the high tier needs per-token keys (it holds the recent window, written token by token)")
         self.high, self.low = high, low
@@ -78,8 +79,9 @@ class CompressedStore:
             self.groups[layer] = groups
         self.r_k_max = {layer: max(g.r_k for g in gs) for layer, gs in self.groups.items()}
         self.r_v_max = {layer: max(g.r_v for g in gs) for layer, gs in self.groups.items()}
-        self.max_tokens = 1 << 20
-        max_pages = -(-self.max_tokens // min(min_tokens)) * 2
+        # page-table rows start with room for `initial_tokens` per entry and widen on demand (PageArena.grow_table):
+        # a row sized for any context up front costs [B, L, H, 65536] int32 = hundreds of MB per cache
+        max_pages = -(-initial_tokens // min(min_tokens)) * 2
         self.arena = PageArena(initial_pages, self.page_bytes, slots=batch, layers=L, kv_heads=H,
                                max_pages_per_entry=max_pages, device=self.device)
         self.fill = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)
@@ -111,6 +113,9 @@ class CompressedStore:
         if bool((count > 0).any()):
             nz = count > 0
             need = int(count.sum())
+            width = int((self.arena.num_pages_used[b[nz], layer, h[nz]].sum(-1) + count[nz]).max())
+            if width > self.arena.max_pages_per_entry:
+                self.arena.grow_table(max(width, 2 * self.arena.max_pages_per_entry))
             if need > self.arena.num_free:
                 self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages // 2, 16))
             n = int(nz.sum())
@@ -276,10 +281,11 @@ class CompressedStore:
 
         Reads the page table directly (no argument validation): this runs for every layer of every decode step.
         """
-        rows = self.arena.page_table[b, layer, h]                                       # [n, P_max]
         count = self.arena.num_pages_used[b, layer, h, side]                            # [n]
         P = int(count.max()) if len(b) else 0
-        pages = rows[:, :P] if side == HIGH else rows[:, rows.shape[1] - P:].flip(-1)   # k-th low page at P_max-1-k
+        table = self.arena.page_table[:, layer]                                         # [slots, H, P_max]
+        cols = table[..., :P] if side == HIGH else table[..., table.shape[-1] - P:].flip(-1)   # k-th low page at
+        pages = cols[b, h]                                                              # P_max-1-k; [n, P]
         # an entry with fewer pages on this side must not read the other side's pages in those columns
         return torch.where(torch.arange(P, device=self.device) < count[:, None], pages, -1).long()
 
