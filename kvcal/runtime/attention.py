@@ -31,7 +31,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_PREFILL_CHUNK = 512   # query rows per block: bounds the [B, H, g, chunk, n] probability block in memory
+_BLOCK_ELEMENTS = 1 << 23   # prefill probability block [B, H, g, rows, n]: 32 MB in float32, whatever the context
+
+
+def prefill_rows(B: int, H: int, g: int, n: int) -> int:
+    """Query rows per prefill block, so that one [B, H, g, rows, n] block stays near `_BLOCK_ELEMENTS` (a fixed row
+    count would make the block, and its softmax copies, grow with the context: GBs at 16k)."""
+    return max(16, min(n, _BLOCK_ELEMENTS // max(B * H * g * n, 1)))
 
 
 class AttentionBackend(ABC):
@@ -82,8 +88,9 @@ class TorchBackend(AttentionBackend):
         B, H, g, n, d = query.shape
         out = torch.empty(B, H, g, n, values.shape[-1], device=query.device)
         score = torch.zeros(B, H, n, device=query.device)
-        for start in range(0, n, _PREFILL_CHUNK):
-            rows = slice(start, min(start + _PREFILL_CHUNK, n))
+        step = prefill_rows(B, H, g, n)
+        for start in range(0, n, step):
+            rows = slice(start, min(start + step, n))
             allowed = mask[:, None, None, rows, :]                                  # [B, 1, 1, c, n]
             o, p = _softmax_attend(query[:, :, :, rows], keys, values, allowed, scale)
             out[:, :, :, rows] = o

@@ -163,7 +163,7 @@ class CompressedKV:
     def _prompt_recovery(self, q, key, real, score, scale) -> torch.Tensor:
         """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy (prompt attention recomputed in
         query blocks, because the ranking of frequent tokens needs the final column sums first)."""
-        from kvcal.runtime.attention import _PREFILL_CHUNK
+        from kvcal.runtime.attention import prefill_rows
 
         B, H, g, n, d = q.shape
         if self.token_ids.shape[1] < n:
@@ -173,8 +173,9 @@ class CompressedKV:
         n_pad = (~real).sum(-1)
         total = torch.zeros(4, B, H, device=q.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]
-        for start in range(0, n, _PREFILL_CHUNK):
-            rows = torch.arange(start, min(start + _PREFILL_CHUNK, n), device=q.device)
+        step = prefill_rows(B, H, g, n)
+        for start in range(0, n, step):
+            rows = torch.arange(start, min(start + step, n), device=q.device)
             probs = torch.softmax(torch.einsum("bhgnd,bhsd->bhgns", q[:, :, :, rows].float(), key.float()) * scale
                                   + torch.where(causal[:, None, None, rows], 0.0, float("-inf")), dim=-1)
             probs = torch.nan_to_num(probs, nan=0.0)

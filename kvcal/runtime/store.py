@@ -87,6 +87,10 @@ class CompressedStore:
         self.fill = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)
         self.holes = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)   # empty slots below fill
         self.page_seconds = 0.0   # time spent in page allocation (for the page-management share of a step)
+        # (layer, side, group index) -> a lower bound on the free slots of every entry of the group. Decode appends
+        # one token per entry per step and pages are freed only at release, so the bound drops by one per step and
+        # the page tables need checking only when it reaches zero (every page's worth of steps, not every step)
+        self._room: dict[tuple[int, int, int], int] = {}
 
     # ------------------------------------------------------------------------------------------------- addressing
 
@@ -124,6 +128,21 @@ class CompressedStore:
         self.page_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------------- writing
+
+    def _free_slots(self, layer: int, side: int, g: _Group) -> int:
+        """min over the group's entries of (allocated slots - filled slots) on `side`. Page management: timed."""
+        import time
+
+        t0 = time.perf_counter()
+        b, h = self._entries(layer, g)
+        have = self.arena.num_pages_used[b, layer, h, side].long() * g.layouts[side].tokens
+        room = int((have - self.fill[layer, b, h, side]).min())
+        self.page_seconds += time.perf_counter() - t0
+        return room
+
+    def _forget_room(self, layer: int, side: int) -> None:
+        for i in range(len(self.groups[layer])):
+            self._room.pop((layer, side, i), None)
 
     def _raw(self, x: torch.Tensor, bits: int) -> torch.Tensor:
         dtype = torch.float32 if bits == 32 else self.raw16
@@ -176,6 +195,7 @@ class CompressedStore:
             start = self.fill[layer, bs, hs, LOW]
             self._ensure_pages(layer, LOW, bs, hs, start + T, lay)
             self.fill[layer, bs, hs, LOW] = start + T
+            self._forget_room(layer, LOW)
             base, _ = self._page_of(layer, LOW, bs, hs, start, lay)
             k = keys[sel, :, :g.r_k].float()
             codes, scale, zero = quant.quantize_per_channel(k, lay.fmt.k_bits)          # [n, T, r_k], [n, r_k]
@@ -200,10 +220,13 @@ class CompressedStore:
         entry = b * H + h
         if len(torch.unique(entry)) == len(entry):            # one token per entry (decode): no ordering needed
             start = self.fill[layer, b, h, side]
-            for g in self.groups[layer]:
-                sel = torch.isin(h, g.heads)
-                if bool(sel.any()):
-                    self._ensure_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
+            for i, g in enumerate(self.groups[layer]):
+                if self._room.get((layer, side, i), 0) < 1:
+                    sel = torch.isin(h, g.heads)
+                    if bool(sel.any()):
+                        self._ensure_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
+                    self._room[layer, side, i] = self._free_slots(layer, side, g)
+                self._room[layer, side, i] -= 1
             self.fill[layer, b, h, side] = start + 1
             self.write(layer, side, b, h, start, keys, values, pos, score)
             return
@@ -220,6 +243,7 @@ class CompressedStore:
             if bool(sel.any()):
                 self._ensure_pages(layer, side, ub[sel], uh[sel], (start + counts)[sel], g.layouts[side])
         self.fill[layer, ub, uh, side] = start + counts
+        self._forget_room(layer, side)
         slot = torch.repeat_interleave(start, counts) + rank
         self.write(layer, side, b, h, slot, keys, values, pos, score)
 
@@ -434,4 +458,5 @@ class CompressedStore:
         freed = self.arena.free_slots(torch.arange(self.batch, device=self.device))
         self.fill.zero_()
         self.holes.zero_()
+        self._room.clear()
         return freed

@@ -178,6 +178,7 @@ class CudaBackend(AttentionBackend):
             start = store.fill[layer, bs, hs, LOW]
             store._ensure_pages(layer, LOW, bs, hs, start + T, lay)        # the store's own bookkeeping
             store.fill[layer, bs, hs, LOW] = start + T
+            store._forget_room(layer, LOW)
             base, _ = store._page_of(layer, LOW, bs, hs, start, lay)
             k = keys[sel].float().contiguous()                             # [m, T, k_stride]
             assert k.shape[1] == T, f"keys hold {k.shape[1]} tokens per page, the group's low pages hold {T}"
