@@ -84,3 +84,85 @@ def test_target_asks_for_more_evidence_near_the_threshold():
     assert not t.met(near) and t.met(clear)
     assert QualityTarget(z=0).met(near)
     assert wilson_lower(0.977, 256, 1.0) < 0.977 and abs(wilson_lower(0.977, 10**9, 1.0) - 0.977) < 1e-4
+
+
+class LadderProbe:
+    """A fake probe where quality grows with the high tier's value bits and value groups (smaller group = better)."""
+
+    def __init__(self, quality):
+        self.quality, self.calls = quality, []
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        self.calls.append((config.high.name, bundle.v_rank.tolist()))
+        return Fidelity(kl=0.0, top1=self.quality[config.high.name], ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0,
+                        predictions=10**6, prompt_tokens=1, memory={"ratio_to_fp16": 0.5}, tiers={})
+
+
+def _bundle(d=64, v_spectrum=None):
+    import torch
+
+    from kvcal.bundle import Bundle, ModelInfo
+
+    eye = torch.eye(d)[None, None]
+    rank = torch.full((1, 1), d, dtype=torch.int32)
+    spec = torch.ones(1, 1, d) if v_spectrum is None else v_spectrum
+    return Bundle(ModelInfo("m", "f", "w", "t", "llama", 1, 1, 1, d, ["full_attention"]), eye, torch.ones(1, 1, d),
+                  rank, eye, spec, rank, "both", "trace", "activations-text")
+
+
+def test_precision_ladder_takes_the_cheapest_high_tier_meeting_the_target():
+    quality = {"K8V4": 0.95, "K8V4g32": 0.96, "K8V4g16": 0.99, "K8V8": 0.999}
+    probe = LadderProbe(quality)
+    point = Search(probe, _bundle(), QualityTarget()).precision({"low": "K4cV2", "window": 64})
+    assert point.settings["high"] == "K8V4g16" and [c[0] for c in probe.calls] == ["K8V4", "K8V4g32", "K8V4g16"]
+    # a head dim that 32 does not divide skips the 32-channel groups
+    probe = LadderProbe(quality)
+    Search(probe, _bundle(d=48), QualityTarget()).precision({"low": "K4cV2", "window": 64})
+    assert [c[0] for c in probe.calls] == ["K8V4", "K8V4g16"]
+    # nothing feasible: the first (cheapest) point comes back, marked infeasible
+    probe = LadderProbe(dict.fromkeys(quality, 0.5))
+    assert Search(probe, _bundle(), QualityTarget()).precision({"low": "K4cV2"}).settings["high"] == "K8V4"
+
+
+def test_v_ranks_are_rounded_up_to_the_value_group():
+    import torch
+
+    from kvcal.profile.search import v_ranks
+
+    spectrum = torch.linspace(10, 0.1, 64).reshape(1, 1, 64)
+    plain = v_ranks(spectrum, {"high": "K8V4", "low": "K4cV2", "v_removal_rate": 0.3})
+    grouped = v_ranks(spectrum, {"high": "K8V4g16", "low": "K4cV2", "v_removal_rate": 0.3})
+    assert int(plain) % 16 != 0                                 # the test needs a rank the group does not divide
+    assert int(grouped) % 16 == 0 and int(plain) < int(grouped) < int(plain) + 16
+
+
+def test_tier_format_names_round_trip():
+    from kvcal.runtime.layout import TierFormat
+
+    for spec in ("K8V4", "K4cV2", "K8V4g32", "K8V4g16kg32", "K4cV2g16", "K16V16"):
+        assert TierFormat.parse(spec).name == spec
+    assert TierFormat.parse("K8V4g32").v_group == 32 and TierFormat.parse("K8V4g32").k_group is None
+    import pytest
+
+    with pytest.raises(ValueError, match="K8V4g32"):
+        TierFormat.parse("K8V4x")
+
+
+def test_rates_with_the_same_ranks_are_measured_once():
+    import torch
+
+    quality = {"K8V4g16": 0.99}
+    probe = LadderProbe(quality)
+    spectrum = torch.cat([torch.full((60,), 10.0), torch.full((4,), 1e-3)]).reshape(1, 1, 64)
+    search = Search(probe, _bundle(v_spectrum=spectrum), QualityTarget())
+    base = {"high": "K8V4g16", "low": "K4cV2", "window": 64}
+    a = search.measure("precision", "start", base)
+    from kvcal.profile.ranks import rank_from_removal_rate
+
+    assert int(rank_from_removal_rate(spectrum, 0.0001)) < 64          # a real change without value groups
+    b = search.measure("ranks", "v 0.0001", {**base, "v_removal_rate": 0.0001})   # rounded up to 64 (groups of 16)
+    assert len(probe.calls) == 1 and b.label == "v 0.0001" and b.top1 == a.top1 and b.seconds == 0.0
+    search.measure("ranks", "v 0.9", {**base, "v_removal_rate": 0.9})              # a real rank change
+    assert len(probe.calls) == 2 and probe.calls[-1][1] != [[64]]

@@ -48,7 +48,7 @@ def calibrate(
     target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")] = 1.02,
     target_z: Annotated[float, typer.Option(help="Top-1 must hold at this many standard errors (0: as measured).")]
     = 1.5,
-    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 8,
+    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 16,
     search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 512,
     search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
     json_out: JsonOpt = False,

@@ -99,12 +99,13 @@ def _plot(r: dict, path: Path) -> None:
     c = s["chosen"]
     ax.scatter([c["bytes_ratio"]], [c["top1"]], marker="*", s=300, color="red", label="chosen", zorder=5)
     ax.axhline(s["target"]["top1"], color="red", linestyle="--", linewidth=1,
-               label=f"target top-1 {s['target']['top1']}")
+               label=f"target top-1 {s['target']['top1']} (a point must clear it at its Wilson bound, "
+                     f"z = {s['target'].get('z', 0):g}, and meet the perplexity ratio)")
     ax.set_xlabel("KV bytes held / fp16 dense bytes (lower is better)")
     ax.set_ylabel("top-1 agreement with dense")
     ax.set_title(f"kvcal calibration: {r['model']} (search windows)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)    # best: the corners hold points often
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -7,7 +7,8 @@ candidates the search keeps the one with the fewest KV bytes per token, as measu
 
 Stages, each starting from the previous stage's choice; every measured point is kept in `SearchResult.path`:
 
-1. precision: the high tier, K8V4, or K8V8 if K8V4 misses the target;
+1. precision: the cheapest high tier of `PRECISION_LADDER` (K8V4, then values in groups of 32 and 16 channels, then
+   K8V8) that meets the target;
 2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), alpha_high over {1, ..., 5} with no
    pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
    ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 LOW_TIERS = ("K4cV2", "K4V2")
+# high tiers by bytes: 4-bit values with one (scale, zero) per token, per 32 and per 16 channels, then 8-bit values.
+# Value groups sit between K8V4 and K8V8 in bytes and in quality (smollm2-135m, 512 predictions: top-1 0.967 at
+# 0.438 of fp16 bytes, 0.975 at 0.453, 0.988 at 0.484, 1.000 at 0.562; benchmarks/value_groups.py)
+PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -137,6 +142,16 @@ def settings_key(settings: dict) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
+def v_ranks(v_spectrum: torch.Tensor, settings: dict) -> torch.Tensor:
+    """V ranks [L, H] for the settings' removal rate, rounded up to a multiple of the tiers' value group (a group
+    must divide the stored rank)."""
+    rank = rank_from_removal_rate(v_spectrum, settings.get("v_removal_rate", 0.0))
+    group = max((TierFormat.parse(settings[k]).v_group or 1 for k in ("high", "low") if k in settings), default=1)
+    if group > 1:
+        rank = (-(-rank // group) * group).clamp(max=v_spectrum.shape[-1])
+    return rank
+
+
 def config_for(settings: dict) -> CompressionConfig:
     policy = TokenPolicy(alpha_high=settings.get("alpha_high"), alpha_low=settings.get("alpha_low", 0.0),
                          window=settings.get("window", 64), threshold_base=settings.get("threshold_base", "length"))
@@ -156,17 +171,18 @@ class Search:
         self.path: list[Point] = []
 
     def measure(self, stage: str, label: str, settings: dict) -> Point:
-        key = settings_key(settings)
-        if key in self.memo:
-            point = self.memo[key]
+        qk_rank = rank_from_removal_rate(self.bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0))
+        v_rank = v_ranks(self.bundle.v_spectrum, settings)
+        key = self._key(settings, qk_rank, v_rank)
+        if key in self.memo:        # measured before (a resumed run, or other settings with the same effect)
+            known = self.memo[key]
+            point = known if known.settings == settings else dataclasses.replace(
+                known, stage=stage, label=label, settings=dict(settings), seconds=0.0)
             point.feasible = self.target.met(point)
             self.path.append(point)
             return point
         t0 = time.perf_counter()
-        bundle = dataclasses.replace(
-            self.bundle,
-            qk_rank=rank_from_removal_rate(self.bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0)),
-            v_rank=rank_from_removal_rate(self.bundle.v_spectrum, settings.get("v_removal_rate", 0.0)))
+        bundle = dataclasses.replace(self.bundle, qk_rank=qk_rank, v_rank=v_rank)
         fid = self.probe.measure(config_for(settings), bundle)
         point = Point(stage=stage, label=label, settings=dict(settings), bytes_ratio=fid.memory["ratio_to_fp16"],
                       top1=fid.top1, kl=fid.kl, ppl_ratio=fid.ppl_ratio, tiers=fid.tiers, feasible=False,
@@ -178,14 +194,35 @@ class Search:
             self.report(point)
         return point
 
+    def _key(self, settings: dict, qk_rank: torch.Tensor, v_rank: torch.Tensor) -> str:
+        """Memo key: the settings with removal rates replaced by the ranks they give, so two rates that give the same
+        ranks (small rates, or V ranks rounded up to a value group) are measured once."""
+        import hashlib
+
+        plain = {k: v for k, v in settings.items() if k not in ("qk_removal_rate", "v_removal_rate")}
+        full = bool((qk_rank == self.bundle.qk_spectrum.shape[-1]).all() and (v_rank == v_rank.new_tensor(
+            self.bundle.v_spectrum.shape[-1])).all())
+        if not full:
+            digest = hashlib.sha256(qk_rank.to(torch.int32).numpy().tobytes() + b"|"
+                                    + v_rank.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
+            plain["ranks"] = digest
+        return settings_key(plain)
+
     # ----------------------------------------------------------------------------------------------------- stages
 
     def precision(self, base: dict) -> Point:
-        first = self.measure("precision", "K8V4, no tiers", {**base, "high": "K8V4", "alpha_high": None})
-        if first.feasible:
-            return first
-        second = self.measure("precision", "K8V8, no tiers", {**base, "high": "K8V8", "alpha_high": None})
-        return second if second.feasible else first
+        """The cheapest high tier of `PRECISION_LADDER` that meets the target (value groups that do not divide the
+        head dim are skipped); the first one measured if none does."""
+        d = self.bundle.v_spectrum.shape[-1]
+        points = []
+        for high in PRECISION_LADDER:
+            group = TierFormat.parse(high).v_group
+            if group and d % group:
+                continue
+            points.append(self.measure("precision", f"{high}, no tiers", {**base, "high": high, "alpha_high": None}))
+            if points[-1].feasible:
+                return points[-1]
+        return points[0]
 
     def tiers(self, base: dict) -> Point:
         best = []
@@ -255,5 +292,4 @@ class Search:
         s = chosen.settings
         return SearchResult(config=config_for(s),
                             qk_rank=rank_from_removal_rate(self.bundle.qk_spectrum, s.get("qk_removal_rate", 0.0)),
-                            v_rank=rank_from_removal_rate(self.bundle.v_spectrum, s.get("v_removal_rate", 0.0)),
-                            chosen=chosen, path=self.path)
+                            v_rank=v_ranks(self.bundle.v_spectrum, s), chosen=chosen, path=self.path)

@@ -52,17 +52,23 @@ class TierFormat:
     @property
     def name(self) -> str:
         k = f"K{self.k_bits}{'c' if self.k_mode == 'channel' else ''}"
-        return f"{k}V{self.v_bits}"
+        group = f"g{self.v_group}" if self.v_group else ""
+        kgroup = f"kg{self.k_group}" if self.k_group else ""
+        return f"{k}V{self.v_bits}{group}{kgroup}"
 
     @classmethod
     def parse(cls, spec: str) -> TierFormat:
-        """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys; 'K16V16' / 'K32V32' -> raw."""
+        """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys; 'K16V16' / 'K32V32' -> raw; a suffix 'g32' quantizes
+        values in groups of 32 channels (one scale and zero each), 'kg32' the same for per-token keys."""
         import re
 
-        m = re.fullmatch(r"[Kk](\d+)(c?)[Vv](\d+)", spec.strip())
+        m = re.fullmatch(r"[Kk](\d+)(c?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?", spec.strip())
         if not m:
-            raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys) or K16V16")
-        return cls(int(m.group(1)), int(m.group(3)), "channel" if m.group(2) else "token")
+            raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys), K8V4g32 (values in "
+                             "groups of 32 channels) or K16V16")
+        group = lambda i: int(m.group(i)) if m.group(i) else None      # noqa: E731
+        return cls(int(m.group(1)), int(m.group(3)), "channel" if m.group(2) else "token", k_group=group(5),
+                   v_group=group(4))
 
 
 def _groups(n: int, group: int | None) -> int:
