@@ -82,3 +82,16 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": random_text(300, seed=i)}) for i in range(40)))
     return path
+
+
+@pytest.fixture(scope="session")
+def nvrtc_cache(tmp_path_factory):
+    """One NVRTC build-cache folder for every CUDA test, so NVRTC unpacks its bundled headers (26 MB) once; the test
+    skips where NVRTC is missing."""
+    from kvcal.runtime.cuda import nvrtc_version
+
+    try:
+        nvrtc_version()
+    except RuntimeError as e:
+        pytest.skip(f"NVRTC unavailable: {e}")
+    return tmp_path_factory.mktemp("kvcal-cuda-cache")

@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvcal.runtime.attention import TorchBackend, select_backend
-from kvcal.runtime.cuda import ceil_div, compile_kernel, cuda_status, nvrtc_version
+from kvcal.runtime.cuda import ceil_div, compile_kernel, cuda_status
 from kvcal.runtime.cuda.backend import (
     QT,
     CudaBackend,
@@ -92,23 +92,10 @@ def decode_inputs(store: CompressedStore, g: int, n: int, seed: int = 1):
 # ---------------------------------------------------------------- NVRTC: every kernel, sm_80 and sm_90
 
 
-@pytest.fixture(scope="module")
-def nvrtc():
-    try:
-        return nvrtc_version()
-    except RuntimeError as e:
-        pytest.skip(f"NVRTC unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, nvrtc):
-    return tmp_path_factory.mktemp("kvcal-cuda-cache")
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("file", sorted(KERNELS))
-def test_kernels_compile_within_register_budget(cache, file, arch, capsys):
-    mod = compile_kernel(kernel_text(file), list(KERNELS[file]), arch, cache_dir=cache, name=file[:-3])
+def test_kernels_compile_within_register_budget(nvrtc_cache, file, arch, capsys):
+    mod = compile_kernel(kernel_text(file), list(KERNELS[file]), arch, cache_dir=nvrtc_cache, name=file[:-3])
     assert mod.cubin[:4] == b"\x7fELF" and set(mod.symbols) == set(KERNELS[file])
     with capsys.disabled():      # the register/spill report belongs in the CI log, not only in failures
         print()

@@ -19,7 +19,6 @@ from kvcal.runtime.cuda import (
     cuda_status,
     grid_for,
     kernel_source,
-    nvrtc_version,
     pack_args,
     parse_params,
     parse_ptxas_report,
@@ -30,20 +29,6 @@ SMOKE_SIG = "const unsigned int* codes, const __half* scale, const __half* zero,
 ARCHS = ("sm_80", "sm_90")  # A100 and H100/H200
 REGISTER_BUDGET = 64  # per thread; the smoke kernel uses about 20
 SPILL_BUDGET = (0, 0)  # (store, load) bytes: a spill in this kernel would mean a codegen regression
-
-
-@pytest.fixture(scope="module")
-def nvrtc():
-    try:
-        return nvrtc_version()
-    except RuntimeError as e:
-        pytest.skip(f"NVRTC unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, nvrtc):
-    """One cache folder for the module, so NVRTC unpacks its bundled headers (26 MB) once."""
-    return tmp_path_factory.mktemp("kvcal-cuda-cache")
 
 
 # ---------------------------------------------------------------- probe
@@ -82,8 +67,8 @@ def test_cuda_status_reasons(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compile_smoke_kernel(cache, arch):
-    mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], arch, cache_dir=cache, name="smoke")
+def test_compile_smoke_kernel(nvrtc_cache, arch):
+    mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], arch, cache_dir=nvrtc_cache, name="smoke")
     assert mod.cubin[:4] == b"\x7fELF" and mod.arch == arch
     assert mod.symbols == {SMOKE: SMOKE}  # extern "C": no mangling
     regs, spills = mod.registers[SMOKE], mod.spills[SMOKE]
@@ -93,51 +78,51 @@ def test_compile_smoke_kernel(cache, arch):
     assert spills <= SPILL_BUDGET
 
 
-def test_compile_template_kernel_maps_mangled_names(cache):
+def test_compile_template_kernel_maps_mangled_names(nvrtc_cache):
     src = r"""
     template <int BITS> __global__ void fill(unsigned char* out) { out[threadIdx.x] = (1 << BITS) - 1; }
     template __global__ void fill<4>(unsigned char*);
     extern "C" __global__ void plain(float* x) { x[threadIdx.x] *= 2.f; }
     """
-    mod = compile_kernel(src, ["fill<4>", "plain"], "sm_90", cache_dir=cache, name="tmpl")
+    mod = compile_kernel(src, ["fill<4>", "plain"], "sm_90", cache_dir=nvrtc_cache, name="tmpl")
     assert mod.symbols["fill<4>"].startswith("_Z") and mod.symbols["plain"] == "plain"
     assert set(mod.registers) == {"fill<4>", "plain"} and set(mod.spills) == {"fill<4>", "plain"}
 
 
-def test_disk_cache_hits_and_misses(cache):
-    src = kernel_source("smoke.cu") + f"\n// cache test {cache.name}\n"  # unique source -> a guaranteed first miss
-    first = compile_kernel(src, [SMOKE], "sm_90", cache_dir=cache)
-    again = compile_kernel(src, [SMOKE], "sm_90", cache_dir=cache)
+def test_disk_cache_hits_and_misses(nvrtc_cache):
+    src = kernel_source("smoke.cu") + f"\n// cache test {nvrtc_cache.name}\n"  # unique source: a guaranteed first miss
+    first = compile_kernel(src, [SMOKE], "sm_90", cache_dir=nvrtc_cache)
+    again = compile_kernel(src, [SMOKE], "sm_90", cache_dir=nvrtc_cache)
     assert not first.cache_hit and again.cache_hit
     assert again.cubin == first.cubin and again.registers == first.registers and again.key == first.key
-    assert (cache / f"{first.key}.cubin").read_bytes() == first.cubin
-    assert not list(cache.glob(".*.tmp"))  # atomic writes leave no temp files behind
+    assert (nvrtc_cache / f"{first.key}.cubin").read_bytes() == first.cubin
+    assert not list(nvrtc_cache.glob(".*.tmp"))  # atomic writes leave no temp files behind
 
-    changed = compile_kernel(src + "// v2\n", [SMOKE], "sm_90", cache_dir=cache)
+    changed = compile_kernel(src + "// v2\n", [SMOKE], "sm_90", cache_dir=nvrtc_cache)
     assert not changed.cache_hit and changed.key != first.key
-    other_opts = compile_kernel(src, [SMOKE], "sm_90", cache_dir=cache, options=["-DKVCAL_UNUSED=1"])
+    other_opts = compile_kernel(src, [SMOKE], "sm_90", cache_dir=nvrtc_cache, options=["-DKVCAL_UNUSED=1"])
     assert not other_opts.cache_hit and other_opts.key != first.key
 
-    (cache / f"{first.key}.json").write_text("{ not json")  # a corrupt entry is rebuilt, not fatal
-    rebuilt = compile_kernel(src, [SMOKE], "sm_90", cache_dir=cache)
+    (nvrtc_cache / f"{first.key}.json").write_text("{ not json")  # a corrupt entry is rebuilt, not fatal
+    rebuilt = compile_kernel(src, [SMOKE], "sm_90", cache_dir=nvrtc_cache)
     assert not rebuilt.cache_hit and rebuilt.cubin == first.cubin
 
 
-def test_cache_dir_defaults_to_kvcal_cache(cache, monkeypatch):
-    monkeypatch.setenv("KVCAL_CACHE", str(cache / "root"))
+def test_cache_dir_defaults_to_kvcal_cache(nvrtc_cache, monkeypatch):
+    monkeypatch.setenv("KVCAL_CACHE", str(nvrtc_cache / "root"))
     mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], "sm_80")
-    assert (cache / "root" / "cuda" / f"{mod.key}.cubin").exists()
+    assert (nvrtc_cache / "root" / "cuda" / f"{mod.key}.cubin").exists()
 
 
-def test_compile_error_raises_with_log(cache):
+def test_compile_error_raises_with_log(nvrtc_cache):
     bad = 'extern "C" __global__ void broken(float* x) { x[0] = undefined_thing; }'
     with pytest.raises(RuntimeError, match="undefined_thing") as exc:
-        compile_kernel(bad, ["broken"], "sm_90", cache_dir=cache, name="broken")
+        compile_kernel(bad, ["broken"], "sm_90", cache_dir=nvrtc_cache, name="broken")
     assert "broken.cu" in str(exc.value)
     with pytest.raises(RuntimeError, match="no_such_kernel"):
-        compile_kernel(kernel_source("smoke.cu"), ["no_such_kernel"], "sm_90", cache_dir=cache)
+        compile_kernel(kernel_source("smoke.cu"), ["no_such_kernel"], "sm_90", cache_dir=nvrtc_cache)
     with pytest.raises(ValueError, match="sm_90"):
-        compile_kernel(kernel_source("smoke.cu"), [SMOKE], "compute_90", cache_dir=cache)
+        compile_kernel(kernel_source("smoke.cu"), [SMOKE], "compute_90", cache_dir=nvrtc_cache)
 
 
 def test_parse_ptxas_report_counts_callee_spills():
@@ -234,11 +219,11 @@ def test_grid_math():
 # ---------------------------------------------------------------- GPU
 
 
-def test_gpu_entry_points_refuse_cleanly_without_gpu(cache):
+def test_gpu_entry_points_refuse_cleanly_without_gpu(nvrtc_cache):
     from kvcal.runtime.cuda import launch, load_module
     from kvcal.runtime.cuda.build import cuda_core
 
-    mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], "sm_90", cache_dir=cache)
+    mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], "sm_90", cache_dir=nvrtc_cache)
     cuda_core().ObjectCode.from_cubin(mod.cubin, symbol_mapping=mod.symbols)  # host-side object; no driver needed
     with pytest.raises(ValueError, match="CUDA tensors"):
         launch(None, 1, 32, pack_args("float* x", [torch.zeros(4)]))  # checked before any driver call
