@@ -350,8 +350,10 @@ def _tier_dict(fmt) -> dict[str, Any]:
 
 _ENCODING = {
     "rotation": "K is stored as K_postRoPE @ qk.rotation[l, h][:, :qk_rank]; queries are rotated the same way and "
-                "logits use the model's own softmax scale. V is stored as V @ v.basis[l, h][:, :v_rank]; the "
-                "attention output is mapped back with v.basis[l, h][:, :v_rank]^T.",
+                "logits use the model's own softmax scale. The exported rotation and basis are the ones the runtime "
+                "applies: the calibrated bases, cut to rank, times kvcal's fixed orthogonal mixing inside the kept "
+                "subspace (config.mix), which leaves every dot product unchanged. V is stored as "
+                "V @ v.basis[l, h][:, :v_rank]; the attention output is mapped back with v.basis[l, h][:, :v_rank]^T.",
     "page": "A page holds `tokens_per_page` tokens of one (sequence, layer, KV head, tier). Segments start at the "
             "given byte offsets from the page start, each 16-byte aligned; token i of a page is at index i in every "
             "segment.",
@@ -373,7 +375,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     `kvcal_bases.safetensors` (`qk.rotation`, `v.basis` [L, H, d, d] float32; `qk.rank`, `v.rank` [L, H] int32), both
     as the runtime applies them under `config` (default: the bundle's policy). With `model`, the bundle is checked
     against it first."""
-    from kvcal.runtime.cache import CompressionConfig
+    from kvcal.runtime.cache import CompressionConfig, served_bases
     from kvcal.runtime.layout import ALIGN, PageLayout, default_page_bytes
 
     bundle = _bundle(bundle)
@@ -381,12 +383,9 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
         _check(bundle, _target(model, need_weights=False))
     cfg = config if config is not None else CompressionConfig.from_policy(bundle.policy)
     L, H, d = bundle.shape
-    rank_k, rank_v = bundle.qk_rank.clone(), bundle.v_rank.clone()
-    rotation, basis = bundle.qk_rotation.clone(), bundle.v_basis.clone()
-    if not cfg.use_ranks:
-        rank_k = rank_v = torch.full((L, H), d, dtype=torch.int32)
-    if not cfg.rotate:
-        rotation = basis = torch.eye(d).expand(L, H, d, d).contiguous()
+    # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
+    rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
+                                                   bundle.v_rank, cfg)
     page_bytes = cfg.page_bytes or default_page_bytes(d, cfg.high)
     layers = []
     for layer in range(L):
@@ -408,7 +407,8 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
                                    "policy": {"window": policy.window, "alpha_high": policy.alpha_high,
                                               "alpha_low": policy.alpha_low,
                                               "threshold_base": policy.threshold_base},
-                                   "use_ranks": cfg.use_ranks, "rotate": cfg.rotate, "page_bytes": page_bytes,
+                                   "use_ranks": cfg.use_ranks, "rotate": cfg.rotate, "mix": cfg.mix,
+                                   "page_bytes": page_bytes,
                                    "align": ALIGN},
                            encoding=_ENCODING, layers=layers)
     from safetensors.torch import save_file

@@ -24,7 +24,7 @@ from kvcal.models import adapter_for, fingerprint, load_model, tokenizer_hash, w
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
 from kvcal.profile.rotation import eig_basis
-from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
 from kvcal.runtime.pages import HIGH, LOW
@@ -317,8 +317,20 @@ def test_manifest_offsets_equal_page_layout(tmp_path):
                           "k_bytes", "v_bytes", "k_groups", "v_groups", "end"):
                     assert got[f] == getattr(lay, f), (tier, f)
     tensors = load_file(str(tmp_path / "m" / "kvcal_bases.safetensors"))
-    assert torch.equal(tensors["qk.rotation"], bundle.qk_rotation) and torch.equal(tensors["v.basis"], bundle.v_basis)
     assert torch.equal(tensors["qk.rank"], bundle.qk_rank) and tensors["v.rank"].dtype == torch.int32
+    # the exported bases are the ones the runtime applies (mixing included), not the raw calibrated ones ...
+    kv = CompressedKV.from_bundle(bundle, cfg, batch=1,
+                                  sliding=[t == "sliding_attention" for t in bundle.model.layer_types])
+    for layer in kv.layers:
+        for h in range(bundle.shape[1]):
+            r_k, r_v = int(bundle.qk_rank[layer, h]), int(bundle.v_rank[layer, h])
+            R, B = tensors["qk.rotation"][layer, h], tensors["v.basis"][layer, h]
+            assert torch.allclose(R[:, :r_k], kv.rotation[layer][h, :, :r_k], atol=1e-6)
+            assert torch.allclose(B[:, :r_v], kv.basis[layer][h, :, :r_v], atol=1e-6)
+            assert not torch.allclose(R[:, :r_k], bundle.qk_rotation[layer, h][:, :r_k], atol=1e-3)   # mixed
+            # ... and the mixing is orthogonal inside the kept subspace: the same projector, the same dot products
+            raw = bundle.qk_rotation[layer, h][:, :r_k]
+            assert torch.allclose(R[:, :r_k] @ R[:, :r_k].T, raw @ raw.T, atol=1e-5)
 
     # without rotation or ranks the manifest describes what the runtime then does: identity bases at full rank
     export_manifest(bundle, tmp_path / "none", CompressionConfig.none())

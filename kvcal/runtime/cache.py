@@ -75,6 +75,32 @@ def _mixing(width: int, rank: int) -> torch.Tensor:
     return m.float()
 
 
+def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
+                 config: CompressionConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ranks and bases the runtime actually applies under `config`: rotation, basis [L, H, d, d] float32 with
+    every column beyond the head's rank zeroed and, with mixing, the first rank columns multiplied by `_mixing`;
+    rank_k, rank_v [L, H] (full when `use_ranks` is off). K is stored as K @ rotation[l, h][:, :rank_k[l, h]]. The
+    manifest export writes exactly these, so another runtime reads and writes the same bytes."""
+    L, H, d, _ = rotation.shape
+    if not config.use_ranks:
+        rank_k = rank_v = torch.full((L, H), d, dtype=torch.int32)
+    if not config.rotate:
+        rotation = basis = torch.eye(d).expand(L, H, d, d)
+    cols = torch.arange(d)
+    out_r, out_b = torch.zeros(L, H, d, d), torch.zeros(L, H, d, d)
+    for layer in range(L):
+        rk, rv = int(rank_k[layer].max()), int(rank_v[layer].max())
+        keep_k = (cols[None, :] < rank_k[layer, :, None]).float()[:, None, :]             # [H, 1, d]
+        keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
+        R = (rotation[layer].float() * keep_k)[..., :rk]                                   # [H, d, rk]
+        Bv = (basis[layer].float() * keep_v)[..., :rv]                                     # [H, d, rv]
+        if config.mix and config.rotate:
+            R = torch.stack([R[h] @ _mixing(rk, int(rank_k[layer, h])) for h in range(H)])
+            Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
+        out_r[layer, :, :, :rk], out_b[layer, :, :, :rv] = R, Bv
+    return rank_k, rank_v, out_r, out_b
+
+
 class CompressedKV:
     """Compressed KV state of one batch of sequences across all layers (see module docstring)."""
 
@@ -85,24 +111,12 @@ class CompressedKV:
         L, H, d, _ = rotation.shape
         self.config, self.batch, self.device = config, batch, torch.device(device)
         self.layers = [i for i in range(L) if not sliding[i]]
-        if not config.use_ranks:
-            rank_k = rank_v = torch.full((L, H), d, dtype=torch.int32)
-        if not config.rotate:
-            rotation = basis = torch.eye(d).expand(L, H, d, d)
+        rank_k, rank_v, rotation, basis = served_bases(rotation, basis, rank_k, rank_v, config)
         self.rank_k, self.rank_v = rank_k.clone(), rank_v.clone()
-        # zero the columns beyond each head's rank, then cut to the layer's largest rank: padded coordinates are 0
-        cols = torch.arange(d)
-        self.rotation, self.basis = {}, {}
-        for layer in self.layers:
-            rk, rv = int(rank_k[layer].max()), int(rank_v[layer].max())
-            keep_k = (cols[None, :] < rank_k[layer, :, None]).float()[:, None, :]         # [H, 1, d]
-            keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
-            R = (rotation[layer].float() * keep_k)[..., :rk]                               # [H, d, rk]
-            Bv = (basis[layer].float() * keep_v)[..., :rv]                                 # [H, d, rv]
-            if config.mix and config.rotate:
-                R = torch.stack([R[h] @ _mixing(rk, int(rank_k[layer, h])) for h in range(H)])
-                Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
-            self.rotation[layer], self.basis[layer] = R.to(self.device), Bv.to(self.device)
+        # cut to the layer's largest rank: columns beyond a head's own rank are 0, so padded coordinates are 0
+        self.rotation = {layer: rotation[layer, :, :, :int(rank_k[layer].max())].to(self.device)
+                         for layer in self.layers}
+        self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device) for layer in self.layers}
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_bytes, raw16=raw16)
         self.backend = select_backend(config.backend, str(self.device))
