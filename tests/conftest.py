@@ -95,3 +95,25 @@ def nvrtc_cache(tmp_path_factory):
     except RuntimeError as e:
         pytest.skip(f"NVRTC unavailable: {e}")
     return tmp_path_factory.mktemp("kvcal-cuda-cache")
+
+
+def random_bundle(model, tok, rank_k=None, rank_v=None, seed=0):
+    """A valid bundle for `model` with random orthonormal bases: the runtime's math and the exports must hold for any
+    rotation."""
+    from kvcal.bundle import Bundle, ModelInfo
+    from kvcal.models import adapter_for, fingerprint, tokenizer_hash, weights_hash
+    from kvcal.profile.rotation import eig_basis
+
+    a = adapter_for(model.config)
+    L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, L, H, d, d, generator=g, dtype=torch.float64)
+    (R, sr), (Bv, sv) = eig_basis(x[0] @ x[0].transpose(-1, -2)), eig_basis(x[1] @ x[1].transpose(-1, -2))
+    full = torch.full((L, H), d, dtype=torch.int32)
+    return Bundle(
+        model=ModelInfo(name="tiny", fingerprint=fingerprint(model.config), weights_hash=weights_hash(model, a),
+                        tokenizer_hash=tokenizer_hash(tok), family=a.family, num_layers=L, num_kv_heads=H,
+                        num_q_heads=a.num_q_heads, head_dim=d, layer_types=list(a.layer_types)),
+        qk_rotation=R.float(), qk_spectrum=sr.float(), qk_rank=full if rank_k is None else rank_k,
+        v_basis=Bv.float(), v_spectrum=sv.float(), v_rank=full if rank_v is None else rank_v,
+        qk_source="random-tokens", qk_weighting="trace", v_source="activations-text")

@@ -196,7 +196,7 @@ def test_transformers_quantized_cache_fp8_counts_its_bytes(tiny):
 
 
 def _bundle(model, tok):
-    from test_runtime import random_bundle
+    from conftest import random_bundle
 
     return random_bundle(model, tok)
 

@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
-from conftest import make_model, random_text, save_model
+from conftest import make_model, random_bundle, random_text, save_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvcal.bundle import Bundle, BundleError, BundleMismatchError, ModelInfo, load_bundle, save_bundle
+from kvcal.bundle import BundleError, BundleMismatchError, load_bundle, save_bundle
 from kvcal.cli import app
 from kvcal.export import (
     atomic_dir,
@@ -20,10 +20,9 @@ from kvcal.export import (
     export_vllm_fp8,
     fp8_round_trip,
 )
-from kvcal.models import adapter_for, fingerprint, load_model, tokenizer_hash, weights_hash
+from kvcal.models import adapter_for, load_model
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
-from kvcal.profile.rotation import eig_basis
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
@@ -45,23 +44,6 @@ def calibrated(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("export")
     folder = save_model(root / "llama", "llama")
     return folder, _calibrate(folder, text_file, root / "llama.kvcal.safetensors")
-
-
-def made_up_bundle(model, tok, rank_k=None, rank_v=None, seed=0) -> Bundle:
-    """A valid bundle for `model` with random orthonormal bases (what the exports do must hold for any basis)."""
-    a = adapter_for(model.config)
-    L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, L, H, d, d, generator=g, dtype=torch.float64)
-    (R, sr), (Bv, sv) = eig_basis(x[0] @ x[0].transpose(-1, -2)), eig_basis(x[1] @ x[1].transpose(-1, -2))
-    full = torch.full((L, H), d, dtype=torch.int32)
-    return Bundle(
-        model=ModelInfo(name="tiny", fingerprint=fingerprint(model.config), weights_hash=weights_hash(model, a),
-                        tokenizer_hash=tokenizer_hash(tok), family=a.family, num_layers=L, num_kv_heads=H,
-                        num_q_heads=a.num_q_heads, head_dim=d, layer_types=list(a.layer_types)),
-        qk_rotation=R.float(), qk_spectrum=sr.float(), qk_rank=full if rank_k is None else rank_k,
-        v_basis=Bv.float(), v_spectrum=sv.float(), v_rank=full if rank_v is None else rank_v,
-        qk_source="random-tokens", qk_weighting="trace", v_source="activations-text")
 
 
 class KVRecorder:
@@ -294,7 +276,7 @@ CONFIGS = {
 
 def test_manifest_offsets_equal_page_layout(tmp_path):
     model, tok = make_model("gemma3_text")
-    bundle = made_up_bundle(model, tok, rank_k=torch.tensor([[32], [24], [16]], dtype=torch.int32),
+    bundle = random_bundle(model, tok, rank_k=torch.tensor([[32], [24], [16]], dtype=torch.int32),
                             rank_v=torch.tensor([[8], [32], [20]], dtype=torch.int32))
     cfg = CompressionConfig(page_bytes=1024)
     res = export_manifest(bundle, tmp_path / "m", cfg, model=model)
@@ -377,7 +359,7 @@ def test_manifest_offsets_match_the_runtime_store_bytes(tmp_path, name):
     arena bytes at the manifest's offsets: it must equal what the store itself reads."""
     cfg = CONFIGS[name]
     model, tok = make_model("llama")
-    bundle = made_up_bundle(model, tok, rank_k=RAGGED, rank_v=RAGGED.flip(-1))
+    bundle = random_bundle(model, tok, rank_k=RAGGED, rank_v=RAGGED.flip(-1))
     export_manifest(bundle, tmp_path / "m", cfg, model=model)
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     cache = KvcalCache.from_bundle(bundle, model, cfg)
@@ -443,7 +425,7 @@ def test_folded_v_checkpoint_reproduces_rank_truncated_logits(tmp_path, model_ty
     L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
     g = torch.Generator().manual_seed(1)
     rank_v = torch.randint(d // 4, d, (L, H), generator=g, dtype=torch.int32)              # ragged, all < d
-    bundle = made_up_bundle(model, tok, rank_v=rank_v)
+    bundle = random_bundle(model, tok, rank_v=rank_v)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     res = export_hf_lowrank_v(bundle, model, tmp_path / "hf")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())          # the caller's model is kept

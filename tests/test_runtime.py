@@ -3,13 +3,10 @@ accounting, the token policy's branches, sliding-window layers."""
 
 import pytest
 import torch
-from conftest import make_model, random_text
+from conftest import make_model, random_bundle, random_text
 from transformers import DynamicCache
 
-from kvcal.bundle import Bundle, ModelInfo
-from kvcal.models import adapter_for, fingerprint, tokenizer_hash, weights_hash
 from kvcal.profile.quality import decode_fidelity
-from kvcal.profile.rotation import eig_basis
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
@@ -18,23 +15,6 @@ from kvcal.runtime.policy import HIGH as T_HIGH
 from kvcal.runtime.policy import LOW as T_LOW
 from kvcal.runtime.policy import PRUNED, TokenPolicy, classify_prompt, decode_actions
 from kvcal.runtime.store import CompressedStore
-
-
-def random_bundle(model, tok, rank_k=None, rank_v=None, seed=0) -> Bundle:
-    """A valid bundle with random orthonormal bases (the runtime's math must hold for any rotation)."""
-    a = adapter_for(model.config)
-    L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, L, H, d, d, generator=g, dtype=torch.float64)
-    (R, sr), (Bv, sv) = eig_basis(x[0] @ x[0].transpose(-1, -2)), eig_basis(x[1] @ x[1].transpose(-1, -2))
-    full = torch.full((L, H), d, dtype=torch.int32)
-    return Bundle(
-        model=ModelInfo(name="tiny", fingerprint=fingerprint(model.config), weights_hash=weights_hash(model, a),
-                        tokenizer_hash=tokenizer_hash(tok), family=a.family, num_layers=L, num_kv_heads=H,
-                        num_q_heads=a.num_q_heads, head_dim=d, layer_types=list(a.layer_types)),
-        qk_rotation=R.float(), qk_spectrum=sr.float(), qk_rank=full if rank_k is None else rank_k,
-        v_basis=Bv.float(), v_spectrum=sv.float(), v_rank=full if rank_v is None else rank_v,
-        qk_source="random-tokens", qk_weighting="trace", v_source="activations-text")
 
 
 def padded_batch(tok, lengths=(40, 23)):

@@ -38,6 +38,7 @@ from kvcal.bench.report import SCHEMA_VERSION, summarise
 from kvcal.bundle import Bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import LoadedModel, fingerprint, weights_hash
+from kvcal.models.sources import file_sha256
 from kvcal.profile.quality import DecodeProbe, passkey
 from kvcal.runtime.fastgen import FastGenConfig
 
@@ -199,14 +200,6 @@ class PasskeyProbe:
 
 
 # --------------------------------------------------------------------------------------------- provenance
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _cpu_name() -> str:
@@ -416,7 +409,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
                   "fp16_bytes_per_token": sum(not adapter.is_sliding(i) for i in range(adapter.num_layers))
                   * adapter.num_kv_heads * adapter.head_dim * 2 * 2},
         "bundle": {"path": str(bundle_path) if bundle_path else None,
-                   "sha256": _sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
+                   "sha256": file_sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
                    "created": bundle.created, "kvcal_version": bundle.kvcal_version, "policy": bundle.policy,
                    "target": target},
         "environment": environment(backend.name()),

@@ -83,7 +83,8 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of a file, read in 16 MB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(16 << 20), b""):
@@ -117,7 +118,7 @@ def _packaged_gguf(pm: PackagedModel) -> Path:
     marker = cache_dir() / "gguf" / f"{pm.name}.sha256-ok"
     stamp = f"{target}:{target.stat().st_size}:{target.stat().st_mtime_ns}"
     if not (marker.is_file() and marker.read_text() == stamp):
-        got = _sha256(target)
+        got = file_sha256(target)
         if got != pm.sha256:
             if len(chunks) > 1:
                 target.unlink()

@@ -26,6 +26,7 @@ and binary search valid; the path records every point, so a reader can check tha
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -197,12 +198,10 @@ class Search:
     def _key(self, settings: dict, qk_rank: torch.Tensor, v_rank: torch.Tensor) -> str:
         """Memo key: the settings with removal rates replaced by the ranks they give, so two rates that give the same
         ranks (small rates, or V ranks rounded up to a value group) are measured once."""
-        import hashlib
-
         plain = {k: v for k, v in settings.items() if k not in ("qk_removal_rate", "v_removal_rate")}
-        full = bool((qk_rank == self.bundle.qk_spectrum.shape[-1]).all() and (v_rank == v_rank.new_tensor(
-            self.bundle.v_spectrum.shape[-1])).all())
-        if not full:
+        full = bool((qk_rank == self.bundle.qk_spectrum.shape[-1]).all()
+                    and (v_rank == self.bundle.v_spectrum.shape[-1]).all())
+        if not full:     # full ranks keep the plain key, so memos of full-rank points from earlier runs still match
             digest = hashlib.sha256(qk_rank.to(torch.int32).numpy().tobytes() + b"|"
                                     + v_rank.to(torch.int32).numpy().tobytes()).hexdigest()[:16]
             plain["ranks"] = digest

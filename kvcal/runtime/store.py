@@ -15,6 +15,7 @@ new tokens; per-channel low pages are written whole and never rewritten, so thei
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +110,6 @@ class CompressedStore:
     def _ensure_pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, need_slots: torch.Tensor,
                       lay: PageLayout) -> None:
         """Allocate pages so that each entry (b, h) [n] has at least `need_slots` [n] slots on `side`."""
-        import time
-
         t0 = time.perf_counter()
         have = self.arena.num_pages_used[b, layer, h, side].long()
         count = (-(-need_slots // lay.tokens) - have).clamp(min=0)
@@ -131,8 +130,6 @@ class CompressedStore:
 
     def _free_slots(self, layer: int, side: int, g: _Group) -> int:
         """min over the group's entries of (allocated slots - filled slots) on `side`. Page management: timed."""
-        import time
-
         t0 = time.perf_counter()
         b, h = self._entries(layer, g)
         have = self.arena.num_pages_used[b, layer, h, side].long() * g.layouts[side].tokens

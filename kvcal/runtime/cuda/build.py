@@ -154,7 +154,9 @@ def _module(cubin: bytes, arch: str, log: str, symbols: dict[str, str], hit: boo
 
 def default_cache_dir() -> Path:
     """`$KVCAL_CACHE/cuda`, else `~/.cache/kvcal/cuda`."""
-    return Path(os.environ.get("KVCAL_CACHE", Path.home() / ".cache" / "kvcal")) / "cuda"
+    from kvcal.models.sources import cache_dir
+
+    return cache_dir() / "cuda"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
