@@ -14,11 +14,13 @@ Tensors (L layers, H KV heads, d head dim):
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
-`policy` (runtime settings), `tensors.sha256` (content hash, so a corrupted file is refused), `kvcal.version`,
-`created`.
+`policy` (runtime settings), `tensors.sha256` (content hash, so a corrupted file is refused), `metadata.sha256`
+(hash of every other metadata entry, `tensors.sha256` included, so an edited policy, calibration or model block is
+refused too; bundles written before it existed have only `tensors.sha256` and still load), `kvcal.version`, `created`.
 
 `save_bundle` writes atomically (temporary file, fsync, rename); `load_bundle` validates everything first and raises a
-single one-line `BundleError` naming the problem and the fix.
+single one-line `BundleError` naming the problem and the fix. It checks the header (metadata, tensor names, shapes,
+dtypes, and the model's shape when given) before reading any tensor data, then reads and checks one tensor at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ import torch
 FORMAT = "kvcal-bundle"
 SCHEMA_VERSION = 1
 ORTHONORMAL_TOL = 1e-4   # max |R^T R - I| accepted on load (float32 storage of a float64 eigendecomposition)
+METADATA_HASH = "metadata.sha256"
+_HEADER_DTYPES = {"F32": torch.float32, "I32": torch.int32}   # the only dtypes a bundle tensor has
+_RANGES = {   # name -> (low, high, extra allowed value): values whose meaning has a range
+    "k.absmax": (0.0, float("inf"), None),
+    "v.absmax": (0.0, float("inf"), None),
+    "fastgen.recovery": (0.0, 1.0 + 1e-4, -1.0),        # fraction of attention retained; -1 = not profiled
+    "fastgen.kept_fraction": (0.0, 1.0 + 1e-4, -1.0),   # fraction of tokens kept; -1 = not profiled
+}
 
 # name -> (shape in symbols, dtype). Symbols: L layers, H KV heads, d head dim.
 REQUIRED_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
@@ -108,12 +118,19 @@ class Bundle:
         out.update(self.extras)
         return out
 
-    def check_model(self, fingerprint: str, weights_hash: str | None = None, name: str | None = None) -> None:
+    def check_model(self, fingerprint: str, weights_hash: str | None = None, name: str | None = None, *,
+                    shape: tuple[int, int, int] | None = None) -> None:
         """Refuse this bundle for a model with another architecture (`BundleMismatchError`).
 
-        Different weights with the same architecture (a fine-tune) only warn: the statistics may be off, but nothing
-        breaks.
+        shape: the model's actual (layers, KV heads, head dim); compared with the bundle's tensors, so a bundle whose
+        fingerprint was edited to match is still refused. Different weights with the same architecture (a fine-tune)
+        only warn: the statistics may be off, but nothing breaks.
         """
+        if shape is not None and tuple(shape) != self.shape:
+            raise BundleMismatchError(
+                f"bundle was calibrated for `{self.model.name}` with (layers, KV heads, head dim) = {self.shape} but "
+                f"the model {'`' + name + '` ' if name else ''}has {tuple(shape)}; calibrate this model with "
+                "`kvcal calibrate --model ...`")
         if fingerprint != self.model.fingerprint:
             raise BundleMismatchError(
                 f"bundle was calibrated for `{self.model.name}` (fingerprint {self.model.fingerprint}) but the model "
@@ -142,8 +159,14 @@ def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _metadata_hash(meta: dict[str, str]) -> str:
+    """sha256 of every metadata entry but itself; `tensors.sha256` is one of them, so it covers the tensors too."""
+    blob = json.dumps({k: v for k, v in meta.items() if k != METADATA_HASH}, sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {
+    meta = {
         "format": FORMAT,
         "schema_version": str(SCHEMA_VERSION),
         "kvcal.version": bundle.kvcal_version or _kvcal_version(),
@@ -156,6 +179,8 @@ def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str
         "policy": json.dumps(bundle.policy, default=_json_default),
         "tensors.sha256": _content_hash(tensors),
     }
+    meta[METADATA_HASH] = _metadata_hash(meta)
+    return meta
 
 
 def _json_default(o):
@@ -187,12 +212,22 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in bundle.tensors().items()}
+    tensors, seen = {}, set()
+    for k, v in bundle.tensors().items():
+        t = v.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[k] = t.clone() if ptr in seen else t      # safetensors refuses tensors that share memory
+        seen.add(ptr)
     meta = _metadata(bundle, tensors)
     problems = _validate(tensors, meta)
     if problems:
         raise BundleError(f"refusing to write an invalid bundle: {_summarise(problems)}")
+    from kvcal.safe_paths import is_kvcal_bundle, remove_stale_temps
+
+    if path.is_dir() or (path.exists() and not is_kvcal_bundle(path)):
+        raise BundleError(f"`{path}` exists and is not a kvcal bundle; refusing to overwrite it (choose another path)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=meta)
@@ -208,37 +243,82 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------------- load
 
 
-def load_bundle(path: str | Path, *, fingerprint: str | None = None, weights_hash: str | None = None) -> Bundle:
-    """Read and validate a bundle. With `fingerprint`, also refuse a bundle made for another model."""
+def load_bundle(path: str | Path, *, fingerprint: str | None = None, weights_hash: str | None = None,
+                shape: tuple[int, int, int] | None = None) -> Bundle:
+    """Read and validate a bundle. With `fingerprint` (and `shape`, the model's (layers, KV heads, head dim)), also
+    refuse a bundle made for another model; the shape is compared before any tensor is read."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
         raise BundleError(f"no bundle at `{path}`; create one with `kvcal calibrate --out {path}`")
+    _check_container(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            if meta.get("format") != FORMAT:
+                raise BundleError(f"`{path}` is a safetensors file but not a kvcal bundle (format="
+                                  f"{_short(meta.get('format'))}); pass a file written by `kvcal calibrate`")
+            version = meta.get("schema_version", "?")
+            if version != str(SCHEMA_VERSION):
+                newer = version.isdigit() and int(version) > SCHEMA_VERSION
+                fix = "upgrade kvcal" if newer else "recalibrate with this kvcal (`kvcal calibrate`)"
+                raise BundleError(f"`{path}` has bundle schema version {_short(version)}, this kvcal reads version "
+                                  f"{SCHEMA_VERSION}; {fix}")
+            problems = _validate_metadata(meta)
+            if not problems:
+                problems = _validate_header(header, _dims(meta))
+            if problems:
+                raise BundleError(f"`{path}` failed validation: {_summarise(problems)}; recalibrate with "
+                                  "`kvcal calibrate`")
+            model = ModelInfo(**json.loads(meta["model"]))
+            got = (model.num_layers, model.num_kv_heads, model.head_dim)
+            if shape is not None and tuple(shape) != got:
+                raise BundleMismatchError(
+                    f"bundle `{path}` was calibrated for `{model.name}` with (layers, KV heads, head dim) = {got} "
+                    f"but the model has {tuple(shape)}; calibrate this model with `kvcal calibrate --model ...`")
+            tensors = {}
+            for k in header:            # one at a time, each checked as it is read
+                tensors[k] = f.get_tensor(k)
+                problems += _validate_tensor(k, tensors[k])
+    except BundleError:
+        raise
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BundleError(f"`{path}` is not a readable safetensors file (truncated or corrupted: {reason}); "
                           "recalibrate with `kvcal calibrate`") from None
-    if meta.get("format") != FORMAT:
-        raise BundleError(f"`{path}` is a safetensors file but not a kvcal bundle (format={meta.get('format')!r}); "
-                          "pass a file written by `kvcal calibrate`")
-    version = meta.get("schema_version", "?")
-    if version != str(SCHEMA_VERSION):
-        newer = version.isdigit() and int(version) > SCHEMA_VERSION
-        fix = "upgrade kvcal" if newer else "recalibrate with this kvcal (`kvcal calibrate`)"
-        raise BundleError(f"`{path}` has bundle schema version {version}, this kvcal reads version {SCHEMA_VERSION}; "
-                          f"{fix}")
-    problems = _validate(tensors, meta)
+    if not problems:
+        problems = _validate_contents(tensors, meta)
     if problems:
         raise BundleError(f"`{path}` failed validation: {_summarise(problems)}; recalibrate with `kvcal calibrate`")
     bundle = _from_parts(tensors, meta)
     if fingerprint is not None:
-        bundle.check_model(fingerprint, weights_hash)
+        bundle.check_model(fingerprint, weights_hash, shape=shape)
     return bundle
+
+
+def _short(value, limit: int = 40) -> str:
+    """A metadata value for an error message: repr'd (control characters escaped), at most `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _check_container(path: Path) -> None:
+    """Refuse a file that is not safetensors at all (a README, an image) with that name, before safetensors parses it:
+    8-byte little-endian header length, then a JSON object."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else 0
+    if len(head) < 9 or head[8:9] != b"{" or n > 100 << 20:
+        raise BundleError(f"`{path}` is not a kvcal bundle (not a safetensors file); pass a bundle written by "
+                          "`kvcal calibrate`")
+    if n + 8 > size:
+        raise BundleError(f"`{path}` is not a readable safetensors file (truncated: its header says {n} bytes, the "
+                          f"file has {size}); recalibrate with `kvcal calibrate`")
 
 
 def _from_parts(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Bundle:
@@ -262,53 +342,148 @@ def _summarise(problems: list[str]) -> str:
     return problems[0] + more
 
 
-def _validate(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[str]:
-    """Every problem with a bundle's tensors and metadata, as short phrases; empty when valid."""
+# ---------------------------------------------------------------------------------------------- validation
+
+_MODEL_STR = ("name", "fingerprint", "weights_hash", "tokenizer_hash", "family")
+_MODEL_INT = ("num_layers", "num_kv_heads", "num_q_heads", "head_dim")
+_MAX_DIM = 1 << 16      # no real model has more layers, heads or head dims; bigger is a forged or garbled header
+
+
+def _validate_metadata(meta: dict[str, str]) -> list[str]:
+    """Every problem with the metadata alone (types, JSON, hash), as short phrases; nothing here reads tensor data."""
     problems: list[str] = []
     for key in ("model", "qk.source", "qk.weighting", "v.source", "tensors.sha256"):
         if key not in meta:
             problems.append(f"metadata `{key}` missing")
-    try:
-        model = ModelInfo(**json.loads(meta.get("model", "{}")))
-        dims = {"L": model.num_layers, "H": model.num_kv_heads, "d": model.head_dim}
-    except (TypeError, ValueError) as e:
-        return problems + [f"metadata `model` unreadable ({e})"]
-    if len(model.layer_types) != model.num_layers:
-        problems.append(f"metadata `model.layer_types` has {len(model.layer_types)} entries for {model.num_layers} "
-                        "layers")
+    if problems:
+        return problems
+    if METADATA_HASH in meta and meta[METADATA_HASH] != _metadata_hash(meta):
+        return ["metadata does not match `metadata.sha256` (the file was edited or corrupted)"]
+    blocks = {}
+    for key in ("model", "calibration", "policy"):
+        if key not in meta:
+            continue
+        try:
+            blocks[key] = json.loads(meta[key])
+        except ValueError as e:
+            problems.append(f"metadata `{key}` is not valid JSON ({e})")
+            continue
+        if not isinstance(blocks[key], dict):
+            problems.append(f"metadata `{key}` is a JSON {type(blocks[key]).__name__}, expected an object")
+    if problems:
+        return problems
+    model = blocks["model"]
+    want = set(_MODEL_STR) | set(_MODEL_INT) | {"layer_types"}
+    if set(model) != want:
+        extra, missing = sorted(set(model) - want), sorted(want - set(model))
+        return [f"metadata `model` {'lacks `' + missing[0] + '`' if missing else 'has unknown key `' + extra[0] + '`'}"]
+    problems += [f"metadata `model.{k}` is not a string" for k in _MODEL_STR if not isinstance(model[k], str)]
+    for k in _MODEL_INT:
+        v = model[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= _MAX_DIM:
+            problems.append(f"metadata `model.{k}` = {_short(v)} is not an integer in [1, {_MAX_DIM}]")
+    lt = model["layer_types"]
+    if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+        problems.append("metadata `model.layer_types` is not a list of strings")
+    elif not problems and len(lt) != model["num_layers"]:
+        problems.append(f"metadata `model.layer_types` has {len(lt)} entries for {model['num_layers']} layers")
+    if not problems and model["num_q_heads"] % model["num_kv_heads"]:
+        problems.append(f"metadata `model`: {model['num_q_heads']} query heads are not a multiple of "
+                        f"{model['num_kv_heads']} KV heads")
+    for key in ("qk.source", "qk.weighting", "v.source"):
+        if not meta[key].isprintable():
+            problems.append(f"metadata `{key}` has control characters")
+    if not problems and blocks.get("policy"):
+        from kvcal.runtime.cache import CompressionConfig
+
+        try:
+            CompressionConfig.from_policy(blocks["policy"])
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            problems.append(f"metadata `policy` is not a runtime policy ({reason})")
+    return problems
+
+
+def _dims(meta: dict[str, str]) -> dict[str, int]:
+    model = json.loads(meta["model"])
+    return {"L": model["num_layers"], "H": model["num_kv_heads"], "d": model["head_dim"]}
+
+
+def _validate_header(header: dict[str, tuple[tuple[int, ...], str]], dims: dict[str, int]) -> list[str]:
+    """Tensor names, shapes and dtypes against the metadata's dims, from the safetensors header (no data read).
+    header: name -> (shape, safetensors dtype string such as "F32")."""
+    problems: list[str] = []
     schema = {**REQUIRED_TENSORS, **OPTIONAL_TENSORS}
-    for name in sorted(set(tensors) - set(schema)):
-        problems.append(f"unknown tensor `{name}`")
+    for name in sorted(set(header) - set(schema)):
+        problems.append(f"unknown tensor `{_short(name)}`")
     for name, (symbols, dtype) in schema.items():
-        t = tensors.get(name)
-        if t is None:
+        if name not in header:
             if name in REQUIRED_TENSORS:
                 problems.append(f"tensor `{name}` missing")
             continue
+        shape, st_dtype = header[name]
         want = tuple(dims[s] if s in dims else int(s) for s in symbols)
-        if tuple(t.shape) != want:
-            problems.append(f"tensor `{name}` has shape {list(t.shape)}, expected {list(want)} "
-                            f"[{', '.join(symbols)}]")
-        elif t.dtype != dtype:
-            problems.append(f"tensor `{name}` has dtype {t.dtype}, expected {dtype}")
-        elif t.is_floating_point() and not torch.isfinite(t).all():
-            problems.append(f"tensor `{name}` has non-finite values")
+        if tuple(shape) != want:
+            problems.append(f"tensor `{name}` has shape {list(shape)}, expected {list(want)} [{', '.join(symbols)}]")
+        elif _HEADER_DTYPES.get(st_dtype) != dtype:
+            problems.append(f"tensor `{name}` has dtype {st_dtype}, expected {dtype}")
+    return problems
+
+
+def _validate_tensor(name: str, t: torch.Tensor) -> list[str]:
+    """Checks of one tensor that need its values: finite, inside its range, bases orthonormal, ranks in [1, d].
+    Large tensors are checked one layer at a time, so memory stays near the tensor's own size."""
+    problems: list[str] = []
+    if t.is_floating_point():
+        bad = any(not torch.isfinite(layer).all() for layer in t)
+        if bad:
+            return [f"tensor `{name}` has non-finite values"]
+    if name in _RANGES:
+        low, high, extra = _RANGES[name]
+        outside = (t < low) | (t > high)
+        if extra is not None:
+            outside &= t != extra
+        if outside.any():
+            bad_value = t[outside][0].item()
+            allowed = f"[{low:g}, {high:g}]" + (f" or {extra:g}" if extra is not None else "")
+            problems.append(f"tensor `{name}` has a value outside {allowed} ({bad_value:g})")
+    if name in ("qk.rotation", "v.basis"):
+        d = t.shape[-1]
+        eye = torch.eye(d, dtype=torch.float64)
+        err = max(((layer.double().transpose(-1, -2) @ layer.double() - eye).abs().amax().item() for layer in t),
+                  default=0.0)
+        if err > ORTHONORMAL_TOL:
+            prefix = name.split(".")[0]
+            problems.append(f"`{prefix}` basis is not orthonormal (max |R^T R - I| = {err:.2e} > {ORTHONORMAL_TOL})")
+    if name in ("qk.spectrum", "v.spectrum"):
+        if (t < 0).any() or (t[..., 1:] > t[..., :-1] * (1 + 1e-5) + 1e-12).any():
+            problems.append(f"tensor `{name}` is not non-negative and descending")
+    return problems
+
+
+def _validate_contents(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[str]:
+    """Checks across tensors: ranks within the head dim, and the content hash."""
+    problems: list[str] = []
+    d = _dims(meta)["d"]
+    for name in ("qk.rank", "v.rank"):
+        rank = tensors[name]
+        if rank.numel() and (rank.min() < 1 or rank.max() > d):
+            problems.append(f"tensor `{name}` outside [1, {d}] (min {rank.min().item()}, max {rank.max().item()})")
+    if meta["tensors.sha256"] != _content_hash(tensors):
+        problems.append("tensor bytes do not match `tensors.sha256` (file corrupted)")
+    return problems
+
+
+def _validate(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[str]:
+    """Every problem with a bundle's tensors and metadata, as short phrases; empty when valid (used before writing)."""
+    problems = _validate_metadata(meta)
     if problems:
         return problems
-    if "tensors.sha256" in meta and meta["tensors.sha256"] != _content_hash(tensors):
-        problems.append("tensor bytes do not match `tensors.sha256` (file corrupted)")
-    d = dims["d"]
-    eye = torch.eye(d, dtype=torch.float64)
-    for prefix in ("qk", "v"):
-        basis = tensors[f"{prefix}.rotation" if prefix == "qk" else "v.basis"].double()
-        err = (basis.transpose(-1, -2) @ basis - eye).abs().amax().item()
-        if err > ORTHONORMAL_TOL:
-            problems.append(f"`{prefix}` basis is not orthonormal (max |R^T R - I| = {err:.2e} > {ORTHONORMAL_TOL})")
-        rank = tensors[f"{prefix}.rank"]
-        if rank.numel() and (rank.min() < 1 or rank.max() > d):
-            problems.append(f"tensor `{prefix}.rank` outside [1, {d}] (min {rank.min().item()}, "
-                            f"max {rank.max().item()})")
-        spec = tensors[f"{prefix}.spectrum"]
-        if (spec < 0).any() or (spec[..., 1:] > spec[..., :-1] * (1 + 1e-5) + 1e-12).any():
-            problems.append(f"tensor `{prefix}.spectrum` is not non-negative and descending")
-    return problems
+    header = {k: (tuple(t.shape), {v: k2 for k2, v in _HEADER_DTYPES.items()}.get(t.dtype, str(t.dtype)))
+              for k, t in tensors.items()}
+    problems = _validate_header(header, _dims(meta))
+    if problems:
+        return problems
+    for name, t in tensors.items():
+        problems += _validate_tensor(name, t)
+    return problems or _validate_contents(tensors, meta)

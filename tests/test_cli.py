@@ -43,7 +43,7 @@ def test_inspect_refuses_other_model_and_bad_files(tiny_dir, text_file, tmp_path
     bad = tmp_path / "garbage.safetensors"
     bad.write_bytes(b"not a bundle at all")
     r = runner.invoke(app, ["inspect", str(bad)])
-    assert r.exit_code == 1 and "not a readable safetensors file" in r.stderr
+    assert r.exit_code == 1 and "is not a kvcal bundle" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
