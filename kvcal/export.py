@@ -65,17 +65,24 @@ class ExportResult:
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path, *, overwrite: bool = False):
+def atomic_dir(out: str | Path, *, overwrite: bool = False, inputs: tuple = ()):
     """Yield a temporary folder beside `out`; on success it replaces `out` by rename, on failure it is removed.
 
-    Refuses (FileExistsError) an `out` that is a file, or a non-empty folder unless `overwrite`.
+    Refuses (FileExistsError) an `out` that is a file, or a non-empty folder unless `overwrite`, and (ValueError) an
+    `out` that is, contains or lies inside one of `inputs` (the model's folder, the bundle) or the working directory.
     """
+    from kvcal.safe_paths import check_out_folder, remove_stale_temps
+
     out = Path(out)
+    check_out_folder(out, inputs=inputs)
+    if out.is_symlink():
+        raise FileExistsError(f"`{out}` is a symbolic link; pass a real folder path for `--out`")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"`{out}` exists and is a file; pass a folder path for `--out`")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"`{out}` exists and is not empty; pass `--overwrite` to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -140,7 +147,8 @@ def _check(bundle: Bundle, target: _Target):
 
     adapter = adapter_for(target.config)
     w_hash = weights_hash(target.model, adapter) if target.model is not None else None
-    bundle.check_model(fingerprint(target.config), w_hash, name=target.name)
+    bundle.check_model(fingerprint(target.config), w_hash, name=target.name,
+                       shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
     return adapter
 
 
@@ -262,7 +270,7 @@ def export_vllm_fp8(bundle: Bundle | str | Path, model, out: str | Path, *, stra
         base = _model_config_with_scheme(target, qcfg)
     from safetensors.torch import save_file
 
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=(target.folder,)) as tmp:
         if with_weights:
             _copy_model_folder(target.folder, tmp, base, tensors)
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcal export vllm-fp8"})
@@ -379,8 +387,9 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     from kvcal.runtime.layout import ALIGN, PageLayout, default_page_bytes
 
     bundle = _bundle(bundle)
-    if model is not None:
-        _check(bundle, _target(model, need_weights=False))
+    target = _target(model, need_weights=False) if model is not None else None
+    if target is not None:
+        _check(bundle, target)
     cfg = config if config is not None else CompressionConfig.from_policy(bundle.policy)
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
@@ -416,7 +425,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     own = lambda t: t.clone(memory_format=torch.contiguous_format)       # noqa: E731  (none() shares R and B)
     tensors = {"qk.rotation": own(rotation.float()), "v.basis": own(basis.float()),
                "qk.rank": own(rank_k.to(torch.int32)), "v.rank": own(rank_v.to(torch.int32))}
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=(target.folder if target else None,)) as tmp:
         save_file(tensors, str(tmp / MANIFEST_TENSORS), metadata={"format": MANIFEST_FORMAT})
         _write_json(tmp / MANIFEST_FILE, manifest)
         files = _files(tmp)
@@ -485,7 +494,7 @@ def export_hf_lowrank_v(bundle: Bundle | str | Path, model, out: str | Path, *, 
                        bundle.model.head_dim)
     layers = fold_v_projection(folded_model, bundle, include_sliding=include_sliding)
     ranks = {str(layer): bundle.v_rank[layer].tolist() for layer in layers}
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=(target.folder,)) as tmp:
         folded_model.save_pretrained(tmp)
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(tmp)

@@ -51,6 +51,8 @@ def calibrate(
     search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 16,
     search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 512,
     search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle (and its report) at "
+                                            "--out.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -65,7 +67,7 @@ def calibrate(
                                 v_source=v_source, dtype=dtype, device_map=device_map,
                                 max_memory=parse_max_memory(max_memory), search=search, target_top1=target_top1,
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
-                                search_prompt=search_prompt, search_steps=search_steps,
+                                search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
         bars = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr,

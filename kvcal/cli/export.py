@@ -31,6 +31,16 @@ class Strategy(StrEnum):
     head = "head"
 
 
+def _model_inputs(model: str | None) -> list[Path]:
+    """The files a `--model` spec reads: its Hugging Face folder (and the .gguf it was converted from)."""
+    if model is None:
+        return []
+    from kvcal.models import resolve_model
+
+    source = resolve_model(model)
+    return [source.folder, *([Path(source.origin)] if Path(source.origin).exists() else [])]
+
+
 def export(
     bundle: BundleArg,
     fmt: Annotated[ExportFormat, typer.Option("--format", "-f", help="vllm-fp8: FP8 KV-cache scales for vLLM; "
@@ -56,6 +66,10 @@ def export(
     try:
         if model is None and fmt is not ExportFormat.manifest:
             raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
+        from kvcal.safe_paths import check_out_folder
+
+        # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory
+        check_out_folder(out, inputs=[bundle, *_model_inputs(model)])
         b = load_bundle(bundle)
         if fmt is ExportFormat.vllm_fp8:
             result = export_vllm_fp8(b, model, out, strategy=strategy.value, margin=margin, with_weights=with_weights,

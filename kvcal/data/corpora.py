@@ -112,12 +112,27 @@ def _chunks(text: str, size: int = 4000) -> list[str]:
     return out + ([cur] if cur.strip() else [])
 
 
+def _read_text(path: Path) -> str:
+    """A user's dataset file as text, or a ValueError naming the file and what is wrong with it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read dataset file `{path}` ({e.strerror or e}); check the path and its "
+                         "permissions") from None
+    if b"\x00" in raw[:1 << 16]:
+        raise ValueError(f"dataset file `{path}` is binary, not text; pass a UTF-8 .txt or .jsonl file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"dataset file `{path}` is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
+
 def _user_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
-        return _chunks(path.read_text(encoding="utf-8", errors="replace"))
+        return _chunks(_read_text(path))
     if path.suffix == ".jsonl":
         docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(_read_text(path).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -126,8 +141,13 @@ def _user_file(path: Path, text_field: str) -> list[str]:
                 raise ValueError(f"`{path}` line {n} is not JSON; a .jsonl dataset needs one JSON object per line") \
                     from None
             if not isinstance(row, dict) or text_field not in row:
-                raise ValueError(f"`{path}` line {n} has no `{text_field}` field; pass `--text-field NAME`")
-            docs.append(str(row[text_field]))
+                raise ValueError(f"`{path}` line {n} has no `{text_field}` field; a .jsonl dataset needs one object "
+                                 f"per line such as {{\"{text_field}\": \"...\"}}")
+            if not isinstance(row[text_field], str):
+                kind = "null" if row[text_field] is None else type(row[text_field]).__name__
+                raise ValueError(f"`{path}` line {n}: `{text_field}` is {kind}, expected a string; fix or remove "
+                                 "that line")
+            docs.append(row[text_field])
         return docs
     raise ValueError(f"dataset file `{path}` must be .txt or .jsonl")
 
@@ -171,9 +191,11 @@ def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str 
     return Corpus(f"{spec}:{split}", tuple(docs), h.hexdigest())
 
 
-def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed: int) -> torch.Tensor:
+def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed: int, *,
+                  fix: str | None = None) -> torch.Tensor:
     """int64 [n_windows, seq_len]: documents in a seeded order, each opened by the tokenizer's usual prefix (BOS when
-    it adds one) and closed by EOS, concatenated and cut into windows. Raises if the corpus is too small."""
+    it adds one) and closed by EOS, concatenated and cut into windows. Raises if the corpus is too small; `fix` names
+    the option that asks for fewer tokens (e.g. "lower `--text-tokens`")."""
     order = list(range(len(corpus)))
     random.Random(seed).shuffle(order)
     need = n_windows * seq_len
@@ -185,5 +207,5 @@ def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed:
             break
     if len(ids) < need:
         raise ValueError(f"corpus `{corpus.name}` has {len(ids)} tokens, {need} needed for {n_windows} windows of "
-                         f"{seq_len}; use fewer windows or a bigger `--dataset`")
+                         f"{seq_len}; {fix or 'use fewer windows'} or pass a bigger `--dataset`")
     return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq_len)

@@ -50,13 +50,14 @@ def load_model(
     `device_map` / `max_memory` pass through to transformers/accelerate (layer offloading for models larger than
     memory). The architecture is checked before the weights are read, so an unsupported model fails in a second.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"`--dtype {dtype}` is not supported; use one of {', '.join(DTYPES)}")
     t0 = time.perf_counter()
     source = resolve_model(spec)
-    adapter = adapter_for(AutoConfig.from_pretrained(source.folder))
+    adapter = adapter_for(read_config(source.folder))
+    check_weight_files(source.folder)
     kwargs = {"dtype": DTYPES[dtype]}
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -67,9 +68,70 @@ def load_model(
         from kvcal.models.sources import cache_dir
 
         kwargs["offload_folder"] = str(cache_dir() / "offload" / source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs).eval()
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ValueError(f"cannot load the weights in `{source.folder}` ({_first_line(e)}); check that the folder's "
+                         "safetensors files are complete (re-copy or re-convert the model)") from None
+    tokenizer = load_tokenizer(source.folder)
     return LoadedModel(model, tokenizer, adapter, source, time.perf_counter() - t0)
+
+
+def load_tokenizer(folder):
+    """The folder's tokenizer, or a one-line ValueError naming the folder (loading it takes well under a second)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load the tokenizer in `{folder}` ({_first_line(e)}); the folder needs the "
+                         "model's tokenizer files (tokenizer.json or tokenizer_config.json)") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def read_config(folder) -> object:
+    """The folder's transformers config, or a one-line ValueError naming the folder when config.json is unreadable."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read `{folder}/config.json` ({_first_line(e)}); pass a Hugging Face model folder "
+                         "with a valid config.json") from None
+
+
+def check_weight_files(folder) -> None:
+    """Refuse, before loading anything, a folder whose weights kvcal will not read: pickle checkpoints (`.bin`,
+    `.pt`: loading them can run code) or safetensors files whose header does not fit the file (truncated copies)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    folder = Path(folder)
+    st = sorted(folder.glob("*.safetensors"))
+    if not st:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise ValueError(f"`{folder}` has only pickle weights (`{pickles[0]}`), which kvcal does not load (they "
+                             "can run code); convert them to safetensors, e.g. `model.save_pretrained(folder)`")
+        raise ValueError(f"`{folder}` has no .safetensors weights; pass a Hugging Face folder saved with "
+                         "`save_pretrained`")
+    for path in st:
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n)) if 2 <= n <= min(size - 8, 100 << 20) else None
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, TypeError, KeyError, struct.error, AttributeError):
+            header, end = None, 0
+        if header is None or 8 + n + end > size:
+            raise ValueError(f"weights file `{path}` is truncated or not safetensors; re-copy or re-convert the "
+                             "model")
 
 
 __all__ = [
@@ -82,8 +144,11 @@ __all__ = [
     "ModelSource",
     "UnsupportedModelError",
     "adapter_for",
+    "check_weight_files",
     "fingerprint",
     "load_model",
+    "load_tokenizer",
+    "read_config",
     "resolve_model",
     "tokenizer_hash",
     "weights_hash",

@@ -138,8 +138,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to a bf16 safetensors folder at %s (once)", gguf, out)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot read the GGUF file `{gguf}` ({reason}); check that it is a complete GGUF of a "
+                         "supported model") from None
     # transformers marks GGUF-loaded models as quantized and refuses to save them, but the tensors are already dense
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

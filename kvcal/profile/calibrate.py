@@ -24,10 +24,23 @@ import torch
 
 from kvcal.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
-from kvcal.models import DEFAULT_MODEL, DTYPES, LoadedModel, fingerprint, load_model, tokenizer_hash, weights_hash
+from kvcal.models import (
+    DEFAULT_MODEL,
+    DTYPES,
+    LoadedModel,
+    adapter_for,
+    fingerprint,
+    load_model,
+    load_tokenizer,
+    read_config,
+    resolve_model,
+    tokenizer_hash,
+    weights_hash,
+)
 from kvcal.profile.capture import GramCollector, capturing
 from kvcal.profile.policies import PolicyCollector
 from kvcal.profile.ranks import energy_kept, rank_from_removal_rate
+from kvcal.profile.report import report_paths
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
     QK_WEIGHTINGS,
@@ -37,6 +50,7 @@ from kvcal.profile.rotation import (
     weight_svd_basis,
 )
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
+from kvcal.safe_paths import check_bundle_out, remove_stale_temps
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +89,7 @@ class CalibrationConfig:
     eval_steps: int = 64
     window: int = 64                    # recent tokens always at high precision (DiffKV W)
     policy_windows: int = 2             # calibration windows profiled for FastGen statistics
+    overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
     def __post_init__(self):
         if self.qk_source not in QK_SOURCES:
@@ -85,6 +100,13 @@ class CalibrationConfig:
             raise ValueError(f"`--qk-weighting {self.qk_weighting}` is not one of {', '.join(QK_WEIGHTINGS)}")
         if not 0.0 <= self.removal_rate < 1.0:
             raise ValueError(f"`--removal-rate {self.removal_rate}` must be in [0, 1)")
+        if self.seq_len < 2:
+            raise ValueError(f"`--seq-len {self.seq_len}` must be at least 2")
+        if self.max_position is not None and self.max_position < 2:
+            raise ValueError(f"`--max-position {self.max_position}` must be at least 2")
+        for name in ("search_windows", "search_prompt", "search_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
         if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
             raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
         if self.search_dtype not in DTYPES:
@@ -105,11 +127,59 @@ class CalibrationResult:
 
 
 class Checkpoint:
-    """Per-pass statistics on disk, so an interrupted calibration loses at most the window in flight."""
+    """Per-pass statistics on disk, so an interrupted calibration loses at most the window in flight.
+
+    The folder's manifest (`MANIFEST`) lists every file kvcal wrote there; `clear` deletes only those, and a folder
+    without a manifest is refused (`check_folder`), so nothing of the user's is ever deleted.
+    """
+
+    MANIFEST = "kvcal-checkpoint.json"
+    _KNOWN = ("random-tokens.safetensors", "calibration-text.safetensors", "policy-statistics.safetensors",
+              "search.json")   # what checkpoint folders held before the manifest existed
 
     def __init__(self, folder: Path, key: str):
         self.folder, self.key = folder, key
         self.resumed: dict[str, int] = {}     # pass name -> windows loaded from an earlier, interrupted run
+
+    @classmethod
+    def check_folder(cls, folder: Path) -> None:
+        """Refuse (ValueError) a `folder` that exists but was not made by kvcal; adopt an old one without manifest
+        whose files are all checkpoint files."""
+        if not (folder.exists() or folder.is_symlink()):
+            return
+        refuse = ValueError(f"`{folder}` exists and is not a kvcal checkpoint folder; move it away or pass another "
+                            "`--out`")
+        if folder.is_symlink() or not folder.is_dir():
+            raise refuse
+        if (folder / cls.MANIFEST).is_file():
+            return
+        entries = list(folder.iterdir())
+        if not entries or not all(p.name in cls._KNOWN and p.is_file() and not p.is_symlink() for p in entries):
+            raise refuse
+        cls._write_manifest(folder, sorted(p.name for p in entries))
+
+    def _written(self) -> list[str]:
+        """Names recorded in the manifest (plain file names only: a forged entry cannot reach outside the folder)."""
+        try:
+            names = json.loads((self.folder / self.MANIFEST).read_text()).get("files", [])
+        except (OSError, ValueError, AttributeError):
+            return []
+        return [n for n in names if isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")]
+
+    @classmethod
+    def _write_manifest(cls, folder: Path, names: list[str]) -> None:
+        tmp = folder / f".{cls.MANIFEST}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"written_by": "kvcal calibrate", "files": sorted(set(names))}))
+        os.replace(tmp, folder / cls.MANIFEST)
+
+    def _record(self, name: str) -> None:
+        """Create the folder if needed and list `name` in its manifest, before the file itself is written."""
+        if not self.folder.is_dir():
+            self.check_folder(self.folder)
+            self.folder.mkdir(parents=True)
+        names = self._written()
+        if name not in names:
+            self._write_manifest(self.folder, [*names, name])
 
     def load(self, name: str, collector: GramCollector) -> int:
         from safetensors import safe_open
@@ -132,8 +202,8 @@ class Checkpoint:
     def save(self, name: str, collector: GramCollector, done: int) -> None:
         from safetensors.torch import save_file
 
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{name}.safetensors"
+        self._record(path.name)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             save_file(collector.state_dict(), str(tmp), metadata={"key": self.key, "done": str(done)})
@@ -156,17 +226,27 @@ class Checkpoint:
         return {k: Point(**v) for k, v in data.get("points", {}).items()}
 
     def save_search(self, memo: dict) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "search.json"
+        self._record(path.name)
         tmp = path.with_name(f".search.json.tmp-{os.getpid()}")
         tmp.write_text(json.dumps({"key": self.key, "points": {k: asdict(p) for k, p in memo.items()}}))
         os.replace(tmp, path)
 
     def clear(self) -> None:
-        if self.folder.is_dir():
-            for p in self.folder.iterdir():
-                p.unlink()
+        """Delete the files this folder's manifest lists (and their temporary files), then the folder if empty."""
+        from kvcal.safe_paths import remove_stale_temps
+
+        if self.folder.is_symlink() or not (self.folder / self.MANIFEST).is_file():
+            return
+        for name in self._written():
+            (self.folder / name).unlink(missing_ok=True)
+            remove_stale_temps(self.folder / name)
+        remove_stale_temps(self.folder / self.MANIFEST)
+        (self.folder / self.MANIFEST).unlink()
+        try:
             self.folder.rmdir()
+        except OSError:
+            logger.warning("left %s in place: it holds files kvcal did not write", self.folder)
 
 
 Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
@@ -217,19 +297,41 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status` report."""
     t0 = time.perf_counter()
     say = status or (lambda msg: logger.info("%s", msg))
+    # everything that can be wrong with the output path, the dataset or the options fails here, in about a second,
+    # before the model's weights are read and long before any pass runs
+    source = lm.source if lm is not None else resolve_model(cfg.model)
+    out = Path(cfg.out) if cfg.out else Path(f"{source.name}.kvcal.safetensors")
+    dataset_path = Path(cfg.dataset).expanduser()
+    inputs = [source.folder, *([source.origin] if Path(source.origin).exists() else []),
+              *([dataset_path] if dataset_path.exists() else [])]
+    check_bundle_out(out, overwrite=cfg.overwrite, inputs=inputs,
+                     also_written=report_paths(out).values() if cfg.search else ())
+    Checkpoint.check_folder(out.with_name(out.name + ".ckpt"))
+    remove_stale_temps(out)
+    a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
+    if cfg.max_position is not None and cfg.max_position > a.max_positions:
+        raise ValueError(f"`--max-position {cfg.max_position}` is beyond the model's {a.max_positions} positions; "
+                         f"pass at most {a.max_positions}")
+    max_position = cfg.max_position or min(a.max_positions, 32768)
+    seq_len = min(cfg.seq_len, max_position)
+    tokenizer = lm.tokenizer if lm is not None else load_tokenizer(source.folder)
+    corpus = load_corpus(cfg.dataset, "calib")
+    n_text = -(-cfg.text_tokens // seq_len)
+    text_ids = token_windows(tokenizer, corpus, n_text, seq_len, cfg.seed, fix="lower `--text-tokens`")
+    if cfg.search:       # the search and the held-out check need their own splits: check them now too
+        P = cfg.search_prompt
+        token_windows(tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows,
+                      P + cfg.search_steps + 1, cfg.seed + 1,
+                      fix="lower `--search-windows`, `--search-prompt` or `--search-steps`")
+        token_windows(tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows, P + cfg.eval_steps + 1,
+                      cfg.seed + 2, fix="lower `--search-prompt`")
+
     if lm is None:
         say(f"loading {cfg.model}")
         lm = load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map, max_memory=cfg.max_memory)
     a = lm.adapter
-    out = Path(cfg.out) if cfg.out else Path(f"{lm.name}.kvcal.safetensors")
     model_fp, w_hash, tok_hash = fingerprint(lm.model.config), weights_hash(lm.model, a), tokenizer_hash(lm.tokenizer)
-    max_position = cfg.max_position or min(a.max_positions, 32768)
-    seq_len = min(cfg.seq_len, max_position)
-
     random_ids = random_token_windows(lm.tokenizer, lm.model.config.vocab_size, cfg.random_tokens, seq_len, cfg.seed)
-    corpus = load_corpus(cfg.dataset, "calib")
-    n_text = -(-cfg.text_tokens // seq_len)
-    text_ids = token_windows(lm.tokenizer, corpus, n_text, seq_len, cfg.seed)
     # both passes see the same positions, so their rotations differ only by what the tokens are
     random_offsets = position_offsets(len(random_ids), seq_len, max_position)
     text_offsets = position_offsets(len(text_ids), seq_len, max_position)
