@@ -6,8 +6,11 @@ import logging
 
 import typer
 
+from kvcal.cli._errors import OneLineErrors
+
 app = typer.Typer(
     name="kvcal",
+    cls=OneLineErrors,
     help="Calibrate KV-cache compression for a Hugging Face model and serve it with a compact runtime.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -30,7 +33,11 @@ _register()
 def main() -> None:
     from rich.logging import RichHandler
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    from kvcal.cli._options import stderr
+
+    # warnings go to stderr: stdout carries only the result (`--json` must parse)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=stderr, show_path=False)])
     try:
         from transformers.utils import logging as hf_logging
 

@@ -22,8 +22,12 @@ stdout = Console()
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    """Print a one-line error on stderr and return the Exit to raise."""
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print a one-line error on stderr and return the Exit to raise. Only the first line of `message` is shown, as
+    plain text: it may quote file contents (bundle metadata), which must not reach the terminal as markup or ANSI."""
+    from kvcal.cli._errors import plain
+
+    lines = [line for line in str(message).strip().splitlines() if line.strip()]
+    stderr.print(f"[bold red]error:[/] {plain(lines[0] if lines else 'failed')}", highlight=False, soft_wrap=True)
     return typer.Exit(code=code)
 
 

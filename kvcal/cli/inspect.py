@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from kvcal.bundle import Bundle, BundleError, load_bundle
+from kvcal.cli._errors import terminal_safe
 from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
 from kvcal.profile.ranks import energy_kept
 
@@ -51,19 +52,26 @@ def inspect(
 ) -> None:
     """Print a bundle's provenance and its per-layer, per-head ranks."""
     try:
-        b = load_bundle(bundle)
+        shape = config = None
         if model is not None:
-            from transformers import AutoConfig
+            from kvcal.models import adapter_for, read_config, resolve_model
 
-            from kvcal.models import fingerprint, resolve_model
+            config = read_config(resolve_model(model).folder)
+            a = adapter_for(config)
+            shape = (a.num_layers, a.num_kv_heads, a.head_dim)
+        b = load_bundle(bundle, shape=shape)          # a bundle of another shape is refused before its tensors load
+        if config is not None:
+            from kvcal.models import fingerprint
 
-            b.check_model(fingerprint(AutoConfig.from_pretrained(resolve_model(model).folder)), name=model)
+            b.check_model(fingerprint(config), name=model, shape=shape)
     except (BundleError, ValueError, OSError) as e:
         raise fail(str(e)) from None
     info = describe(b)
     if json_out:
         print(json.dumps(info, indent=2, default=str))
         return
+    # metadata is file content: show it as text, never as rich markup or terminal escape sequences
+    b, info = terminal_safe(b), terminal_safe(info)
     cal = info["calibration"]
     prov = Table(title=f"bundle {bundle}", show_header=False)
     prov.add_row("model", f"{b.model.name} ({b.model.family}, {b.model.num_layers} layers, {b.model.num_kv_heads} KV "

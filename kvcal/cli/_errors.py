@@ -1,0 +1,72 @@
+"""How the CLI fails: every error is one line on stderr and exit code 1, usage errors included; text that comes from
+files (bundle metadata, paths) reaches the terminal as plain text, never as markup or escape sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from typing import Any
+
+import typer
+from rich.markup import escape
+from typer._click import exceptions as click_errors   # typer vendors click; these are what it raises
+from typer.core import TyperGroup
+
+# C0 controls other than tab and newline, DEL, and C1 controls (ESC starts ANSI sequences; CSI is \x9b)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def plain(text: str) -> str:
+    """`text` safe to print through rich: control characters shown as \\xNN, markup brackets escaped."""
+    return escape(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
+
+def terminal_safe(value: Any) -> Any:
+    """A copy of `value` (str, dict, list, dataclass such as a Bundle) with every string made `plain`, for display."""
+    if isinstance(value, str):
+        return plain(value)
+    if isinstance(value, dict):
+        return {terminal_safe(k): terminal_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(terminal_safe(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: terminal_safe(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+class OneLineErrors(TyperGroup):
+    """The app's click group: usage errors (unknown option, bad value, missing argument) print one line and exit 1,
+    as every other kvcal error does, instead of click's framed box and exit code 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError:     # bare `kvcal`: the help was printed; asking for it is no error
+            sys.exit(0)
+        except click_errors.UsageError as e:
+            where = e.ctx.command_path if e.ctx else "kvcal"
+            message = e.format_message()
+            param = getattr(e, "param", None)
+            if isinstance(e, click_errors.MissingParameter) and param is not None:
+                names = [o for o in getattr(param, "opts", []) if o.startswith("-")]
+                message = f"missing {'option `' + names[0] + '`' if names else 'argument ' + param.name.upper()}"
+            _print_error(f"{message} (see `{where} --help`)")
+            sys.exit(1)
+        except click_errors.ClickException as e:
+            _print_error(e.format_message())
+            sys.exit(1)
+        except typer.Abort:
+            _print_error("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _print_error(message: str) -> None:
+    from kvcal.cli._options import stderr
+
+    line = " ".join(message.split())
+    stderr.print(f"[bold red]error:[/] {plain(line)}", highlight=False, soft_wrap=True)
