@@ -148,7 +148,8 @@ class KvcalCache(Cache):
         from kvcal.models import adapter_for, fingerprint, weights_hash
 
         adapter = adapter_for(model.config)
-        bundle.check_model(fingerprint(model.config), weights_hash(model, adapter))
+        bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
+                           shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
         install(model)
         if config is None:
             config = CompressionConfig.from_policy(bundle.policy)
@@ -205,8 +206,19 @@ class KvcalCache(Cache):
                 "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan")}
 
     def release(self) -> int:
-        """Return every page to the arena's free list (the sequences are finished)."""
-        return self.kv.release() if self.kv else 0
+        """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can
+        serve a new batch as if it were new. Returns the number of pages freed."""
+        if self.kv is None:
+            return 0
+        # tensors made under torch.inference_mode() (a common way to call generate) may only be updated in place
+        # inside it; entering it is harmless for tensors made under no_grad
+        with torch.inference_mode():
+            freed = self.kv.release()
+        self.kv = None
+        for i, layer in enumerate(self.layers):
+            self.layers[i] = (DynamicSlidingWindowLayer(layer.sliding_window) if self.sliding[i]
+                              else KvcalLayer(self, i))
+        return freed
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("KvcalCache does not support expanding the batch; build one cache per batch")
