@@ -1,0 +1,546 @@
+"""Issue 15: bad inputs and faults, one case per item. A CLI case asserts the exit code, exactly one line on stderr with
+no traceback, and that every file which existed before the run is byte-identical after it (sha256 before/after), with
+no new files unless the case writes an output on purpose."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model, random_bundle, random_text, save_model
+from typer.testing import CliRunner
+
+from kvcal.bundle import BundleError, BundleMismatchError, _content_hash, _metadata_hash, load_bundle, save_bundle
+from kvcal.cli import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--random-tokens", "64", "--text-tokens", "64", "--seq-len", "64", "--dtype", "float32", "-q"]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def snapshot(*roots: Path) -> dict[str, str]:
+    """sha256 of every file under `roots` (dot-files included), by path."""
+    out = {}
+    for root in roots:
+        paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for p in paths:
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def rewrite(src: Path, dst: Path, *, meta=None, tensors=None, rehash: bool = True) -> Path:
+    """Copy a bundle with edited metadata / tensors. rehash=True recomputes both hashes, as a deliberate forger would;
+    rehash=False leaves them, as a hand edit would."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        m = dict(f.metadata())
+        ts = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if meta:
+        meta(m)
+    if tensors:
+        tensors(ts)
+    if rehash:
+        m["tensors.sha256"] = _content_hash(ts)
+        m["metadata.sha256"] = _metadata_hash(m)
+    save_file(ts, str(dst), metadata=m)
+    return dst
+
+
+def edit_model(**changes):
+    def edit(m):
+        model = json.loads(m["model"])
+        model.update(changes)
+        m["model"] = json.dumps(model)
+    return edit
+
+
+@dataclass
+class Case:
+    """A CLI run: `args`; `watch` folders/files whose existing files must stay byte-identical; the expected exit
+    code and a phrase the stderr line must contain (for exit 1) or the stdout must contain (exit 0)."""
+
+    args: list[str]
+    watch: list[Path]
+    code: int = 1
+    says: str = ""
+    not_says: tuple[str, ...] = ()
+    new_files_ok: bool = False
+    env: dict = field(default_factory=dict)
+
+
+def run_case(case: Case, monkeypatch) -> object:
+    before = snapshot(*case.watch)
+    r = runner.invoke(app, case.args)
+    after = snapshot(*case.watch)
+    assert r.exit_code == case.code, (r.exit_code, r.output)
+    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+    if case.code == 1:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert case.says in lines[0], lines[0]
+        for phrase in case.not_says:
+            assert phrase not in lines[0], lines[0]
+    else:
+        assert case.says in r.stdout, r.stdout
+    for path, digest in before.items():
+        assert after.get(path) == digest, f"{path} was changed or deleted"
+    if not case.new_files_ok:
+        assert set(after) == set(before), f"new files: {sorted(set(after) - set(before))}"
+    return r
+
+
+def no_model_load(monkeypatch):
+    """Make any model load fail loudly: proves a check ran before the weights were read."""
+    import kvcal.profile.calibrate as cal
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(cal, "load_model", refuse)
+
+
+@pytest.fixture(scope="module")
+def env(tiny_dir, text_file, tmp_path_factory):
+    """A tiny model folder (with a .git folder and a dot-file, as a cloned model has), a dataset and a bundle."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("bad-inputs")
+    model = root / "model"
+    shutil.copytree(tiny_dir, model)
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (model / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    bundle = root / "tiny.kvcal.safetensors"
+    r = runner.invoke(app, ["calibrate", "--model", str(model), "--out", str(bundle), "--dataset", str(text_file),
+                            "--no-search", *SMALL])
+    assert r.exit_code == 0, r.output
+    return {"model": model, "data": text_file, "bundle": bundle, "root": root}
+
+
+# ---------------------------------------------------------------------------------------------- cases, by item
+
+
+def item1_out_is_the_models_weights(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(env["model"] / "model.safetensors"),
+                 "--dataset", str(env["data"]), *SMALL], [env["model"], env["data"]], says="input of this run")
+
+
+def item1_out_is_the_dataset(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(env["data"]), "--dataset", str(env["data"]),
+                 *SMALL], [env["model"], env["data"]], says="input of this run")
+
+
+def item1_out_is_another_file(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(notes), "--dataset", str(env["data"]),
+                 *SMALL], [tmp_path], says="not a kvcal bundle")
+
+
+def item1_existing_bundle_needs_overwrite(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    out = tmp_path / "b.kvcal.safetensors"
+    out.write_bytes(env["bundle"].read_bytes())
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset", str(env["data"]),
+                 "--no-search", *SMALL], [tmp_path], says="pass `--overwrite`")
+
+
+def item2_checkpoint_folder_not_made_by_kvcal(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    out = tmp_path / "b.kvcal.safetensors"
+    ckpt = tmp_path / "b.kvcal.safetensors.ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "thesis.tex").write_text("years of work")
+    (ckpt / "sub" / "data.csv").write_text("1,2,3")
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset", str(env["data"]),
+                 "--no-search", *SMALL], [tmp_path], says="not a kvcal checkpoint folder")
+
+
+def item3_export_over_the_models_folder(env, tmp_path, monkeypatch):
+    return Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]),
+                 "--with-weights", "--overwrite", "--out", str(env["model"])], [env["model"], env["bundle"]],
+                says="is `")
+
+
+def item3_export_inside_the_models_folder(env, tmp_path, monkeypatch):
+    return Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]),
+                 "--with-weights", "--overwrite", "--out", str(env["model"] / "fp8")], [env["model"], env["bundle"]],
+                says="lies inside")
+
+
+def item3_export_over_a_folder_holding_the_model(env, tmp_path, monkeypatch):
+    return Case(["export", str(env["bundle"]), "--format", "manifest", "--model", str(env["model"]), "--overwrite",
+                 "--out", str(env["root"])], [env["model"], env["bundle"]], says="contains")
+
+
+def item4_out_is_a_folder(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "keep.txt").write_text("keep")
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "results"), "--dataset",
+                 str(env["data"]), *SMALL], [tmp_path], says="is a folder")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def item5_stale_temp_of_a_dead_writer_is_removed(env, tmp_path, monkeypatch):
+    out = tmp_path / "scales"
+    stale = tmp_path / f".scales.tmp-{_dead_pid()}"
+    stale.mkdir()
+    (stale / "half.json").write_text("{")
+    live = tmp_path / f".scales.tmp-{os.getpid()}x"        # not a kvcal temp name: left alone
+    live.write_text("user file")
+    r = Case(["export", str(env["bundle"]), "--format", "manifest", "--out", str(out)], [live, env["bundle"]],
+             code=0, new_files_ok=True)
+    run_case(r, monkeypatch)
+    assert not stale.exists() and live.read_text() == "user file" and (out / "manifest.json").is_file()
+    # the bundle writer does the same for `.NAME.tmp-PID` files
+    b = load_bundle(env["bundle"])
+    target = tmp_path / "b.kvcal.safetensors"
+    stale_file = tmp_path / f".b.kvcal.safetensors.tmp-{_dead_pid()}"
+    stale_file.write_bytes(b"\0" * 100)
+    live_file = tmp_path / f".b.kvcal.safetensors.tmp-{os.getppid()}"     # a live process: not removed
+    live_file.write_bytes(b"\0" * 10)
+    save_bundle(b, target)
+    assert not stale_file.exists() and live_file.exists() and load_bundle(target).shape == b.shape
+
+
+def item6_forged_fingerprint_refused_by_shape(env, tmp_path, monkeypatch):
+    lm_model, tok = make_model("llama", num_hidden_layers=3, num_key_value_heads=4)
+    forged = random_bundle(lm_model, tok)
+    from kvcal.models import fingerprint, read_config
+
+    real_fp = fingerprint(read_config(env["model"]))
+    forged.model.fingerprint = real_fp                   # another model's bundle, fingerprint edited to match
+    path = save_bundle(forged, tmp_path / "forged.kvcal.safetensors")
+    # the runtime refuses it too, before any einsum
+    model, _ = make_model("llama")
+    from kvcal.runtime.hf import KvcalCache
+
+    with pytest.raises(BundleMismatchError, match="layers, KV heads, head dim"):
+        KvcalCache.from_bundle(load_bundle(path), model)
+    r = Case(["export", str(path), "--format", "vllm-fp8", "--model", str(env["model"]), "--out",
+              str(tmp_path / "fp8")], [tmp_path, env["model"]], says="(layers, KV heads, head dim)")
+    run_case(r, monkeypatch)
+    r = Case(["export", str(path), "--format", "hf-lowrank-v", "--model", str(env["model"]), "--out",
+              str(tmp_path / "lr")], [tmp_path, env["model"]], says="(layers, KV heads, head dim)")
+    run_case(r, monkeypatch)
+    return Case(["inspect", str(path), "--model", str(env["model"])], [tmp_path, env["model"]],
+                says="(layers, KV heads, head dim)")
+
+
+def item6_edited_policy_refused(env, tmp_path, monkeypatch):
+    def k2v2(m):
+        m["policy"] = json.dumps({"high": "K2V2", "low": "K2V2", "window": 64})
+    path = rewrite(env["bundle"], tmp_path / "policy.kvcal.safetensors", meta=k2v2, rehash=False)
+    return Case(["inspect", str(path)], [tmp_path], says="metadata.sha256")
+
+
+def item6_old_bundles_still_load(env, tmp_path, monkeypatch):
+    """Bundles written before `metadata.sha256` existed (the shipped artefact, old v1 files) load and serve as
+    before."""
+    shipped = ROOT / "artifacts" / "smollm2-135m.kvcal.safetensors"
+    b = load_bundle(shipped)
+    assert b.shape == (30, 3, 64) and b.policy["high"] == "K8V4g16"
+    old = rewrite(env["bundle"], tmp_path / "old.kvcal.safetensors", meta=lambda m: m.pop("metadata.sha256"),
+                  rehash=False)
+    a, o = load_bundle(env["bundle"]), load_bundle(old)
+    assert torch.equal(a.qk_rotation, o.qk_rotation) and a.policy == o.policy
+    model, tok = make_model("llama")
+    from kvcal.runtime.hf import KvcalCache
+
+    ids = tok(["the a of and to in is it that was"], return_tensors="pt").input_ids
+    outs = []
+    for bundle in (a, o):
+        with torch.no_grad():
+            outs.append(model(ids, past_key_values=KvcalCache.from_bundle(bundle, model)).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    return Case(["inspect", str(shipped)], [shipped], code=0, says="smollm2-135m")
+
+
+def item7_negative_absmax(env, tmp_path, monkeypatch):
+    def neg(ts):
+        ts["k.absmax"][0, 0] = -1.0
+    path = rewrite(env["bundle"], tmp_path / "neg.kvcal.safetensors", tensors=neg)
+    return Case(["export", str(path), "--format", "vllm-fp8", "--model", str(env["model"]), "--out",
+                 str(tmp_path / "fp8")], [tmp_path], says="`k.absmax` has a value outside")
+
+
+def item7_recovery_out_of_range(env, tmp_path, monkeypatch):
+    def seven(ts):
+        ts["fastgen.recovery"][0, 0, 0] = 7.0
+    path = rewrite(env["bundle"], tmp_path / "rec.kvcal.safetensors", tensors=seven)
+    return Case(["inspect", str(path)], [tmp_path], says="`fastgen.recovery` has a value outside")
+
+
+def item8_sizes_checked_before_tensors_are_read(env, tmp_path, monkeypatch):
+    """A large bundle for a bigger model is refused for a small model from its header alone: no tensor is read."""
+    import safetensors
+
+    big_model, tok = make_model("llama", num_hidden_layers=12, head_dim=64)
+    path = save_bundle(random_bundle(big_model, tok), tmp_path / "big.kvcal.safetensors")
+    real = safetensors.safe_open
+    reads = []
+
+    class Counting:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.f.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    r = run_case(Case(["inspect", str(path), "--model", str(env["model"])], [tmp_path], says="layers, KV heads"),
+                 monkeypatch)
+    assert reads == [] and r.exit_code == 1
+    # a header that promises more bytes than the file holds is refused without reading the data
+    data = path.read_bytes()
+    cut = tmp_path / "cut.kvcal.safetensors"
+    cut.write_bytes(data[:len(data) // 3])
+    return Case(["inspect", str(cut)], [tmp_path], says="truncated")
+
+
+def item9_terminal_escapes_in_metadata(env, tmp_path, monkeypatch):
+    name = "\x1b[2J[bold]EVIL[/bold]\x07\x9b1m"
+    path = rewrite(env["bundle"], tmp_path / "ansi.kvcal.safetensors", meta=edit_model(name=name))
+    r = run_case(Case(["inspect", str(path)], [tmp_path], code=0, says="EVIL"), monkeypatch)
+    assert "\x1b" not in r.stdout and "\x9b" not in r.stdout and "\x07" not in r.stdout
+    assert "[bold]EVIL[/bold]" in r.stdout                 # markup shown as text, not interpreted
+    # the same name in an error message (bundle for another model) is plain too
+    other = save_model(tmp_path / "other", "qwen2")
+    return Case(["inspect", str(path), "--model", str(other)], [tmp_path], says="[bold]EVIL[/bold]",
+                not_says=("\x1b", "\x07"))
+
+
+def item10_layer_types_are_integers(env, tmp_path, monkeypatch):
+    path = rewrite(env["bundle"], tmp_path / "lt.kvcal.safetensors", meta=edit_model(layer_types=[0, 1]))
+    return Case(["inspect", str(path)], [tmp_path], says="layer_types")
+
+
+def item10_calibration_is_a_list(env, tmp_path, monkeypatch):
+    path = rewrite(env["bundle"], tmp_path / "cl.kvcal.safetensors",
+                   meta=lambda m: m.update(calibration=json.dumps([1, 2])))
+    return Case(["inspect", str(path)], [tmp_path], says="`calibration` is a JSON list")
+
+
+def item10_truncated_model_weights(env, tmp_path, monkeypatch):
+    model = save_model(tmp_path / "cut", "llama")
+    w = model / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    return Case(["calibrate", "--model", str(model), "--out", str(tmp_path / "b.kvcal.safetensors"), "--dataset",
+                 str(env["data"]), "--no-search", *SMALL], [tmp_path], says="truncated")
+
+
+def item10_pickle_weights(env, tmp_path, monkeypatch):
+    model = save_model(tmp_path / "pkl", "llama")
+    m, _ = make_model("llama")
+    torch.save(m.state_dict(), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    return Case(["calibrate", "--model", str(model), "--out", str(tmp_path / "b.kvcal.safetensors"), "--dataset",
+                 str(env["data"]), "--no-search", *SMALL], [tmp_path], says="pickle")
+
+
+def item11_malformed_policy_json(env, tmp_path, monkeypatch):
+    path = rewrite(env["bundle"], tmp_path / "pj.kvcal.safetensors", meta=lambda m: m.update(policy="{high: K8"))
+    return Case(["inspect", str(path)], [tmp_path], says="metadata `policy` is not valid JSON")
+
+
+def item12_json_stdout_stays_json_with_warnings(env, tmp_path, monkeypatch):
+    """A warning during `calibrate --json` (an unreadable checkpoint) goes to stderr; stdout parses as JSON."""
+    out = tmp_path / "b.kvcal.safetensors"
+    ckpt = tmp_path / "b.kvcal.safetensors.ckpt"
+    ckpt.mkdir()
+    (ckpt / "random-tokens.safetensors").write_bytes(b"garbage")
+    (ckpt / "kvcal-checkpoint.json").write_text(json.dumps({"files": ["random-tokens.safetensors"]}))
+    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset",
+           str(env["data"]), "--no-search", "--json", *SMALL]
+    before = snapshot(env["model"], env["data"])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["bundle"] == str(out)
+    assert "ignoring unreadable checkpoint" in done.stderr and "Traceback" not in done.stderr
+    assert snapshot(env["model"], env["data"]) == before and not ckpt.exists()
+
+
+def item13_jsonl_without_text_field(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"body": "hello"}) + "\n")
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(data), *SMALL], [tmp_path], says='{"text": "..."}', not_says=("--text-field",))
+
+
+def item14_binary_jsonl(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(bytes(range(256)) * 4)
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(data), *SMALL], [tmp_path], says=str(data))
+
+
+def item14_null_text(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": random_text(50)}) + "\n" + json.dumps({"text": None}) + "\n")
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(data), *SMALL], [tmp_path], says="line 2: `text` is null")
+
+
+def item14_dataset_too_short_names_a_real_option(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": random_text(20, seed=i)}) for i in range(5)))
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(data), "--no-search", *SMALL, "--text-tokens", "4096"], [tmp_path],
+                says="lower `--text-tokens`")
+
+
+def item15_max_position_beyond_the_model(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(env["data"]), *SMALL, "--max-position", "100000000"], [tmp_path],
+                says="beyond the model's 512 positions")
+
+
+def item15_negative_max_position(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
+                 "--dataset", str(env["data"]), *SMALL, "--max-position", "-5"], [tmp_path],
+                says="`--max-position -5`", not_says=("--random-tokens",))
+
+
+def item16_usage_error_is_one_line_exit_1(env, tmp_path, monkeypatch):
+    r = run_case(Case(["calibrate", "--no-such-option"], [tmp_path], says="No such option"), monkeypatch)
+    assert "╭" not in r.output
+    return Case(["export", str(env["bundle"])], [tmp_path, env["bundle"]], says="missing option `--format`")
+
+
+def item17_release_after_inference_mode_generate(env, tmp_path, monkeypatch):
+    model, tok = make_model("llama")
+    from kvcal.runtime.hf import KvcalCache
+
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model)
+    ids = tok(["the a of and to in is it"], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert cache.release() > 0
+
+
+def item18_cache_reusable_after_release(env, tmp_path, monkeypatch):
+    model, tok = make_model("llama")
+    from kvcal.runtime.hf import KvcalCache
+
+    bundle = random_bundle(model, tok)
+    ids = tok(["the a of and to in is it that was for on"], return_tensors="pt").input_ids
+    cache = KvcalCache.from_bundle(bundle, model)
+    with torch.no_grad():
+        first = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        assert cache.memory()["fp16_bytes"] > 0
+        cache.release()
+        assert cache.memory()["fp16_bytes"] == 0 and cache.get_seq_length() == 0
+        again = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        fresh = model.generate(ids, past_key_values=KvcalCache.from_bundle(bundle, model), max_new_tokens=6,
+                               do_sample=False)
+    assert torch.equal(again, fresh) and torch.equal(first, fresh)
+
+
+CASES = [f for name, f in sorted(globals().items()) if name.startswith("item")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f.__name__ for f in CASES])
+def test_bad_input(case, env, tmp_path, monkeypatch):
+    result = case(env, tmp_path, monkeypatch)
+    if result is not None:
+        run_case(result, monkeypatch)
+
+
+def test_every_item_has_a_case():
+    items = {int(f.__name__.split("_")[0].removeprefix("item")) for f in CASES}
+    assert items == set(range(1, 19))
+
+
+# ---------------------------------------------------------------------------------------------- library-level
+
+
+def test_checkpoint_clear_deletes_only_what_kvcal_wrote(tmp_path):
+    from kvcal.profile.calibrate import Checkpoint
+    from kvcal.profile.search import Point  # noqa: F401  (search.json holds Points)
+
+    ckpt = Checkpoint(tmp_path / "b.ckpt", "key")
+    ckpt.save_search({})
+    (ckpt.folder / "mine.txt").write_text("user")
+    (ckpt.folder / "sub").mkdir()
+    ckpt.clear()
+    assert (ckpt.folder / "mine.txt").read_text() == "user" and (ckpt.folder / "sub").is_dir()
+    assert not (ckpt.folder / "search.json").exists() and not (ckpt.folder / Checkpoint.MANIFEST).exists()
+    with pytest.raises(ValueError, match="not a kvcal checkpoint folder"):
+        Checkpoint.check_folder(ckpt.folder)
+    # a forged manifest cannot reach outside the folder
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    forged = Checkpoint(tmp_path / "c.ckpt", "key")
+    forged.folder.mkdir()
+    (forged.folder / Checkpoint.MANIFEST).write_text(json.dumps({"files": ["../outside.txt", str(outside)]}))
+    forged.clear()
+    assert outside.read_text() == "keep"
+
+
+def test_overwrite_replaces_a_bundle_and_the_run_leaves_no_checkpoint(env, tmp_path):
+    out = tmp_path / "b.kvcal.safetensors"
+    out.write_bytes(env["bundle"].read_bytes())
+    r = runner.invoke(app, ["calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset",
+                            str(env["data"]), "--no-search", "--overwrite", "--seed", "3", *SMALL])
+    assert r.exit_code == 0, r.output
+    assert load_bundle(out).calibration["seed"] == 3 and not (tmp_path / "b.kvcal.safetensors.ckpt").exists()
+
+
+def test_save_bundle_refuses_to_overwrite_a_non_bundle(env, tmp_path):
+    notes = tmp_path / "notes.safetensors"
+    notes.write_text("not a bundle")
+    with pytest.raises(BundleError, match="not a kvcal bundle"):
+        save_bundle(load_bundle(env["bundle"]), notes)
+    assert notes.read_text() == "not a bundle"
+
+
+def test_load_bundle_header_fields(env, tmp_path):
+    """Every bundle written now carries a metadata hash that covers the model, calibration and policy blocks."""
+    n = struct.unpack("<Q", env["bundle"].read_bytes()[:8])[0]
+    meta = json.loads(env["bundle"].read_bytes()[8:8 + n])["__metadata__"]
+    assert meta["metadata.sha256"] == _metadata_hash(meta)
+    for block in ("model", "calibration", "policy"):
+        edited = rewrite(env["bundle"], tmp_path / f"{block}.kvcal.safetensors",
+                         meta=lambda m, b=block: m.update({b: m[b].replace("}", ', "x": 1}', 1)}), rehash=False)
+        with pytest.raises(BundleError, match="metadata.sha256"):
+            load_bundle(edited)
