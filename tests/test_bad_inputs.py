@@ -430,14 +430,14 @@ def item14_dataset_too_short_names_a_real_option(env, tmp_path, monkeypatch):
 def item15_max_position_beyond_the_model(env, tmp_path, monkeypatch):
     no_model_load(monkeypatch)
     return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
-                 "--dataset", str(env["data"]), *SMALL, "--max-position", "100000000"], [tmp_path],
+                 "--dataset", str(env["data"]), "--no-search", *SMALL, "--max-position", "100000000"], [tmp_path],
                 says="beyond the model's 512 positions")
 
 
 def item15_negative_max_position(env, tmp_path, monkeypatch):
     no_model_load(monkeypatch)
     return Case(["calibrate", "--model", str(env["model"]), "--out", str(tmp_path / "b.kvcal.safetensors"),
-                 "--dataset", str(env["data"]), *SMALL, "--max-position", "-5"], [tmp_path],
+                 "--dataset", str(env["data"]), "--no-search", *SMALL, "--max-position", "-5"], [tmp_path],
                 says="`--max-position -5`", not_says=("--random-tokens",))
 
 

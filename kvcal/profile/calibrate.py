@@ -24,6 +24,7 @@ import torch
 
 from kvcal.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
+from kvcal.data.corpora import check_enough_tokens
 from kvcal.models import (
     DEFAULT_MODEL,
     DTYPES,
@@ -308,23 +309,29 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                      also_written=report_paths(out).values() if cfg.search else ())
     Checkpoint.check_folder(out.with_name(out.name + ".ckpt"))
     remove_stale_temps(out)
+    corpus = load_corpus(cfg.dataset, "calib")      # the dataset's files: readable, decodable, with text
+    splits = {name: load_corpus(cfg.dataset, name) for name in ("search", "eval")} if cfg.search else {}
+    fixes = {"calib": "lower `--text-tokens`", "search": "lower `--search-windows`, `--search-prompt` or "
+             "`--search-steps`", "eval": "lower `--search-prompt`"}
+    P = cfg.search_prompt
+    needs = {"calib": cfg.text_tokens, "search": cfg.search_windows * (P + cfg.search_steps + 1),
+             "eval": cfg.eval_windows * (P + cfg.eval_steps + 1)}
+    for name, c in {"calib": corpus, **splits}.items():       # a quick count first, before transformers loads
+        check_enough_tokens(Path(source.folder) / "tokenizer.json", c, needs[name], fixes[name])
+    tokenizer = lm.tokenizer if lm is not None else load_tokenizer(source.folder)
     a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
     if cfg.max_position is not None and cfg.max_position > a.max_positions:
         raise ValueError(f"`--max-position {cfg.max_position}` is beyond the model's {a.max_positions} positions; "
                          f"pass at most {a.max_positions}")
     max_position = cfg.max_position or min(a.max_positions, 32768)
     seq_len = min(cfg.seq_len, max_position)
-    tokenizer = lm.tokenizer if lm is not None else load_tokenizer(source.folder)
-    corpus = load_corpus(cfg.dataset, "calib")
     n_text = -(-cfg.text_tokens // seq_len)
-    text_ids = token_windows(tokenizer, corpus, n_text, seq_len, cfg.seed, fix="lower `--text-tokens`")
+    text_ids = token_windows(tokenizer, corpus, n_text, seq_len, cfg.seed, fix=fixes["calib"])
     if cfg.search:       # the search and the held-out check need their own splits: check them now too
-        P = cfg.search_prompt
-        token_windows(tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows,
-                      P + cfg.search_steps + 1, cfg.seed + 1,
-                      fix="lower `--search-windows`, `--search-prompt` or `--search-steps`")
-        token_windows(tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows, P + cfg.eval_steps + 1,
-                      cfg.seed + 2, fix="lower `--search-prompt`")
+        token_windows(tokenizer, splits["search"], cfg.search_windows, P + cfg.search_steps + 1, cfg.seed + 1,
+                      fix=fixes["search"])
+        token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + cfg.eval_steps + 1, cfg.seed + 2,
+                      fix=fixes["eval"])
 
     if lm is None:
         say(f"loading {cfg.model}")
