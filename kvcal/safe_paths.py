@@ -87,17 +87,22 @@ def check_bundle_out(out: str | os.PathLike, *, overwrite: bool = False, inputs:
 
 
 def check_out_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
-    """Refuse an output folder that is, contains or lies inside an input (model folder, bundle) or that contains the
-    working directory: replacing it would delete what is being read, or the user's own files."""
+    """Refuse an output folder that is, contains or lies inside an input (model folder, bundle), or that is or
+    contains the working directory: replacing it would delete what is being read, or the user's own files."""
     out = Path(out)
     real = _resolved(out)
-    named = [(src, f"`{src}`") for src in inputs if src is not None] + [(Path.cwd(), "the working directory")]
-    for src, label in named:
+    for src in inputs:
+        if src is None:
+            continue
         src_real = _resolved(src)
         if _inside(real, src_real) or _inside(src_real, real):
             rel = "is" if real == src_real else "contains" if _inside(src_real, real) else "lies inside"
-            raise ValueError(f"`--out {out}` {rel} {label}; choose an output folder outside the model, the bundle and "
-                             "the working directory")
+            raise ValueError(f"`--out {out}` {rel} `{src}`, an input of this export; choose an output folder "
+                             "outside the model and the bundle")
+    cwd = Path.cwd().resolve()
+    if _inside(cwd, real):
+        raise ValueError(f"`--out {out}` {'is' if cwd == real else 'contains'} the working directory; choose a "
+                         "new folder for the export")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -184,6 +184,13 @@ def item3_export_inside_the_models_folder(env, tmp_path, monkeypatch):
                 says="lies inside")
 
 
+def item3_export_over_the_working_directory(env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work.txt").write_text("mine")
+    return Case(["export", str(env["bundle"]), "--format", "manifest", "--overwrite", "--out", "."],
+                [tmp_path, env["bundle"]], says="is the working directory")
+
+
 def item3_export_over_a_folder_holding_the_model(env, tmp_path, monkeypatch):
     return Case(["export", str(env["bundle"]), "--format", "manifest", "--model", str(env["model"]), "--overwrite",
                  "--out", str(env["root"])], [env["model"], env["bundle"]], says="contains")
@@ -204,6 +211,7 @@ def _dead_pid() -> int:
 
 
 def item5_stale_temp_of_a_dead_writer_is_removed(env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                              # an output inside the working directory is fine
     out = tmp_path / "scales"
     stale = tmp_path / f".scales.tmp-{_dead_pid()}"
     stale.mkdir()
