@@ -282,6 +282,8 @@ def load_bundle(path: str | Path, *, fingerprint: str | None = None, weights_has
             for k in header:            # one at a time, each checked as it is read
                 tensors[k] = f.get_tensor(k)
                 problems += _validate_tensor(k, tensors[k])
+                if problems:            # a bad file is refused without reading the rest
+                    break
     except BundleError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files

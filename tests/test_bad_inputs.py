@@ -523,6 +523,14 @@ def test_checkpoint_clear_deletes_only_what_kvcal_wrote(tmp_path):
     (forged.folder / Checkpoint.MANIFEST).write_text(json.dumps({"files": ["../outside.txt", str(outside)]}))
     forged.clear()
     assert outside.read_text() == "keep"
+    # a folder from before the manifest existed, holding only checkpoint files, is adopted and cleared
+    legacy = Checkpoint(tmp_path / "d.ckpt", "key")
+    legacy.folder.mkdir()
+    (legacy.folder / "random-tokens.safetensors").write_bytes(b"x")
+    (legacy.folder / ".search.json.tmp-999999999").write_bytes(b"x")
+    Checkpoint.check_folder(legacy.folder)
+    legacy.clear()
+    assert not legacy.folder.exists()
 
 
 def test_overwrite_replaces_a_bundle_and_the_run_leaves_no_checkpoint(env, tmp_path):

@@ -155,9 +155,13 @@ class Checkpoint:
         if (folder / cls.MANIFEST).is_file():
             return
         entries = list(folder.iterdir())
-        if not entries or not all(p.name in cls._KNOWN and p.is_file() and not p.is_symlink() for p in entries):
+
+        def known(name: str) -> bool:      # a checkpoint file, or the temporary file of a killed writer of one
+            return name in cls._KNOWN or any(name.startswith(f".{k}.tmp-") for k in cls._KNOWN)
+
+        if not entries or not all(known(p.name) and p.is_file() and not p.is_symlink() for p in entries):
             raise refuse
-        cls._write_manifest(folder, sorted(p.name for p in entries))
+        cls._write_manifest(folder, list(cls._KNOWN))
 
     def _written(self) -> list[str]:
         """Names recorded in the manifest (plain file names only: a forged entry cannot reach outside the folder)."""
