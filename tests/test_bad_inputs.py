@@ -253,6 +253,9 @@ def item6_forged_fingerprint_refused_by_shape(env, tmp_path, monkeypatch):
     r = Case(["export", str(path), "--format", "hf-lowrank-v", "--model", str(env["model"]), "--out",
               str(tmp_path / "lr")], [tmp_path, env["model"]], says="(layers, KV heads, head dim)")
     run_case(r, monkeypatch)
+    r = Case(["export", str(path), "--format", "manifest", "--model", str(env["model"]), "--out",
+              str(tmp_path / "man")], [tmp_path, env["model"]], says="(layers, KV heads, head dim)")
+    run_case(r, monkeypatch)
     return Case(["inspect", str(path), "--model", str(env["model"])], [tmp_path, env["model"]],
                 says="(layers, KV heads, head dim)")
 
