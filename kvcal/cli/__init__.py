@@ -6,7 +6,10 @@ import logging
 
 import typer
 
+from kvcal.cli._help import KvcalCommand, KvcalGroup
+
 app = typer.Typer(
+    cls=KvcalGroup,
     name="kvcal",
     help="Calibrate KV-cache compression for a Hugging Face model and serve it with a compact runtime.",
     no_args_is_help=True,
@@ -18,10 +21,10 @@ app = typer.Typer(
 def _register() -> None:
     from kvcal.cli import bench, calibrate, export, inspect
 
-    app.command("calibrate")(calibrate.calibrate)
-    app.command("inspect")(inspect.inspect)
-    app.command("bench")(bench.bench)
-    app.command("export")(export.export)
+    app.command("calibrate", cls=KvcalCommand)(calibrate.calibrate)
+    app.command("inspect", cls=KvcalCommand)(inspect.inspect)
+    app.command("bench", cls=KvcalCommand)(bench.bench)
+    app.command("export", cls=KvcalCommand)(export.export)
 
 
 _register()
