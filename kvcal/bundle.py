@@ -96,7 +96,7 @@ class Bundle:
     policy: dict[str, Any] = field(default_factory=dict)        # runtime settings chosen by calibration (JSON)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # OPTIONAL_TENSORS by name
     kvcal_version: str = ""
-    created: str = ""
+    created: str = ""                # when the file was written (UTC, ISO 8601); set by save_bundle
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -188,6 +188,7 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
 
     path = Path(path)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in bundle.tensors().items()}
+    bundle.created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     meta = _metadata(bundle, tensors)
     problems = _validate(tensors, meta)
     if problems:
