@@ -39,7 +39,8 @@ def _vocabulary(args: list[str]) -> set[str]:
     group = get_command(app)
     cmd = group.get_command(None, args[0]) if args else group
     with cmd.make_context(args[0] if args else "kvcal", ["--help"], resilient_parsing=True) as ctx:
-        words = _words(cmd.help or "") | _words(" ".join(cmd.collect_usage_pieces(ctx)).replace("{", "").replace("}", ""))
+        usage = " ".join(cmd.collect_usage_pieces(ctx)).replace("{", "").replace("}", "")
+        words = _words(cmd.help or "") | _words(usage)
         for p in cmd.get_params(ctx):
             name, text = p.get_help_record(ctx) or ("", "")
             words |= _words(names(name)) | _words(describe(text))

@@ -33,7 +33,11 @@ _register()
 def main() -> None:
     from rich.logging import RichHandler
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    from kvcal.cli._options import stderr
+
+    # the progress bars' console: a warning then prints above a live bar instead of through it
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=stderr, show_path=False)])
     try:
         from transformers.utils import logging as hf_logging
 

@@ -51,9 +51,12 @@ class SearchBar(Progress):
         super().__init__(TextColumn("search"), TextColumn("{task.fields[stage]:<24}"), BarColumn(bar_width=None),
                          TextColumn("{task.fields[points]}"), TimeElapsedColumn(), console=console, disable=quiet,
                          transient=False, expand=True)
-        self.task = self.add_task("search", total=len(STAGES), stage="", points="0 points")
+        # the clock starts with the first step, not when the bar is built before the statistics passes
+        self.task = self.add_task("search", total=len(STAGES), stage="", points="0 points", start=False)
 
     def step(self, stage: str, label: str, point) -> None:
+        if not self.tasks[0].started:
+            self.start_task(self.task)
         index = STAGES.index(stage) if stage in STAGES else self.stage_index
         if index > self.stage_index:
             self.stage_index, self.in_stage = index, 0

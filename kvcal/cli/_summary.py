@@ -47,6 +47,9 @@ def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
     """stored / size / quality rows of a searched bundle (`search` as kept in calibration metadata)."""
     chosen, held = search["chosen"], search.get("held_out")
     t.add_row("stored", settings_in_words(chosen["settings"], **_rank_means(bundle)))
+    if not chosen.get("feasible", True):
+        t.add_row("", Text("no configuration met the target on search text: this is the most precise one measured",
+                           style="yellow"))
     t.add_row("size", bytes_in_words(chosen["bytes_ratio"], fp16_bytes_per_token(bundle)))
     t.add_row("quality", f"search text: {_quality(chosen)}")
     if held:
