@@ -100,7 +100,10 @@ def render_command(command, ctx) -> str:
         record = param.get_help_record(ctx)
         if record is None:
             continue
-        (args if param.param_type_name == "argument" else opts).append((names(record[0]), describe(record[1])))
+        if param.param_type_name == "argument":        # `BUNDLE`, not `BUNDLE PATH`: the metavar names it
+            args.append((record[0].split()[0], describe(record[1])))
+        else:
+            opts.append((names(record[0]), describe(record[1])))
     for title, rows in (("Arguments", args), ("Options", opts)):
         if rows:
             lines += ["", f"{title}:", *definition_list(rows, width)]
