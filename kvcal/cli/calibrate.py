@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, parse_max_memory, stderr, stdout
 from kvcal.cli._progress import SearchBar, pass_bars
 from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
@@ -77,18 +78,24 @@ def calibrate(
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
         passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, quiet)
         tasks: dict[str, int] = {}
+        shown: list = []              # the display on screen now (a stopped one stays printed, even if blank)
+
+        def show(display) -> None:
+            if quiet or (shown and shown[-1] is display):
+                return
+            if shown:
+                shown[-1].stop()
+            display.start()
+            shown.append(display)
 
         def progress(name: str, done: int, total: int) -> None:
-            if not tasks:
-                passes.start()
+            show(passes)
             if name not in tasks:
                 tasks[name] = passes.add_task(name, total=total, completed=done)
             passes.update(tasks[name], completed=done)
 
         def search_progress(stage: str, label: str, point) -> None:
-            if not search_bar.live.is_started:     # the passes are done: their bars stay, the search's comes below
-                passes.stop()
-                search_bar.start()
+            show(search_bar)                     # the passes are done: their bars stay, the search's comes below
             search_bar.step(stage, label, point)
 
         def status(msg: str) -> None:
@@ -99,8 +106,8 @@ def calibrate(
             result = run(cfg, progress=progress, status=status, search_progress=search_progress)
             search_bar.finish()
         finally:
-            passes.stop()
-            search_bar.stop()
+            if shown:
+                shown[-1].stop()
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: finished windows are checkpointed; rerun the same command to resume")
         raise typer.Exit(code=130) from None
