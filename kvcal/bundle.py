@@ -106,7 +106,7 @@ class Bundle:
     policy: dict[str, Any] = field(default_factory=dict)        # runtime settings chosen by calibration (JSON)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # OPTIONAL_TENSORS by name
     kvcal_version: str = ""
-    created: str = ""
+    created: str = ""                # when the file was written (UTC, ISO 8601); set by save_bundle
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -218,6 +218,7 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
         ptr = t.untyped_storage().data_ptr()
         tensors[k] = t.clone() if ptr in seen else t      # safetensors refuses tensors that share memory
         seen.add(ptr)
+    bundle.created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     meta = _metadata(bundle, tensors)
     problems = _validate(tensors, meta)
     if problems:

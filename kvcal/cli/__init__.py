@@ -7,6 +7,7 @@ import logging
 import typer
 
 from kvcal.cli._errors import OneLineErrors
+from kvcal.cli._help import KvcalCommand
 
 app = typer.Typer(
     name="kvcal",
@@ -21,10 +22,10 @@ app = typer.Typer(
 def _register() -> None:
     from kvcal.cli import bench, calibrate, export, inspect
 
-    app.command("calibrate")(calibrate.calibrate)
-    app.command("inspect")(inspect.inspect)
-    app.command("bench")(bench.bench)
-    app.command("export")(export.export)
+    app.command("calibrate", cls=KvcalCommand)(calibrate.calibrate)
+    app.command("inspect", cls=KvcalCommand)(inspect.inspect)
+    app.command("bench", cls=KvcalCommand)(bench.bench)
+    app.command("export", cls=KvcalCommand)(export.export)
 
 
 _register()
@@ -35,7 +36,8 @@ def main() -> None:
 
     from kvcal.cli._options import stderr
 
-    # warnings go to stderr: stdout carries only the result (`--json` must parse)
+    # warnings go to stderr, through the progress bars' console: stdout carries only the result (`--json` must
+    # parse), and a warning prints above a live bar instead of through it
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=stderr, show_path=False)])
     try:

@@ -11,7 +11,8 @@ from typing import Any
 import typer
 from rich.markup import escape
 from typer._click import exceptions as click_errors   # typer vendors click; these are what it raises
-from typer.core import TyperGroup
+
+from kvcal.cli._help import KvcalGroup
 
 # C0 controls other than tab and newline, DEL, and C1 controls (ESC starts ANSI sequences; CSI is \x9b)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -36,7 +37,7 @@ def terminal_safe(value: Any) -> Any:
     return value
 
 
-class OneLineErrors(TyperGroup):
+class OneLineErrors(KvcalGroup):
     """The app's click group: usage errors (unknown option, bad value, missing argument) print one line and exit 1,
     as every other kvcal error does, instead of click's framed box and exit code 2."""
 

@@ -8,11 +8,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvcal.models import DEFAULT_MODEL
+from kvcal.models import PACKAGED_MODELS
 
 ModelOpt = Annotated[str, typer.Option(
-    "--model", "-m", help=f"Packaged model name, a .gguf file, or a Hugging Face folder (default {DEFAULT_MODEL}).")]
-BundleArg = Annotated[Path, typer.Argument(help="A bundle written by `kvcal calibrate`.")]
+    "--model", "-m", metavar="MODEL",
+    help=f"Packaged model name ({', '.join(PACKAGED_MODELS)}), a .gguf file, or a Hugging Face folder.")]
+BundleArg = Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle written by `kvcal calibrate`.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for every random choice (token ids, text order).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, stderr, stdout
+from kvcal.cli._suggest import missing_bundle
 from kvcal.models import DEFAULT_MODEL
 
 
@@ -40,33 +41,48 @@ def _ints(spec: str | None, name: str) -> tuple[int, ...] | None:
         raise ValueError(f"`--{name} {spec}`: write comma-separated token counts, e.g. 1024,4096") from None
 
 
+# `kvcal.bench.methods` builds the methods from a loaded model and bundle; the keys are spelled out here so that
+# `--help` needs neither (tests/test_cli_ux.py checks this list against the methods a bench really builds)
+METHOD_FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
+METHOD_KEYS = ("dense", "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8", "uniform-k8v8", "uniform-k4v4",
+               "uniform-k2v2", "kivi-k4v2", "kivi-k2v2", "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint",
+               "streamingllm", "h2o", "snapkv", "palu")
+METHODS_HELP = (f"Comma-separated method keys or families to run; kvcal-joint always runs. Families: "
+                f"{', '.join(METHOD_FAMILIES)}. Keys: {', '.join(METHOD_KEYS)}, and kvcal-aH-L for the threshold "
+                "sweep.")
+
+
 def bench(
     model: ModelOpt = DEFAULT_MODEL,
-    bundle: Annotated[Path | None, typer.Option("--bundle", "-b", help="The model's bundle (`kvcal calibrate`).")]
-    = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default ./bench-<model>).")] = None,
+    bundle: Annotated[Path | None, typer.Option("--bundle", "-b", metavar="BUNDLE",
+                                                help="The model's bundle (`kvcal calibrate`).  "
+                                                     "[required unless --offload]")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder for the report and plots.",
+                                             show_default="./bench-<model>")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Short run: 4 windows of 512 tokens, passkey and speed at "
                                         "1k only, a small sweep.")] = False,
     seed: SeedOpt = 0,
     backend: Annotated[Backend, typer.Option(help="kvcal attention backend.")] = Backend.auto,
     dtype: Annotated[str, typer.Option(help="Model dtype while measuring (float32: bf16 arithmetic alone flips "
-                                            "about 2% of top-1).")] = "float32",
+                                            "about 2% of top-1).", metavar="DTYPE")] = "float32",
     dataset: Annotated[str, typer.Option(help="Corpus for held-out text (its eval split) and Palu's whitening "
-                                              "(calib split): packaged name or a .txt/.jsonl file or folder.")]
+                                              "(calib split): packaged name or a .txt/.jsonl file or folder.",
+                                         metavar="DATASET")]
     = "default",
-    methods: Annotated[str | None, typer.Option(help="Comma list of method keys or families to run (dense, "
-                                                     "quantization, eviction, low-rank, seed, kvcal); default all.")]
+    methods: Annotated[str | None, typer.Option(help=METHODS_HELP, metavar="KEYS", show_default="all")] = None,
+    windows: Annotated[int | None, typer.Option(help="Held-out windows for quality.", show_default="8; 4 with --quick")]
     = None,
-    windows: Annotated[int | None, typer.Option(help="Held-out windows for quality (default 8, quick 4).")] = None,
-    prompt: Annotated[int | None, typer.Option(help="Prompt tokens per window (default 1024, quick 512).")] = None,
-    steps: Annotated[int | None, typer.Option(help="Teacher-forced steps per window (default 64, quick 32).")]
-    = None,
-    contexts: Annotated[str | None, typer.Option(help="Speed: context lengths (default 1024,4096,16384; quick "
-                                                      "1024).")] = None,
-    passkey_lengths: Annotated[str | None, typer.Option(help="Passkey prompt lengths (default 1024,4096,16384; "
-                                                             "quick 1024).")] = None,
-    speed_steps: Annotated[int | None, typer.Option(help="Speed: decode steps averaged (default 16, quick 8).")]
-    = None,
+    prompt: Annotated[int | None, typer.Option(help="Prompt tokens per window.",
+                                               show_default="1024; 512 with --quick")] = None,
+    steps: Annotated[int | None, typer.Option(help="Teacher-forced steps per window.",
+                                              show_default="64; 32 with --quick")] = None,
+    contexts: Annotated[str | None, typer.Option(help="Speed: context lengths, comma-separated.", metavar="TOKENS",
+                                                 show_default="1024,4096,16384; 1024 with --quick")] = None,
+    passkey_lengths: Annotated[str | None, typer.Option(help="Passkey prompt lengths, comma-separated.",
+                                                        metavar="TOKENS",
+                                                        show_default="1024,4096,16384; 1024 with --quick")] = None,
+    speed_steps: Annotated[int | None, typer.Option(help="Speed: decode steps averaged.",
+                                                    show_default="16; 8 with --quick")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     offload: Annotated[bool, typer.Option("--offload", help="Only the KVPR offloading section: modelled step time "
@@ -93,6 +109,8 @@ def bench(
         from kvcal.runtime.attention import select_backend
 
         select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
+        if not bundle.is_file():
+            raise ValueError(missing_bundle(bundle))
         b = load_bundle(bundle)
         lm = load_model(model, dtype=dtype)
         out_dir = out or Path(f"bench-{lm.name}")
@@ -136,6 +154,8 @@ def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dty
 
     status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{msg}[/]", highlight=False))
     try:
+        if bundle is not None and not bundle.is_file():
+            raise ValueError(missing_bundle(bundle))
         b = load_bundle(bundle) if bundle is not None else None
         lm = load_model(model, dtype=dtype)
         settings = OffloadSettings.preset(quick, seed=seed, contexts=_ints(contexts, "contexts"))

@@ -13,35 +13,44 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, parse_max_memory, stderr, stdout
+from kvcal.cli._progress import SearchBar, pass_bars
+from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
 from kvcal.models import DEFAULT_MODEL
 from kvcal.profile.calibrate import QK_SOURCES, V_SOURCES, CalibrationConfig
+from kvcal.profile.report import held_out_met
 from kvcal.profile.rotation import DEFAULT_QK_WEIGHTING, QK_WEIGHTINGS
 
 
 def calibrate(
     model: ModelOpt = DEFAULT_MODEL,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Bundle path (default ./<model>.kvcal.safetensors).")]
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Bundle path; the report (.report.md, .json, .png) "
+                                             "goes next to it.", show_default="./<model>.kvcal.safetensors")]
     = None,
     seed: SeedOpt = 0,
     random_tokens: Annotated[int, typer.Option(help="Random tokens for the rotation pass (FDC: >= 8192).")] = 8192,
     text_tokens: Annotated[int, typer.Option(help="Calibration-text tokens.")] = 8192,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
-    max_position: Annotated[int | None, typer.Option(help="Windows are spread over positions [0, this).")] = None,
+    max_position: Annotated[int | None, typer.Option(help="Windows are spread over positions 0 to this.",
+                                                     show_default="the model's maximum, at most 32768")] = None,
     dataset: Annotated[str, typer.Option(help="Packaged corpus (default, sharegpt, gsm8k, champ, pydoc) or a "
-                                              ".txt/.jsonl file or folder.")] = "default",
+                                              ".txt/.jsonl file or folder.", metavar="DATASET")] = "default",
     removal_rate: Annotated[float, typer.Option(help="FDC Eq. 1 singular-value removal rate; 0 keeps all dims.")] = 0.0,
-    qk_source: Annotated[str, typer.Option(help=f"Pass the rotation comes from: {', '.join(QK_SOURCES)}.")]
+    qk_source: Annotated[str, typer.Option(help=f"Pass the rotation comes from: {', '.join(QK_SOURCES)}.",
+                                           metavar="PASS")]
     = "both",
-    qk_weighting: Annotated[str, typer.Option(help=f"Q/K row weighting: {', '.join(QK_WEIGHTINGS)}.")]
+    qk_weighting: Annotated[str, typer.Option(help=f"Q/K row weighting: {', '.join(QK_WEIGHTINGS)}.",
+                                              metavar="WEIGHTING")]
     = DEFAULT_QK_WEIGHTING,
-    v_source: Annotated[str, typer.Option(help=f"V basis: {', '.join(V_SOURCES)}.")] = "activations-text",
-    dtype: Annotated[str, typer.Option(help="Model dtype: bfloat16, float32 or float16.")] = "bfloat16",
-    device_map: Annotated[str | None, typer.Option(help="Passed to transformers (e.g. auto) for big models.")] = None,
-    max_memory: Annotated[str | None, typer.Option(help="Per-device caps for device_map, e.g. cpu=2GiB.")] = None,
+    v_source: Annotated[str, typer.Option(help=f"V basis: {', '.join(V_SOURCES)}.", metavar="SOURCE")]
+    = "activations-text",
+    dtype: Annotated[str, typer.Option(help="Model dtype: bfloat16, float32 or float16.", metavar="DTYPE")]
+    = "bfloat16",
+    device_map: Annotated[str | None, typer.Option(help="Passed to transformers (e.g. auto) for big models.",
+                                                   metavar="MAP")] = None,
+    max_memory: Annotated[str | None, typer.Option(help="Per-device caps for --device-map, e.g. cpu=2GiB.",
+                                                   metavar="CAPS")] = None,
     search: Annotated[bool, typer.Option("--search/--no-search", help="Choose tiers and ranks by measured quality "
                                          "(writes a report); --no-search writes statistics only.")] = True,
     target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")] = 0.97,
@@ -69,22 +78,38 @@ def calibrate(
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
-        bars = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
-                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stderr,
-                        disable=quiet, transient=False)
+        passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, quiet)
         tasks: dict[str, int] = {}
+        shown: list = []              # the display on screen now (a stopped one stays printed, even if blank)
+
+        def show(display) -> None:
+            if quiet or (shown and shown[-1] is display):
+                return
+            if shown:
+                shown[-1].stop()
+            display.start()
+            shown.append(display)
 
         def progress(name: str, done: int, total: int) -> None:
+            show(passes)
             if name not in tasks:
-                tasks[name] = bars.add_task(name, total=total, completed=done)
-            bars.update(tasks[name], completed=done)
+                tasks[name] = passes.add_task(name, total=total, completed=done)
+            passes.update(tasks[name], completed=done)
+
+        def search_progress(stage: str, label: str, point) -> None:
+            show(search_bar)                     # the passes are done: their bars stay, the search's comes below
+            search_bar.step(stage, label, point)
 
         def status(msg: str) -> None:
             if not quiet:
-                stderr.print(f"[dim]{msg}[/]")
+                stderr.print(f"[dim]{msg}[/]", highlight=False)
 
-        with bars:
-            result = run(cfg, progress=progress, status=status)
+        try:
+            result = run(cfg, progress=progress, status=status, search_progress=search_progress)
+            search_bar.finish()
+        finally:
+            if shown:
+                shown[-1].stop()
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: finished windows are checkpointed; rerun the same command to resume")
         raise typer.Exit(code=130) from None
@@ -92,31 +117,11 @@ def calibrate(
         raise fail(str(e)) from None
 
     s = result.summary
+    search = result.bundle.calibration.get("search")
+    if search and s.get("search", {}).get("held_out"):
+        s["search"]["held_out"]["met"] = held_out_met(search["held_out"], search["target"])
+        s["search"]["bytes_per_token"] = round(search["chosen"]["bytes_ratio"] * fp16_bytes_per_token(result.bundle))
     if json_out:
         print(json.dumps(s, indent=2))
         return
-    t = Table(title=f"kvcal calibrate: {s['model']}", show_header=False)
-    t.add_row("bundle", s["bundle"])
-    t.add_row("wall time", f"{s['wall_seconds']:.1f} s (load {s['load_seconds']:.1f} s, passes "
-                           f"{s['pass_seconds']:.1f} s, search {s['search_seconds']:.1f} s)")
-    t.add_row("tokens", f"{s['tokens']['random']} random + {s['tokens']['text']} text")
-    t.add_row("peak RSS", f"{s['peak_rss_mib']:.0f} MiB")
-    for kind in ("qk", "v"):
-        hist = "  ".join(f"{k}: {v}" for k, v in s["ranks"][kind].items())
-        t.add_row(f"{kind} ranks (heads)", f"{hist}   energy kept {s['energy_kept'][kind]:.3f}")
-    ti = s["token_independence"]
-    t.add_row("token independence", f"δ̄/ε̄ = {ti['ratio']:.3%} (δ̄ {ti['delta']:.2e}, ε̄ {ti['epsilon']:.2e}); "
-                                    f"subspace overlap d/2 {ti['overlap_half']:.3f}")
-    if "search" in s:
-        c = s["search"]["chosen"]
-        t.add_row("chosen", f"{json.dumps(c['settings'], sort_keys=True)}")
-        t.add_row("search windows", f"{c['bytes_ratio']:.3f} of fp16 bytes ({1 / c['bytes_ratio']:.2f}x), top-1 "
-                                    f"{c['top1']:.3f}, ppl ratio {c['ppl_ratio']:.3f}")
-        h = s["search"]["held_out"]
-        t.add_row("held-out text", f"{h['bytes_ratio']:.3f} of fp16 bytes, top-1 {h['top1']:.3f}, ppl ratio "
-                                   f"{h['ppl_ratio']:.3f} ({h['predictions']} predictions)")
-        for name, p in s["search"]["families"].items():
-            t.add_row(name, "none met the target" if p is None else f"{p['bytes_ratio']:.3f} of fp16 bytes "
-                            f"({p['label']})")
-        t.add_row("report", s["report"]["md"])
-    stdout.print(t)
+    stdout.print(calibration_summary(s, result.bundle))

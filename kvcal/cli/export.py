@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
+from kvcal.cli._suggest import missing_bundle
 from kvcal.export import DEFAULT_MARGIN
 
 
@@ -47,15 +48,17 @@ def export(
                                                  "manifest: bases + page layout for custom runtimes; hf-lowrank-v: "
                                                  "V's rank truncation folded into a transformers checkpoint.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (written atomically).")],
-    model: Annotated[str | None, typer.Option("--model", "-m", help="The bundle's model (packaged name, .gguf or "
-                                              "HF folder); required except for manifest, where it adds a check.")]
+    model: Annotated[str | None, typer.Option("--model", "-m", metavar="MODEL",
+                                              help="The bundle's model (packaged name, .gguf or HF folder); required "
+                                                   "except for manifest, where it adds a check.")]
     = None,
     strategy: Annotated[Strategy, typer.Option(help="vllm-fp8: one scale per layer (tensor) or per KV head (head, "
                                                "vLLM's Flash Attention backend only).")] = Strategy.tensor,
     margin: Annotated[float, typer.Option(help="vllm-fp8: scale = margin * calibration max / 448.")] = DEFAULT_MARGIN,
     with_weights: Annotated[bool, typer.Option("--with-weights", help="vllm-fp8: write a complete model folder "
                                                "(weights hard-linked) that `vllm serve` loads as is.")] = False,
-    dtype: Annotated[str, typer.Option(help="hf-lowrank-v: dtype to load and save the model in.")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="hf-lowrank-v: dtype to load and save the model in.", metavar="DTYPE")]
+    = "bfloat16",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out folder.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -66,6 +69,8 @@ def export(
     try:
         if model is None and fmt is not ExportFormat.manifest:
             raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
+        if not bundle.is_file():
+            raise ValueError(missing_bundle(bundle))
         from kvcal.safe_paths import check_out_folder
 
         # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory

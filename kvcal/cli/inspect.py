@@ -1,6 +1,7 @@
-"""`kvcal inspect BUNDLE`: provenance and per-layer/per-head ranks and energy kept.
+"""`kvcal inspect BUNDLE`: what a bundle stores and what it measured, its provenance, and its reduced ranks.
 
     kvcal inspect smollm2-135m.kvcal.safetensors
+    kvcal inspect smollm2-135m.kvcal.safetensors --heads            # every layer and KV head
     kvcal inspect smollm2-135m.kvcal.safetensors --json | jq .heads[0]
 """
 
@@ -15,6 +16,8 @@ from rich.table import Table
 from kvcal.bundle import Bundle, BundleError, load_bundle
 from kvcal.cli._errors import terminal_safe
 from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
+from kvcal.cli._suggest import missing_bundle
+from kvcal.cli._summary import bundle_summary
 from kvcal.profile.ranks import energy_kept
 
 
@@ -46,12 +49,16 @@ def describe(bundle: Bundle) -> dict:
 
 def inspect(
     bundle: BundleArg,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Also check the bundle against this model.")]
-    = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", metavar="MODEL",
+                                              help="Also check the bundle against this model.")] = None,
+    heads: Annotated[bool, typer.Option("--heads", help="List every layer and KV head, not only those whose ranks "
+                                                        "are below the head dim.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Print a bundle's provenance and its per-layer, per-head ranks."""
+    """Print what a bundle stores, its bytes per token and measured quality, its provenance, and its reduced ranks."""
     try:
+        if not bundle.is_file():
+            raise ValueError(missing_bundle(bundle))
         shape = config = None
         if model is not None:
             from kvcal.models import adapter_for, read_config, resolve_model
@@ -72,28 +79,19 @@ def inspect(
         return
     # metadata is file content: show it as text, never as rich markup or terminal escape sequences
     b, info = terminal_safe(b), terminal_safe(info)
-    cal = info["calibration"]
-    prov = Table(title=f"bundle {bundle}", show_header=False)
-    prov.add_row("model", f"{b.model.name} ({b.model.family}, {b.model.num_layers} layers, {b.model.num_kv_heads} KV "
-                          f"heads, head dim {b.model.head_dim}); fingerprint {b.model.fingerprint}")
-    prov.add_row("created", f"{b.created} by kvcal {b.kvcal_version}")
-    prov.add_row("rotation", f"{b.qk_source}, weighting {b.qk_weighting}; V basis {b.v_source}")
-    if cal:
-        ds = cal.get("dataset", {})
-        prov.add_row("calibration", f"seed {cal.get('seed')}, {cal.get('random_tokens')} random tokens, "
-                                    f"{cal.get('text_tokens')} text tokens from {ds.get('name')} "
-                                    f"(sha256 {str(ds.get('sha256'))[:12]}), windows of {cal.get('seq_len')}, "
-                                    f"positions [0, {cal.get('positions', {}).get('max_position')})")
-        prov.add_row("removal rate", str(cal.get("removal_rate")))
-        ti = cal.get("token_independence")
-        if ti:
-            prov.add_row("token independence", f"δ̄/ε̄ {ti['ratio']:.3%}, subspace overlap d/2 {ti['overlap_half']:.3f}")
-    prov.add_row("KV elements kept", f"{info['kv_elements_kept']:.3f} of full rank")
-    stdout.print(prov)
-    t = Table(title="per layer / KV head")
+    stdout.print(bundle_summary(b, terminal_safe(str(bundle))))
+    d = b.model.head_dim
+    rows = [r for r in info["heads"] if heads or r["qk_rank"] < d or r["v_rank"] < d]
+    full = len(info["heads"]) - len(rows)
+    if not rows:
+        stdout.print(f"ranks: every layer and KV head keeps all {d} dims of K and V (--heads lists them)",
+                     highlight=False)
+        return
+    stdout.print(f"KV elements kept: {info['kv_elements_kept']:.3f} of full rank", highlight=False)
+    t = Table(title="per layer / KV head" + (f" ({full} more at full rank; --heads lists them)" if full else ""))
     for col in ("layer", "head", "type", "qk rank", "qk energy", "v rank", "v energy"):
         t.add_column(col, justify="right")
-    for row in info["heads"]:
+    for row in rows:
         t.add_row(str(row["layer"]), str(row["kv_head"]), row["layer_type"].replace("_attention", ""),
                   str(row["qk_rank"]), f"{row['qk_energy_kept']:.3f}", str(row["v_rank"]),
                   f"{row['v_energy_kept']:.3f}")

@@ -190,7 +190,27 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(path.stem, folder, str(path))
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, path, str(path))
+    looks_like_path = path.exists() or "/" in spec or spec.endswith(".gguf")
+    guess = None if looks_like_path else closest_packaged(spec)
+    if guess is not None:
+        raise ValueError(f"`--model {spec}` is not a packaged model; did you mean `{guess}`? (packaged: "
+                         f"{', '.join(PACKAGED_MODELS)})")
     raise ValueError(
         f"`--model {spec}` is neither a packaged model ({', '.join(PACKAGED_MODELS)}), a .gguf file, "
         "nor a Hugging Face folder with config.json"
     )
+
+
+def closest_packaged(spec: str) -> str | None:
+    """The packaged name `spec` most likely means (case ignored, small typos forgiven), or None."""
+    import difflib
+
+    lowered = {name.lower(): name for name in PACKAGED_MODELS}
+    key = spec.strip().lower()
+    if key in lowered:
+        return lowered[key]
+    prefixed = [name for low, name in lowered.items() if len(key) >= 4 and low.startswith(key)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    match = difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.75)
+    return lowered[match[0]] if match else None

@@ -255,6 +255,10 @@ class Checkpoint:
 
 
 Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
+# (stage, label, point): a search step starts (point None) or a point was measured. Stages: "prefill" (recording
+# the dense reference), the Search stages ("precision", "tiers", "policies", "ranks"), "family" (each family alone,
+# whose points then come as "ranks"/"policies") and "held-out" (the final check on evaluation text)
+SearchProgress = Callable[[str, str, Any], None]
 
 
 @torch.inference_mode()
@@ -298,8 +302,10 @@ def _normalised(g: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
-              status: Callable[[str], None] | None = None) -> CalibrationResult:
-    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status` report."""
+              status: Callable[[str], None] | None = None,
+              search_progress: SearchProgress | None = None) -> CalibrationResult:
+    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status`/
+    `search_progress` report."""
     t0 = time.perf_counter()
     say = status or (lambda msg: logger.info("%s", msg))
     # everything that can be wrong with the output path, the dataset or the options fails here, in about a second,
@@ -412,7 +418,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         search_key = key + json.dumps([cfg.search_windows, cfg.search_prompt, cfg.search_steps, cfg.window,
                                        cfg.search_dtype])
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
-        report = run_search(lm, bundle, cfg, search_checkpoint, say)
+        report = run_search(lm, bundle, cfg, search_checkpoint, say, search_progress)
         checkpoint.resumed.update(search_checkpoint.resumed)
         qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
     search_seconds = time.perf_counter() - t_search
@@ -497,7 +503,7 @@ def _malloc_trim():
 
 
 def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
-               say: Callable[[str], None]) -> dict:
+               say: Callable[[str], None], progress: SearchProgress | None = None) -> dict:
     """Quality searches (kvcal.profile.search) on held-out calibration text; updates the bundle's ranks, policy and
     calibration metadata in place and returns the report (all points, families, held-out check)."""
     from dataclasses import asdict as as_dict
@@ -513,6 +519,8 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     if getattr(lm.model, "hf_device_map", None) is None:      # an offloaded model stays as accelerate placed it
         lm.model.to(DTYPES[cfg.search_dtype])
     say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
+    step = progress or (lambda stage, label, point: None)
+    step("prefill", f"dense prefill of {cfg.search_windows} x {P} tokens", None)
     probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
                         fastgen=FastGenConfig())
     memo = checkpoint.load_search()
@@ -522,12 +530,15 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
         release_memory()
         say(f"  {point.stage:9} {point.label:34} bytes {point.bytes_ratio:.3f}  top-1 {point.top1:.3f}  "
             f"ppl {point.ppl_ratio:.3f}  {'meets' if point.feasible else 'misses'} ({point.seconds:.0f} s)")
+        step(point.stage, point.label, point)
 
-    search = Search(probe, bundle, target, report=report_point, memo=memo)
+    search = Search(probe, bundle, target, report=report_point, memo=memo,
+                    started=lambda stage, label: step(stage, label, None))
     base = {"high": "K8V4", "low": "K4cV2", "window": cfg.window}
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
     tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers")])
+    step("family", "each family alone", None)
     rank_start = search.measure("family", "K16V16 (fp16 store), full rank", {**base, "high": "K16V16",
                                                                               "alpha_high": None})
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
@@ -540,6 +551,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     bundle.qk_rank, bundle.v_rank = result.qk_rank, result.v_rank
     bundle.policy = policy_of(result.chosen.settings)
     say("checking the chosen configuration on evaluation text")
+    step("held-out", "the chosen configuration on evaluation text", None)
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                                  P + cfg.eval_steps + 1, cfg.seed + 2)
     del probe

@@ -15,8 +15,76 @@ def report_paths(bundle_path: Path) -> dict[str, Path]:
     return {kind: bundle_path.with_name(f"{stem}.report.{kind}") for kind in ("json", "md", "png")}
 
 
+# ---------------------------------------------------------------------------------------------- in words
+
+
+def tier_in_words(spec: str) -> str:
+    """'K8V4g16' -> '8-bit keys, 4-bit values with a scale per 16 channels'; 'K16V16' -> 'fp16 keys and values'."""
+    from kvcal.runtime.layout import TierFormat
+
+    f = TierFormat.parse(spec)
+    if f.k_bits >= 16 and f.v_bits >= 16:
+        return f"fp{f.k_bits} keys and values"
+    k = f"fp{f.k_bits}" if f.k_bits >= 16 else f"{f.k_bits}-bit"
+    v = f"fp{f.v_bits}" if f.v_bits >= 16 else f"{f.v_bits}-bit"
+    k_note = " per channel" if f.k_mode == "channel" else (f" with a scale per {f.k_group} channels" if f.k_group
+                                                           else "")
+    v_note = f" with a scale per {f.v_group} channels" if f.v_group else ""
+    return f"{k} keys{k_note}, {v} values{v_note}"
+
+
+def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
+                      v_rank_mean: float | None = None) -> str:
+    """What a search point (or a bundle's policy) stores, in one sentence: tiers and thresholds, FastGen, ranks."""
+    high = settings.get("high")
+    if not high:
+        return "the runtime's default settings (the bundle was made without a search)"
+    a_h, a_l = settings.get("alpha_high"), settings.get("alpha_low") or 0.0
+    window = settings.get("window", 64)
+    if a_h is None:
+        parts = [f"every token as {high} ({tier_in_words(high)})"]
+    else:
+        low = settings.get("low", "")
+        parts = [f"{high} ({tier_in_words(high)}) for the {window} newest tokens and those with mean attention "
+                 f">= {a_h:g}/N, {low} ({tier_in_words(low)}) for the others"]
+        if a_l > 0:
+            parts.append(f"tokens below {a_l:g}/N dropped")
+    fast = settings.get("fastgen")
+    if fast:
+        parts.append(f"FastGen per-head policies chosen at prefill (recovery {fast.get('recovery', 0):g})")
+    if head_dim is not None and qk_rank_mean is not None and v_rank_mean is not None:
+        if qk_rank_mean >= head_dim and v_rank_mean >= head_dim:
+            parts.append(f"K and V at full rank ({head_dim} dims)")
+        else:
+            parts.append(f"K keeps {qk_rank_mean:.1f} and V {v_rank_mean:.1f} of {head_dim} dims per head on average")
+    elif settings.get("qk_removal_rate") or settings.get("v_removal_rate"):
+        parts.append(f"ranks cut at FDC removal rates {settings.get('qk_removal_rate', 0):g} (K) and "
+                     f"{settings.get('v_removal_rate', 0):g} (V)")
+    else:
+        parts.append("K and V at full rank")
+    return "; ".join(parts)
+
+
+def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
+    """0.484, 23040 -> '11,151 bytes per token against 23,040 in fp16: 0.484 of fp16, 2.06x compression'."""
+    return (f"{ratio * fp16_bytes_per_token:,.0f} bytes per token against {fp16_bytes_per_token:,} in fp16: "
+            f"{ratio:.3f} of fp16, {1 / ratio:.2f}x compression")
+
+
+def held_out_met(held_out: dict, target: dict) -> bool:
+    """Whether the chosen configuration meets the quality target on evaluation text, as measured.
+
+    The search asks more of a candidate (its top-1 must clear the target at a Wilson lower bound, `target["z"]`)
+    because it keeps the cheapest point that passes and would otherwise favour lucky ones; the evaluation check
+    measures one configuration that was already chosen, so its number is taken as it is."""
+    return held_out["top1"] >= target["top1"] and held_out["ppl_ratio"] <= target["ppl_ratio"]
+
+
 def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:
+    """Write the report next to the bundle; adds `held_out.met` (see `held_out_met`)."""
     paths = report_paths(bundle_path)
+    if report.get("held_out"):
+        report["held_out"]["met"] = held_out_met(report["held_out"], report["search"]["target"])
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["md"].write_text(_markdown(report, paths["png"].name))
     _plot(report, paths["png"])
@@ -50,10 +118,12 @@ def _markdown(r: dict, png: str) -> str:
         f"({1 / s['chosen']['bytes_ratio']:.2f}x fewer), top-1 {s['chosen']['top1']:.3f}, perplexity ratio "
         f"{s['chosen']['ppl_ratio']:.3f} on the search windows.",
         "",
+        f"Stored: {settings_in_words(s['chosen']['settings'])}.",
+        "",
     ]
     h = r.get("held_out")
     if h:
-        met = h["top1"] >= t["top1"] and h["ppl_ratio"] <= t["ppl_ratio"]
+        met = held_out_met(h, t)
         lines += [
             f"On held-out evaluation text (documents disjoint from calibration and search; {h['predictions']} "
             f"predictions after {h['prompt_tokens']}-token prompts): bytes {h['memory']['ratio_to_fp16']:.3f} of "

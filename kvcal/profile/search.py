@@ -165,9 +165,10 @@ class Search:
     """Runs the stages against a `DecodeProbe` (see module docstring)."""
 
     def __init__(self, probe, bundle, target: QualityTarget, *, report: Callable[[Point], None] | None = None,
-                 memo: dict[str, Point] | None = None):
+                 memo: dict[str, Point] | None = None, started: Callable[[str, str], None] | None = None):
         self.probe, self.bundle, self.target = probe, bundle, target
         self.report = report
+        self.started = started      # (stage, label) of a point about to be measured: progress display
         self.memo = memo if memo is not None else {}   # settings key -> point: a resumed search skips known points
         self.path: list[Point] = []
 
@@ -182,6 +183,8 @@ class Search:
             point.feasible = self.target.met(point)
             self.path.append(point)
             return point
+        if self.started:
+            self.started(stage, label)
         t0 = time.perf_counter()
         bundle = dataclasses.replace(self.bundle, qk_rank=qk_rank, v_rank=v_rank)
         fid = self.probe.measure(config_for(settings), bundle)

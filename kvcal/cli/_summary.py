@@ -1,0 +1,126 @@
+"""What `kvcal calibrate` and `kvcal inspect` print for people: what is stored, bytes per token, quality, whether the
+target was met on evaluation text, then provenance. Plain data in, rich renderables out."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvcal.bundle import Bundle
+from kvcal.profile.report import bytes_in_words, held_out_met, settings_in_words
+
+
+def fp16_bytes_per_token(bundle: Bundle) -> int:
+    """K and V of one token in every layer and KV head, in fp16."""
+    L, H, d = bundle.shape
+    return 2 * L * H * d * 2
+
+
+def _table() -> Table:
+    t = Table(show_header=False, box=None, padding=(0, 1), pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    return t
+
+
+def _quality(p: dict) -> str:
+    return f"top-1 {p['top1']:.3f}, perplexity ratio {p['ppl_ratio']:.3f} ({p['predictions']} predictions)"
+
+
+def verdict(held_out: dict, target: dict) -> Text:
+    """The loud line: was the target met on evaluation text?"""
+    rule = f"top-1 >= {target['top1']:g} and perplexity ratio <= {target['ppl_ratio']:g}"
+    if held_out_met(held_out, target):
+        return Text.assemble(("TARGET MET", "bold green"), f" on evaluation text ({rule}).")
+    return Text.assemble(("TARGET NOT MET", "bold red"), f" on evaluation text ({rule}): top-1 "
+                         f"{held_out['top1']:.3f}, perplexity ratio {held_out['ppl_ratio']:.3f}. The bundle is "
+                         "written; the report lists every point measured.")
+
+
+def _rank_means(bundle: Bundle) -> dict:
+    return {"head_dim": bundle.shape[2], "qk_rank_mean": bundle.qk_rank.float().mean().item(),
+            "v_rank_mean": bundle.v_rank.float().mean().item()}
+
+
+def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
+    """stored / size / quality rows of a searched bundle (`search` as kept in calibration metadata)."""
+    chosen, held = search["chosen"], search.get("held_out")
+    t.add_row("stored", settings_in_words(chosen["settings"], **_rank_means(bundle)))
+    if not chosen.get("feasible", True):
+        t.add_row("", Text("no configuration met the target on search text: this is the most precise one measured",
+                           style="yellow"))
+    t.add_row("size", bytes_in_words(chosen["bytes_ratio"], fp16_bytes_per_token(bundle)))
+    t.add_row("quality", f"search text: {_quality(chosen)}")
+    if held:
+        t.add_row("", f"evaluation text: {_quality(held)}")
+
+
+def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
+    """The end of `kvcal calibrate` (s: CalibrationResult.summary)."""
+    head = Text.assemble(("kvcal calibrate", "bold"), f": {s['model']} -> ", (s["bundle"], "bold"))
+    t = _table()
+    search = bundle.calibration.get("search")
+    parts: list[RenderableType] = [head]
+    if search:
+        search_rows(t, bundle, search)
+        for i, (name, p) in enumerate(s["search"]["families"].items()):
+            t.add_row("families" if i == 0 else "",
+                      f"{name}: " + ("no point met the target" if p is None else
+                                     f"{p['bytes_ratio']:.3f} of fp16 ({p['label']})"))
+    else:
+        t.add_row("stored", "statistics only (--no-search): ranks from --removal-rate, the runtime's default tiers")
+    t.add_row("time", f"{s['wall_seconds']:.0f} s (load {s['load_seconds']:.1f} s, passes {s['pass_seconds']:.1f} s, "
+                      f"search {s['search_seconds']:.1f} s); peak RSS {s['peak_rss_mib']:.0f} MiB")
+    t.add_row("statistics", f"{s['tokens']['random']} random + {s['tokens']['text']} text tokens; energy kept qk "
+                            f"{s['energy_kept']['qk']:.3f}, v {s['energy_kept']['v']:.3f}")
+    ti = s["token_independence"]
+    t.add_row("token independence", f"δ̄/ε̄ = {ti['ratio']:.3%}; subspace overlap at d/2 {ti['overlap_half']:.3f}")
+    if s.get("resumed"):
+        t.add_row("resumed", ", ".join(f"{k}: {v}" for k, v in s["resumed"].items()))
+    if "report" in s:
+        t.add_row("report", f"{s['report']['md']} (and .json, .png next to it)")
+    t.add_row("next", f"kvcal inspect {s['bundle']}; kvcal bench --bundle {s['bundle']} --quick")
+    parts.append(t)
+    if search and search.get("held_out"):
+        parts.append(verdict(search["held_out"], search["target"]))
+    return Group(*parts)
+
+
+def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
+    """The head of `kvcal inspect`: policy, bytes per token, measured quality, then provenance."""
+    m, cal = bundle.model, bundle.calibration
+    head = Text.assemble(("bundle ", "bold"), (path, "bold"), f": {m.name} ({m.family}, {m.num_layers} layers, "
+                         f"{m.num_kv_heads} KV heads, head dim {m.head_dim})")
+    t = _table()
+    search = cal.get("search")
+    if search:
+        search_rows(t, bundle, search)
+        target = search["target"]
+        t.add_row("target", f"top-1 >= {target['top1']:g} (at a Wilson bound, z = {target.get('z', 0):g}, in the "
+                            f"search) and perplexity ratio <= {target['ppl_ratio']:g}")
+    else:
+        t.add_row("stored", settings_in_words(bundle.policy, **_rank_means(bundle)))
+        t.add_row("size", "not measured (made with `kvcal calibrate --no-search`)")
+    t.add_row("created", f"{bundle.created} by kvcal {bundle.kvcal_version}")
+    if cal:
+        ds = cal.get("dataset", {})
+        t.add_row("calibration", f"seed {cal.get('seed')}, {cal.get('random_tokens')} random + "
+                                 f"{cal.get('text_tokens')} text tokens from {ds.get('name')} (sha256 "
+                                 f"{str(ds.get('sha256'))[:12]}), windows of {cal.get('seq_len')} over positions "
+                                 f"[0, {cal.get('positions', {}).get('max_position')}), removal rate "
+                                 f"{cal.get('removal_rate')}")
+        times = cal.get("summary")
+        if times:
+            t.add_row("took", f"{times['wall_seconds']:.0f} s (passes {times['pass_seconds']:.0f} s, search "
+                              f"{times['search_seconds']:.0f} s); peak RSS {times['peak_rss_mib']:.0f} MiB")
+    t.add_row("rotation", f"{bundle.qk_source}, weighting {bundle.qk_weighting}; V basis {bundle.v_source}")
+    ti = cal.get("token_independence") if cal else None
+    if ti:
+        t.add_row("token independence", f"δ̄/ε̄ {ti['ratio']:.3%}, subspace overlap d/2 {ti['overlap_half']:.3f}")
+    t.add_row("model", f"fingerprint {m.fingerprint}, weights {m.weights_hash[:12]}, tokenizer "
+                       f"{m.tokenizer_hash[:12]}")
+    parts: list[RenderableType] = [head, t]
+    if search and search.get("held_out"):
+        parts.append(verdict(search["held_out"], search["target"]))
+    return Group(*parts)
