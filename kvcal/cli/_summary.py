@@ -90,8 +90,9 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
 def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
     """The head of `kvcal inspect`: policy, bytes per token, measured quality, then provenance."""
     m, cal = bundle.model, bundle.calibration
-    head = Text.assemble(("bundle ", "bold"), (path, "bold"), f": {m.name} ({m.family}, {m.num_layers} layers, "
-                         f"{m.num_kv_heads} KV heads, head dim {m.head_dim})")
+    # markup, like the table's cells: the caller passes metadata escaped (`terminal_safe`), so brackets stay literal
+    head = Text.from_markup(f"[bold]bundle {path}[/bold]: {m.name} ({m.family}, {m.num_layers} layers, "
+                            f"{m.num_kv_heads} KV heads, head dim {m.head_dim})", overflow="fold")
     t = _table()
     search = cal.get("search")
     if search:
