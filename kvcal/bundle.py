@@ -131,7 +131,7 @@ class Bundle:
 # ---------------------------------------------------------------------------------------------- save
 
 
-def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
+def content_hash(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
@@ -154,7 +154,7 @@ def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str
         "v.source": bundle.v_source,
         "calibration": json.dumps(bundle.calibration, default=_json_default),
         "policy": json.dumps(bundle.policy, default=_json_default),
-        "tensors.sha256": _content_hash(tensors),
+        "tensors.sha256": content_hash(tensors),
     }
 
 
@@ -295,7 +295,7 @@ def _validate(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[st
             problems.append(f"tensor `{name}` has non-finite values")
     if problems:
         return problems
-    if "tensors.sha256" in meta and meta["tensors.sha256"] != _content_hash(tensors):
+    if "tensors.sha256" in meta and meta["tensors.sha256"] != content_hash(tensors):
         problems.append("tensor bytes do not match `tensors.sha256` (file corrupted)")
     d = dims["d"]
     eye = torch.eye(d, dtype=torch.float64)
