@@ -3,7 +3,7 @@
     python benchmarks/mixing.py --model smollm2-135m [--json docs/results/mixing-smollm2-135m.json]
 
 Uniform K8V4, K4V4 and K4V2 stores (no tiers), each with: no rotation; the bundle's PCA rotation R / basis B; R, B
-followed by the seeded random orthogonal mixing of kvcal.runtime.cache._mixing. Fidelity vs dense on held-out
+followed by the seeded random orthogonal mixing of kvcal.runtime.bases._mixing. Fidelity vs dense on held-out
 calibration text (DecodeProbe: 4 windows, 1024-token prompts, 32 teacher-forced steps each).
 """
 

@@ -148,7 +148,7 @@ class Bundle:
 # ---------------------------------------------------------------------------------------------- save
 
 
-def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
+def content_hash(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
@@ -177,7 +177,7 @@ def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str
         "v.source": bundle.v_source,
         "calibration": json.dumps(bundle.calibration, default=_json_default),
         "policy": json.dumps(bundle.policy, default=_json_default),
-        "tensors.sha256": _content_hash(tensors),
+        "tensors.sha256": content_hash(tensors),
     }
     meta[METADATA_HASH] = _metadata_hash(meta)
     return meta
@@ -472,7 +472,7 @@ def _validate_contents(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
         rank = tensors[name]
         if rank.numel() and (rank.min() < 1 or rank.max() > d):
             problems.append(f"tensor `{name}` outside [1, {d}] (min {rank.min().item()}, max {rank.max().item()})")
-    if meta["tensors.sha256"] != _content_hash(tensors):
+    if meta["tensors.sha256"] != content_hash(tensors):
         problems.append("tensor bytes do not match `tensors.sha256` (file corrupted)")
     return problems
 

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,14 +158,14 @@ def _bundle(bundle: Bundle | str | Path) -> Bundle:
 
 def _provenance(bundle: Bundle, fmt: str, **fields) -> dict[str, Any]:
     from kvcal import __version__
-    from kvcal.bundle import _content_hash
+    from kvcal.bundle import content_hash
 
     return {
         "format": fmt,
         "kvcal_version": __version__,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": bundle.model.__dict__,
-        "bundle": {"tensors_sha256": _content_hash(bundle.tensors()), "created": bundle.created,
+        "bundle": {"tensors_sha256": content_hash(bundle.tensors()), "created": bundle.created,
                    "kvcal_version": bundle.kvcal_version},
         **fields,
     }
@@ -352,8 +352,7 @@ def _layout_dict(lay) -> dict[str, Any]:
 
 
 def _tier_dict(fmt) -> dict[str, Any]:
-    return {"name": fmt.name, "k_bits": fmt.k_bits, "v_bits": fmt.v_bits, "k_mode": fmt.k_mode,
-            "k_group": fmt.k_group, "v_group": fmt.v_group}
+    return {"name": fmt.name, **asdict(fmt)}
 
 
 _ENCODING = {
@@ -383,14 +382,15 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     `kvcal_bases.safetensors` (`qk.rotation`, `v.basis` [L, H, d, d] float32; `qk.rank`, `v.rank` [L, H] int32), both
     as the runtime applies them under `config` (default: the bundle's policy). With `model`, the bundle is checked
     against it first."""
-    from kvcal.runtime.cache import CompressionConfig, served_bases
+    from kvcal.runtime.bases import served_bases
+    from kvcal.runtime.config import CompressionConfig
     from kvcal.runtime.layout import ALIGN, PageLayout, default_page_bytes
 
     bundle = _bundle(bundle)
     target = _target(model, need_weights=False) if model is not None else None
     if target is not None:
         _check(bundle, target)
-    cfg = config if config is not None else CompressionConfig.from_policy(bundle.policy)
+    cfg = config if config is not None else CompressionConfig.from_dict(bundle.policy)
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
@@ -409,13 +409,10 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
             heads.append(entry)
         layers.append({"layer": layer, "layer_type": bundle.model.layer_types[layer], "compressed": compressed,
                        "heads": heads})
-    policy = cfg.policy
     manifest = _provenance(bundle, MANIFEST_FORMAT, schema_version=MANIFEST_SCHEMA_VERSION,
                            tensors_file=MANIFEST_TENSORS,
                            config={"high": _tier_dict(cfg.high), "low": _tier_dict(cfg.low),
-                                   "policy": {"window": policy.window, "alpha_high": policy.alpha_high,
-                                              "alpha_low": policy.alpha_low,
-                                              "threshold_base": policy.threshold_base},
+                                   "policy": asdict(cfg.policy),
                                    "use_ranks": cfg.use_ranks, "rotate": cfg.rotate, "mix": cfg.mix,
                                    "page_bytes": page_bytes,
                                    "align": ALIGN},

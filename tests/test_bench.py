@@ -359,3 +359,34 @@ def test_bench_table_and_one_line_errors(bundle_path, tiny_dir, text_file, tmp_p
     other = save_model(tmp_path / "other", "llama", num_hidden_layers=3)
     r = runner.invoke(app, ["bench", "--model", str(other), "--bundle", str(bundle_path), *QUICK])
     assert r.exit_code == 1 and "calibrate this model" in r.stderr
+
+
+def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
+    """The same measurement through calibrate's search (`Search.measure` -> `Point.feasible`) and through bench
+    (`measure_quality` -> `meets_target`) gets the same verdict, including a target that the point estimate meets
+    but the Wilson bound does not."""
+    import dataclasses
+
+    from conftest import random_bundle
+
+    from kvcal.bench.run import measure_quality
+    from kvcal.profile.quality import DecodeProbe, QualityTarget
+    from kvcal.profile.search import Search
+    from kvcal.runtime.config import CompressionConfig
+
+    model, tok, _ = tiny
+    bundle = random_bundle(model, tok)
+    ids = _ids(tok, n_seq=2, n_words=60)
+    probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:])
+    config = CompressionConfig(high=TierFormat(4, 4)).with_policy(window=8)
+    method = M.Method("k4v4", "K4V4", "quantization", "s", "", config=config, bundle=bundle)
+    top1 = Search(probe, bundle, QualityTarget()).measure("precision", "K4V4", config).top1
+    targets = [QualityTarget(top1=top1, ppl_ratio=10.0, z=z) for z in (0.0, 1.5)]    # the point estimate meets both
+    verdicts = []
+    for target in targets:
+        point = Search(probe, bundle, target).measure("precision", "K4V4", config)
+        quality, _ = measure_quality(method, probe, model, tok, target)
+        assert quality["top1"] == point.top1 and quality["meets_target"] == point.feasible
+        verdicts.append(point.feasible)
+    assert verdicts == [True, top1 == 1.0]          # with z > 0 a top-1 below 1 needs more than its point estimate
+    assert not dataclasses.replace(targets[1], ppl_ratio=0.5).met(point)

@@ -54,6 +54,17 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
     assert r.exit_code == 1 and "removal-rate" in r.stderr
 
 
+def test_removal_rate_with_the_search_on_is_refused_before_any_work(tiny_dir, text_file, tmp_path):
+    """The search chooses ranks itself, so a fixed `--removal-rate` would be silently dropped: it is refused with a
+    one-line error naming the fix, and nothing is written."""
+    out = tmp_path / "r.kvcal.safetensors"
+    r = runner.invoke(app, ["calibrate", "--model", str(tiny_dir), "--out", str(out), "--dataset", str(text_file),
+                            "--removal-rate", "0.1", "--quiet"])
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "`--removal-rate 0.1`" in r.stderr and "--no-search" in r.stderr
+    assert not out.exists() and not (tmp_path / "r.kvcal.safetensors.ckpt").exists()
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import AutoConfig
 

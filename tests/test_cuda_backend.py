@@ -146,7 +146,7 @@ def test_decode_plan_pages_match_the_store():
         want, fills = [], []
         for side in (HIGH, LOW):
             g = next(g for g in store.groups[0] if h in g.heads.tolist())
-            pages = store._pages(0, side, torch.tensor([b]), torch.tensor([h]))[0]
+            pages = store.section_pages(0, side, torch.tensor([b]), torch.tensor([h]))[0]
             fill = int(store.fill[0, b, h, side])
             T = g.layouts[side].tokens
             for k, page in enumerate(pages.tolist()):
@@ -409,7 +409,7 @@ def test_gpu_cache_writes_match_store_bytes(high, low):
     """write_tokens / write_channel_keys produce the torch store's bytes (same rounding, same layout)."""
     ref = random_store(high, low, seed=12, device="cuda", holes=0.0)
     mine = copy.deepcopy(ref)
-    CudaBackend.bind(mine)
+    mine.writer = CudaBackend                      # the store hands its writes to the backend's kernels
     gen = torch.Generator().manual_seed(3)
     B, H, d = ref.batch, ref.num_kv_heads, 16
     b, h = torch.arange(B).repeat_interleave(H).cuda(), torch.arange(H).repeat(B).cuda()

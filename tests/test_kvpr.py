@@ -1,4 +1,4 @@
-"""Tests for kvcal.runtime.kvpr: KVPR's cost model (Eq. 6-10), the split solver (Eq. 11) and the paper's Table 1."""
+"""Tests for kvcal.runtime.offload.kvpr: KVPR's cost model (Eq. 6-10), the split solver (Eq. 11) and the paper's Table 1."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcal.runtime.kvpr import (
+from kvcal.runtime.offload.kvpr import (
     Hardware,
     LayerWorkload,
     Schedule,

@@ -11,9 +11,10 @@ from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import HIGH as T_HIGH
-from kvcal.runtime.policy import LOW as T_LOW
-from kvcal.runtime.policy import PRUNED, TokenPolicy, classify_prompt, decode_actions
+from kvcal.runtime.policy import TIER_HIGH as T_HIGH
+from kvcal.runtime.policy import TIER_LOW as T_LOW
+from kvcal.runtime.policy import TIER_PRUNED as PRUNED
+from kvcal.runtime.policy import TokenPolicy, classify_prompt, decode_actions
 from kvcal.runtime.store import CompressedStore
 
 
@@ -274,7 +275,7 @@ def test_fastgen_every_head_full_reproduces_dense():
     cfg = CompressionConfig.none().with_(fastgen=FastGenConfig(recovery=1.0, r_local=0.0, r_frequent=0.0))
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, cfg, tokenizer=tok)
     got = generate(model, inputs, cache)
-    assert all(bool((p == FULL).all()) for p in cache.kv.fastgen_policy.values())
+    assert all(bool((p == FULL).all()) for p in cache.kv.policy("fastgen").choice.values())
     assert torch.equal(ref.sequences, got.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-4
 

@@ -1,6 +1,10 @@
 """The search's decision rules, with mocks where the rule is the point (a monotone feasibility, a grid of points)."""
 
 from kvcal.profile.search import Point, QualityTarget, Search, cheapest, largest_feasible
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.layout import TierFormat
+
+BASE = CompressionConfig()                   # K8V4 / K4cV2, window 64: the search's starting candidate
 
 
 def test_largest_feasible_under_a_monotone_mock():
@@ -63,7 +67,7 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
                     torch.ones(1, 1, 4), torch.full((1, 1), 4, dtype=torch.int32), "both", "trace", "activations-text")
     probe = GridProbe(limit_high=3.0, limit_low=1.0)
     search = Search(probe, bundle, QualityTarget())
-    best = search.tiers({"high": "K8V4", "window": 64})
+    best = search.tiers(BASE)
     assert best.settings["alpha_high"] == 3.0 and best.settings["alpha_low"] == 1.0
     assert best.settings["low"] == "K4cV2"                     # the cheaper key mode at equal alphas
     # early stop: alpha_high 5 is never tried after 4 failed; alpha_low stops after its first failure (1.5)
@@ -72,7 +76,7 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
     # a resumed search does not measure known points again
     again = Search(probe, bundle, QualityTarget(), memo=search.memo)
     n = len(probe.calls)
-    assert again.tiers({"high": "K8V4", "window": 64}).settings == best.settings and len(probe.calls) == n
+    assert again.tiers(BASE).settings == best.settings and len(probe.calls) == n
 
 
 def test_target_asks_for_more_evidence_near_the_threshold():
@@ -115,25 +119,26 @@ def _bundle(d=64, v_spectrum=None):
 def test_precision_ladder_takes_the_cheapest_high_tier_meeting_the_target():
     quality = {"K8V4": 0.95, "K8V4g32": 0.96, "K8V4g16": 0.99, "K8V8": 0.999}
     probe = LadderProbe(quality)
-    point = Search(probe, _bundle(), QualityTarget()).precision({"low": "K4cV2", "window": 64})
+    point = Search(probe, _bundle(), QualityTarget()).precision(BASE)
     assert point.settings["high"] == "K8V4g16" and [c[0] for c in probe.calls] == ["K8V4", "K8V4g32", "K8V4g16"]
     # a head dim that 32 does not divide skips the 32-channel groups
     probe = LadderProbe(quality)
-    Search(probe, _bundle(d=48), QualityTarget()).precision({"low": "K4cV2", "window": 64})
+    Search(probe, _bundle(d=48), QualityTarget()).precision(BASE)
     assert [c[0] for c in probe.calls] == ["K8V4", "K8V4g16"]
     # nothing feasible: the first (cheapest) point comes back, marked infeasible
     probe = LadderProbe(dict.fromkeys(quality, 0.5))
-    assert Search(probe, _bundle(), QualityTarget()).precision({"low": "K4cV2"}).settings["high"] == "K8V4"
+    assert Search(probe, _bundle(), QualityTarget()).precision(BASE).settings["high"] == "K8V4"
 
 
 def test_v_ranks_are_rounded_up_to_the_value_group():
     import torch
 
-    from kvcal.profile.search import v_ranks
+    from kvcal.profile.ranks import ranks_of
 
     spectrum = torch.linspace(10, 0.1, 64).reshape(1, 1, 64)
-    plain = v_ranks(spectrum, {"high": "K8V4", "low": "K4cV2", "v_removal_rate": 0.3})
-    grouped = v_ranks(spectrum, {"high": "K8V4g16", "low": "K4cV2", "v_removal_rate": 0.3})
+    bundle = _bundle(v_spectrum=spectrum)
+    plain = ranks_of(bundle, BASE.with_(v_removal_rate=0.3))[1]
+    grouped = ranks_of(bundle, BASE.with_(high=TierFormat.parse("K8V4g16"), v_removal_rate=0.3))[1]
     assert int(plain) % 16 != 0                                 # the test needs a rank the group does not divide
     assert int(grouped) % 16 == 0 and int(plain) < int(grouped) < int(plain) + 16
 
@@ -157,12 +162,12 @@ def test_rates_with_the_same_ranks_are_measured_once():
     probe = LadderProbe(quality)
     spectrum = torch.cat([torch.full((60,), 10.0), torch.full((4,), 1e-3)]).reshape(1, 1, 64)
     search = Search(probe, _bundle(v_spectrum=spectrum), QualityTarget())
-    base = {"high": "K8V4g16", "low": "K4cV2", "window": 64}
+    base = BASE.with_(high=TierFormat.parse("K8V4g16"))
     a = search.measure("precision", "start", base)
     from kvcal.profile.ranks import rank_from_removal_rate
 
     assert int(rank_from_removal_rate(spectrum, 0.0001)) < 64          # a real change without value groups
-    b = search.measure("ranks", "v 0.0001", {**base, "v_removal_rate": 0.0001})   # rounded up to 64 (groups of 16)
+    b = search.measure("ranks", "v 0.0001", base.with_(v_removal_rate=0.0001))   # rounded up to 64 (groups of 16)
     assert len(probe.calls) == 1 and b.label == "v 0.0001" and b.top1 == a.top1 and b.seconds == 0.0
-    search.measure("ranks", "v 0.9", {**base, "v_removal_rate": 0.9})              # a real rank change
+    search.measure("ranks", "v 0.9", base.with_(v_removal_rate=0.9))              # a real rank change
     assert len(probe.calls) == 2 and probe.calls[-1][1] != [[64]]

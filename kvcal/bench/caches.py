@@ -158,9 +158,9 @@ def bench_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = pending[0]
     q = query.shape[2]
     if attention_mask is not None and key.shape[2] == q:      # prefill: the mask tells padding apart
-        from kvcal.runtime.hf import _real_tokens
+        from kvcal.runtime.hf import real_tokens
 
-        real = _real_tokens(attention_mask, q)
+        real = real_tokens(attention_mask, q)
         if real is not None and not bool(real.all()):
             raise ValueError("the eviction baselines take unpadded batches (equal-length prompts)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -11,10 +11,10 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
   tokens wait, so the fp16 residual holds the last 64 tokens plus fewer than 32 waiting (KIVI: R = 128, flushed
   whole). No rotation;
 * each seed method alone, as the bundle's calibration search measured it (`bundle.calibration["search"]
-  ["families"]`, rebuilt with `kvcal.profile.search.config_for`): FDC ranks only (a `K16V16` store with the
+  ["families"]`, rebuilt with `CompressionConfig.from_dict`): FDC ranks only (a `K16V16` store with the
   searched removal rates), DiffKV tiers only (full rank; the runtime's rotation and mixing are on, as in the
   search), FastGen policies only (a `K16V16` store). Where the search kept no point for a family, a stated default;
-* kvcal joint: `CompressionConfig.from_policy(bundle.policy)` with the bundle's ranks; and a sweep of alpha_high x
+* kvcal joint: `CompressionConfig.from_dict(bundle.policy)` with the bundle's ranks; and a sweep of alpha_high x
   {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
 
 The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`): dense (model dtype),
@@ -32,9 +32,9 @@ from typing import Any
 from kvcal.bench import caches
 from kvcal.bench.lowrank import PaluCache, unsupported_reason
 from kvcal.bundle import Bundle
-from kvcal.profile.ranks import rank_from_removal_rate
-from kvcal.profile.search import config_for
-from kvcal.runtime.cache import CompressionConfig
+from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat, default_page_bytes
 from kvcal.runtime.policy import TokenPolicy
 
@@ -42,12 +42,10 @@ KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
 KIVI_ALPHA = 1e9          # alpha_high: every token that leaves the window goes to the low tier
 
-FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family
-    "rank-only (FDC)": {"high": "K16V16", "low": "K4cV2", "alpha_high": None, "qk_removal_rate": 0.04,
-                        "v_removal_rate": 0.04},
-    "tiers-only (DiffKV)": {"high": "K8V4", "low": "K4cV2", "alpha_high": 2.0, "alpha_low": 0.5},
-    "policies-only (FastGen)": {"high": "K16V16", "low": "K4cV2", "alpha_high": None,
-                                "fastgen": {"recovery": 0.95, "r_local": 0.3, "r_frequent": 0.3}},
+FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family (window: the bundle's)
+    "rank-only (FDC)": CompressionConfig(high=TierFormat(16, 16), qk_removal_rate=0.04, v_removal_rate=0.04),
+    "tiers-only (DiffKV)": CompressionConfig(policy=TokenPolicy(alpha_high=2.0, alpha_low=0.5)),
+    "policies-only (FastGen)": CompressionConfig(high=TierFormat(16, 16), fastgen=FastGenConfig(0.95, 0.3, 0.3)),
 }
 
 
@@ -79,11 +77,10 @@ class Method:
         return self.factory(reserve)
 
 
-def with_ranks(bundle: Bundle, settings: dict) -> Bundle:
-    """`bundle` with the ranks of a search point's removal rates (0: full rank), as the search measured it."""
-    return dataclasses.replace(
-        bundle, qk_rank=rank_from_removal_rate(bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0)),
-        v_rank=rank_from_removal_rate(bundle.v_spectrum, settings.get("v_removal_rate", 0.0)))
+def with_ranks(bundle: Bundle, config: CompressionConfig) -> Bundle:
+    """`bundle` with the ranks of `config`'s removal rates (0: full rank), as the search measured them."""
+    qk_rank, v_rank = ranks_of(bundle, config)
+    return dataclasses.replace(bundle, qk_rank=qk_rank, v_rank=v_rank)
 
 
 def _tiers(config: CompressionConfig) -> str:
@@ -120,33 +117,36 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
         point = families.get(name)
         note = None
         if point is None:
-            settings = {**FAMILY_DEFAULTS[name], "window": bundle.policy.get("window", 64)}
+            window = CompressionConfig.from_dict(bundle.policy).policy.window
+            cfg = FAMILY_DEFAULTS[name].with_policy(window=window)
+            settings = cfg.to_dict()
             note = (f"the bundle's calibration search kept no `{name}` point (none met its target or saved bytes); "
                     f"default settings {settings}")
         else:
             settings = dict(point["settings"])
-        cfg = config_for(settings).with_(backend=backend)
+            cfg = CompressionConfig.from_dict(settings)
+        cfg = cfg.with_(backend=backend)
         desc = _tiers(cfg)
-        if settings.get("qk_removal_rate") or settings.get("v_removal_rate"):
-            desc += (f", FDC removal rates qk {settings.get('qk_removal_rate', 0):g} / "
-                     f"v {settings.get('v_removal_rate', 0):g}")
+        if cfg.qk_removal_rate or cfg.v_removal_rate:
+            desc += f", FDC removal rates qk {cfg.qk_removal_rate:g} / v {cfg.v_removal_rate:g}"
         if cfg.fastgen:
             desc += f", FastGen T={cfg.fastgen.recovery:g}"
-        out.append(Method(key, label, "seed", series, desc, settings, cfg, with_ranks(bundle, settings), note=note))
+        out.append(Method(key, label, "seed", series, desc, settings, cfg, with_ranks(bundle, cfg), note=note))
     out.append(joint_method(bundle, backend))
     return out
 
 
 def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
-    cfg = CompressionConfig.from_policy(bundle.policy).with_(backend=backend)
-    note = None if "high" in bundle.policy else ("the bundle records no searched policy (`kvcal calibrate "
-                                                 "--no-search`); kvcal joint = the runtime's default settings")
+    cfg = CompressionConfig.from_dict(bundle.policy).with_(backend=backend)
+    searched = "search" in bundle.calibration
+    note = None if searched else ("the bundle records no searched policy (`kvcal calibrate --no-search`); kvcal "
+                                  "joint = the runtime's default settings")
     L, H, d = bundle.shape
     kept = (bundle.qk_rank.sum() + bundle.v_rank.sum()).item() / (2 * L * H * d)
     desc = _tiers(cfg) + (f", FastGen T={cfg.fastgen.recovery:g}" if cfg.fastgen else "") + \
         (f", ranks keep {kept:.3f} of K/V dims" if kept < 1 else "")
-    return Method("kvcal-joint", "kvcal joint", "kvcal", "kvcal joint", desc, dict(bundle.policy), cfg, bundle,
-                  note=note)
+    return Method("kvcal-joint", "kvcal joint", "kvcal", "kvcal joint", desc, cfg.to_dict(searched=searched), cfg,
+                  bundle, note=note)
 
 
 def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
@@ -167,10 +167,9 @@ def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
         if (a_h, a_l) in seen:
             continue
         seen.add((a_h, a_l))
-        variant = cfg.with_(policy=dataclasses.replace(p, alpha_high=a_h, alpha_low=a_l))
+        variant = cfg.with_policy(alpha_high=a_h, alpha_low=a_l)
         out.append(Method(f"kvcal-a{a_h:g}-{a_l:g}", f"kvcal a=({a_h:g},{a_l:g})", "kvcal", "kvcal sweep",
-                          _tiers(variant), {**joint.settings, "alpha_high": a_h, "alpha_low": a_l}, variant,
-                          joint.bundle))
+                          _tiers(variant), variant.to_dict(), variant, joint.bundle))
     return out
 
 

@@ -3,9 +3,9 @@
     kvcal bench --offload --quick                       # smollm2-135m; writes bench-smollm2-135m/offload.{json,md}
     kvcal bench --offload --bundle b.kvcal.safetensors  # adds the bundle's compressed bytes per token to the model
 
-Modelled (``kvcal.runtime.kvpr``, per layer, summed over the offloaded layers): decode-step time at l = 0 (plain
+Modelled (``kvcal.runtime.offload.kvpr``, per layer, summed over the offloaded layers): decode-step time at l = 0 (plain
 offloading), l = l* (the solver's split, per layer) and l = s (recompute everything), for each hardware, schedule,
-KV format, batch and context. Hardware: this machine as profiled (``kvcal.runtime.profiler``; without CUDA the
+KV format, batch and context. Hardware: this machine as profiled (``kvcal.runtime.offload.profiler``; without CUDA the
 "link" is a CPU memcpy, so those rows are not GPU numbers) and the paper's A100 + PCIe 4.0 x16 nominal figures.
 
 Measured: ``OffloadedCache`` decode steps with split none / auto / full against a plain ``DynamicCache``, batch 1,
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvcal.models import LoadedModel
-from kvcal.runtime import kvpr
+from kvcal.runtime.offload import kvpr
 
 A100_NOMINAL = kvpr.Hardware(link_bytes_per_s=32 * 2**30, matmul_flops_per_s=312e12)   # paper's testbed, fp16 peak
 CPU_NOTE = "CPU, no transfer link: measured time is not a GPU measurement"
@@ -55,7 +55,7 @@ def bundle_kv_bytes(bundle, head_dim: int) -> list[float]:
     from kvcal.runtime.cache import CompressionConfig
     from kvcal.runtime.layout import PageLayout, default_page_bytes
 
-    cfg = CompressionConfig.from_policy(bundle.policy)
+    cfg = CompressionConfig.from_dict(bundle.policy)
     page = cfg.page_bytes or default_page_bytes(head_dim, cfg.high)
     L, H, _ = bundle.shape
     return [sum(PageLayout.build(cfg.high, int(bundle.qk_rank[i, h]), int(bundle.v_rank[i, h]), page).bytes_per_token
@@ -121,7 +121,7 @@ def measure(lm: LoadedModel, hw: kvpr.Hardware, context: int, steps: int, mode: 
 
 def run_offload(lm: LoadedModel, settings: OffloadSettings, bundle=None, status=None) -> dict:
     """Profile, model and measure; returns the report dict that `write_offload_report` writes."""
-    from kvcal.runtime.profiler import profile_for_model
+    from kvcal.runtime.offload.profiler import profile_for_model
 
     say = status or (lambda msg: None)
     a, model = lm.adapter, lm.model
@@ -134,7 +134,7 @@ def run_offload(lm: LoadedModel, settings: OffloadSettings, bundle=None, status=
     if bundle is not None:
         from kvcal.runtime.cache import CompressionConfig
 
-        tier = CompressionConfig.from_policy(bundle.policy).high.name
+        tier = CompressionConfig.from_dict(bundle.policy).high.name
         formats.append((f"kvcal bundle ({tier} at its ranks)", bundle_kv_bytes(bundle, a.head_dim)))
     rows = []
     for label, hw, p in hardware:
@@ -167,7 +167,7 @@ def to_markdown(r: dict) -> str:
     m = r["model"]
     lines = [f"# KVPR offloading: {m['name']}", "",
              f"hidden {m['hidden']}, {m['kv_heads']} KV heads x {m['head_dim']}, {m['offloaded_layers']} offloaded "
-             "layers. Modelled times are per decode step, summed over the offloaded layers (kvcal.runtime.kvpr); "
+             "layers. Modelled times are per decode step, summed over the offloaded layers (kvcal.runtime.offload.kvpr); "
              "l* is chosen per layer.", "",
              f"Profiled: link {h['link_bytes_per_s'] / 2**30:.2f} GiB/s ({h['link_kind']}), matmul "
              f"{h['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, latencies {h['link_latency_s'] * 1e6:.1f} / "

@@ -9,7 +9,7 @@ JSON schema, version 1 (`SCHEMA_VERSION`). Numbers are JSON numbers; `null` wher
     model        {name, family, fingerprint, weights_hash, dtype: str; num_layers, num_kv_heads, num_q_heads,
                   head_dim, max_positions, fp16_bytes_per_token: int}
     bundle       {path, sha256: str|null; created, kvcal_version: str; policy: dict;
-                  target: {top1, ppl_ratio: number, source: "bundle"|"default"}}
+                  target: {top1, ppl_ratio, z: number, source: "bundle"|"default"}}
     environment  {kvcal, torch, transformers, python, platform, machine, cpu, attention_backend: str;
                   cpu_count, torch_threads: int; cuda: bool}
     settings     {quality: {dataset, dataset_sha256, windows_sha256: str; windows, prompt, steps: int},
@@ -33,8 +33,9 @@ JSON schema, version 1 (`SCHEMA_VERSION`). Numbers are JSON numbers; `null` wher
 
 `family` is one of dense, quantization, eviction, low-rank, seed, kvcal. A "single-family baseline" is any available
 method outside dense and kvcal. The summary compares kvcal joint with the cheapest single-family baseline at equal
-quality, where equal quality means meeting the bundle's quality target (top-1 agreement >= target and perplexity
-ratio <= target, as measured on the bench's held-out text). If no baseline meets it, the baselines at least as good
+quality, where equal quality means meeting the bundle's quality target as calibrate's search decides it
+(`QualityTarget.met`: top-1 agreement's Wilson lower bound at z >= target and perplexity ratio <= target, as measured
+on the bench's held-out text). If no baseline meets it, the baselines at least as good
 as kvcal joint on both measures are used ("joint-quality"); if none is, the baseline closest in quality ("closest").
 """
 
@@ -43,6 +44,8 @@ from __future__ import annotations
 import json
 from numbers import Real
 from pathlib import Path
+
+from kvcal.runtime.config import CompressionConfig
 
 SCHEMA_VERSION = 1
 FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
@@ -60,7 +63,7 @@ SCHEMA = {
               "fp16_bytes_per_token": int},
     "bundle": {"path": _OPT_STR, "sha256": _OPT_STR, "created": str, "kvcal_version": str, "policy": dict,
                "target": dict},
-    "bundle.target": {"top1": _NUM, "ppl_ratio": _NUM, "source": str},
+    "bundle.target": {"top1": _NUM, "ppl_ratio": _NUM, "z": _NUM, "source": str},
     "environment": {"kvcal": str, "torch": str, "transformers": str, "python": str, "platform": str, "machine": str,
                     "cpu": str, "cpu_count": int, "torch_threads": int, "cuda": bool, "attention_backend": str},
     "settings": {"quality": dict, "passkey": dict, "speed": dict, "matched_ratio": _NUM, "backend": str,
@@ -160,7 +163,9 @@ def summarise(report: dict) -> dict:
     kvcal_ok = [r for r in measured if r["family"] == "kvcal" and r["quality"]["meets_target"]]
     best_kvcal = min(kvcal_ok, key=lambda r: r["memory"]["bytes_per_token"]) if kvcal_ok else None
     bpt = lambda r: r["memory"]["bytes_per_token"]          # noqa: E731
-    goal = f"top-1 >= {target['top1']:g} and perplexity ratio <= {target['ppl_ratio']:g}"
+    # reports written before bench applied QualityTarget.met decided on the point estimate, i.e. z = 0
+    goal = (f"top-1 >= {target['top1']:g} at {target.get('z', 0):g} standard errors and perplexity ratio <= "
+            f"{target['ppl_ratio']:g}")
     out = {"target": target, "basis": "none", "kvcal_joint": _brief(joint), "best_baseline": None,
            "best_kvcal": _brief(best_kvcal), "bytes_joint_over_baseline": None, "kvcal_ahead": None,
            "verdict": "", "note": ""}
@@ -220,7 +225,7 @@ def _where_it_loses(report: dict, joint: dict, best: dict) -> str:
         parts.append(f"Its token-heads are {t.get('high', 0):.1%} high tier, {t.get('low', 0):.1%} low tier and "
                      f"{t.get('pruned', 0):.1%} pruned.")
     sq = report["settings"]["quality"]
-    window = int((report["bundle"]["policy"] or {}).get("window", 64))
+    window = CompressionConfig.from_dict(report["bundle"]["policy"] or {}).policy.window
     n = sq["prompt"] + sq["steps"]
     parts.append(f"Fixed costs at {n} tokens per sequence: the {window}-token window ({window / n:.1%} of tokens) is "
                  "held at the high tier; every stored token carries 8 B of score and position; pages are allocated "
@@ -296,7 +301,8 @@ def markdown(r: dict) -> str:
         f"Quality: KL(dense || method), top-1 agreement with dense and continuation-perplexity ratio over "
         f"{sq['windows']} held-out windows of {sq['prompt']} prompt tokens + {sq['steps']} teacher-forced steps "
         f"({sq['windows'] * sq['steps']} predictions; `{sq['dataset']}`, documents disjoint from calibration). "
-        f"Target (from the {t['source']}): top-1 >= {t['top1']:g}, perplexity ratio <= {t['ppl_ratio']:g}. "
+        f"Target (from the {t['source']}): top-1 >= {t['top1']:g} (Wilson lower bound at z = {t.get('z', 0):g}), "
+        f"perplexity ratio <= {t['ppl_ratio']:g}. "
         f"Bytes: every byte the cache holds at the end of the quality run (pages, metadata and fragmentation for "
         f"the kvcal store; K/V and per-token positions/scores for the others) per token, and over an fp16 dense "
         f"cache of the same tokens ({m['fp16_bytes_per_token']:,} B/token). Eviction and Palu baselines are "

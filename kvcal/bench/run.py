@@ -39,7 +39,7 @@ from kvcal.bundle import Bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import LoadedModel, fingerprint, weights_hash
 from kvcal.models.sources import file_sha256
-from kvcal.profile.quality import DecodeProbe, passkey
+from kvcal.profile.quality import DecodeProbe, QualityTarget, passkey
 from kvcal.runtime.fastgen import FastGenConfig
 
 logger = logging.getLogger(__name__)
@@ -99,9 +99,10 @@ def _memory(cache, tokens: int) -> dict:
 
 
 @torch.inference_mode()
-def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer, target: dict) -> tuple[dict, dict]:
+def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer,
+                    target: QualityTarget) -> tuple[dict, dict]:
     """(quality, memory) of `method` on the probe's windows: store methods replay the probe's recorded prefill,
-    other caches run their own."""
+    other caches run their own. "Meets the target" is `target.met`, the rule calibrate's search applies."""
     from kvcal.profile.quality import compare_logits, teacher_force
 
     B, P = probe.prompt.shape
@@ -123,7 +124,7 @@ def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer, targ
               "total_bytes": int(mem["total_bytes"]), "fp16_bytes": int(mem["fp16_bytes"]), "tokens": tokens}
     quality = {"kl": fid.kl, "top1": fid.top1, "ppl_ratio": fid.ppl_ratio, "ppl": fid.ppl, "ppl_dense": fid.ppl_dense,
                "predictions": fid.predictions, "decode_ms_per_step": fid.decode_ms_per_step,
-               "meets_target": bool(fid.top1 >= target["top1"] and fid.ppl_ratio <= target["ppl_ratio"]),
+               "meets_target": target.met(fid),
                "tiers": fid.tiers}
     return quality, memory
 
@@ -223,12 +224,11 @@ def environment(backend_name: str) -> dict:
             "cuda": torch.cuda.is_available(), "attention_backend": backend_name}
 
 
-def _target(bundle: Bundle) -> dict:
-    from kvcal.profile.search import QualityTarget
-
-    t = (bundle.calibration.get("search") or {}).get("target") or asdict(QualityTarget())
-    return {"top1": float(t["top1"]), "ppl_ratio": float(t["ppl_ratio"]),
-            "source": "bundle" if (bundle.calibration.get("search") or {}).get("target") else "default"}
+def bundle_target(bundle: Bundle) -> tuple[QualityTarget, str]:
+    """The quality target the bundle's search used (`QualityTarget()` when it records none) and where it came from:
+    "bundle" or "default"."""
+    recorded = (bundle.calibration.get("search") or {}).get("target")
+    return (QualityTarget(**recorded), "bundle") if recorded else (QualityTarget(), "default")
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -247,10 +247,11 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     model, tok, adapter = lm.model, lm.tokenizer, lm.adapter
     device = str(next(model.parameters()).device)
     backend = select_backend(settings.backend, device)          # ValueError, one line, if it cannot run
-    bundle.check_model(fingerprint(model.config), weights_hash(model, adapter))
+    bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
+                       shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
     torch.manual_seed(settings.seed)
     s = settings
-    target = _target(bundle)
+    target, target_source = bundle_target(bundle)
     max_pos = adapter.max_positions
     if s.prompt + s.steps + 1 > max_pos:
         raise ValueError(f"`--prompt {s.prompt}` + `--steps {s.steps}` exceeds the model's window ({max_pos} "
@@ -411,7 +412,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
         "bundle": {"path": str(bundle_path) if bundle_path else None,
                    "sha256": file_sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
                    "created": bundle.created, "kvcal_version": bundle.kvcal_version, "policy": bundle.policy,
-                   "target": target},
+                   "target": {**asdict(target), "source": target_source}},
         "environment": environment(backend.name()),
         "settings": {"quality": {"dataset": eval_corpus.name, "dataset_sha256": eval_corpus.sha256,
                                  "windows": s.windows, "prompt": s.prompt, "steps": s.steps,

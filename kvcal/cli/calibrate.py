@@ -1,7 +1,8 @@
 """`kvcal calibrate`: measure a model and write its bundle.
 
     kvcal calibrate            # smollm2-135m, 8192 random tokens -> ./smollm2-135m.kvcal.safetensors
-    kvcal calibrate --model qwen2.5-coder-1.5b --removal-rate 0.05 --out qwen.kvcal.safetensors
+    kvcal calibrate --model qwen2.5-coder-1.5b --out qwen.kvcal.safetensors
+    kvcal calibrate --no-search --removal-rate 0.05    # statistics only, one fixed FDC removal rate
     kvcal calibrate --model ./my-hf-folder --dataset ./texts.jsonl --json
 """
 
@@ -36,7 +37,9 @@ def calibrate(
                                                      show_default="the model's maximum, at most 32768")] = None,
     dataset: Annotated[str, typer.Option(help="Packaged corpus (default, sharegpt, gsm8k, champ, pydoc) or a "
                                               ".txt/.jsonl file or folder.", metavar="DATASET")] = "default",
-    removal_rate: Annotated[float, typer.Option(help="FDC Eq. 1 singular-value removal rate; 0 keeps all dims.")] = 0.0,
+    removal_rate: Annotated[float, typer.Option(help="FDC Eq. 1 singular-value removal rate for every head; 0 keeps "
+                                                     "all dims. Only with --no-search (the search chooses ranks).")]
+    = 0.0,
     qk_source: Annotated[str, typer.Option(help=f"Pass the rotation comes from: {', '.join(QK_SOURCES)}.",
                                            metavar="PASS")]
     = "both",

@@ -40,7 +40,8 @@ from kvcal.models import (
 )
 from kvcal.profile.capture import GramCollector, capturing
 from kvcal.profile.policies import PolicyCollector
-from kvcal.profile.ranks import energy_kept, rank_from_removal_rate
+from kvcal.profile.quality import QualityTarget
+from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
@@ -50,7 +51,10 @@ from kvcal.profile.rotation import (
     token_independence,
     weight_svd_basis,
 )
+from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
+from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policy import TokenPolicy
 from kvcal.safe_paths import check_bundle_out, remove_stale_temps
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,7 @@ class CalibrationConfig:
     seq_len: int = 1024                 # tokens per window; windows are spread over positions (see data/random_tokens)
     max_position: int | None = None     # windows cover [0, max_position); default min(model max, 32768)
     dataset: str = "default"            # packaged corpus name(s) or a .txt/.jsonl file or folder
-    removal_rate: float = 0.0           # FDC Eq. 1; 0 keeps every dimension
+    removal_rate: float = 0.0           # FDC Eq. 1 for every head, without the search; 0 keeps every dimension
     qk_source: str = "both"             # random tokens + text: best measured logit error (docs/calibration.md)
     qk_weighting: str = DEFAULT_QK_WEIGHTING
     v_source: str = "activations-text"  # measured better than weight-svd (docs/calibration.md)
@@ -78,17 +82,16 @@ class CalibrationConfig:
     max_memory: dict | None = None
     command: str | None = None          # the command line, recorded in the report
     search: bool = True                 # False: statistics only (full ranks, default runtime policy)
-    target_top1: float = 0.97           # quality target of the searches (vs dense, held-out calibration text)
-    target_ppl_ratio: float = 1.02
-    target_z: float = 1.5               # top-1 must hold at this many standard errors (Wilson bound); 0 = as measured
-    search_windows: int = 16            # windows of held-out calibration text per measured point (16 x 32 = 512
-    # predictions: at 256, K8V4 on smollm2-135m measured 0.988 on one window set and 0.945-0.967 on others)
+    target_top1: float = QualityTarget.top1          # quality target of the searches (see QualityTarget)
+    target_ppl_ratio: float = QualityTarget.ppl_ratio
+    target_z: float = QualityTarget.z
+    search_windows: int = 16            # windows of held-out calibration text per measured point (docs/calibration.md)
     search_prompt: int = 512            # prompt tokens per window
     search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
     search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
     eval_windows: int = 8               # final check of the chosen configuration on evaluation text
     eval_steps: int = 64
-    window: int = 64                    # recent tokens always at high precision (DiffKV W)
+    window: int = TokenPolicy.window    # recent tokens always at high precision (DiffKV W)
     policy_windows: int = 2             # calibration windows profiled for FastGen statistics
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
@@ -108,6 +111,9 @@ class CalibrationConfig:
         for name in ("search_windows", "search_prompt", "search_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
+        if self.search and self.removal_rate > 0:
+            raise ValueError(f"`--removal-rate {self.removal_rate}` fixes the ranks, but the search chooses them by "
+                             "measured quality: add `--no-search` to use a fixed rate, or drop `--removal-rate`")
         if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
             raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
         if self.search_dtype not in DTYPES:
@@ -379,8 +385,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = eig_basis(random_stats.vv)
     else:
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
-    qk_rank = rank_from_removal_rate(qk_spectrum, cfg.removal_rate)
-    v_rank = rank_from_removal_rate(v_spectrum, cfg.removal_rate)
+    unsearched = CompressionConfig().with_policy(window=cfg.window)
+    qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
+    v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
     independence = token_independence(r_random, r_text)
 
     calibration = {
@@ -410,7 +417,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
                 "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
                 "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
-        policy={"window": cfg.window},
+        policy=unsearched.to_dict(searched=False),
     )
     report = None
     t_search = time.perf_counter()
@@ -470,8 +477,7 @@ def _brief(fid: dict | None) -> dict | None:
 
 def release_memory() -> None:
     """Hand freed heap memory back to the OS between search points. Each point allocates and frees hundreds of MB of
-    short-lived tensors; glibc keeps them, so without this the resident set climbs with every point (measured on
-    smollm2-135m: 2.3 GB resident with 1.3 GB live after one point)."""
+    short-lived tensors; glibc keeps them, so without this the resident set climbs with every point."""
     import gc
     import signal
     import threading
@@ -509,7 +515,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     from dataclasses import asdict as as_dict
 
     from kvcal.profile.quality import DecodeProbe
-    from kvcal.profile.search import QualityTarget, Search, cheapest
+    from kvcal.profile.search import Search, cheapest
 
     target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
     P, M = cfg.search_prompt, cfg.search_steps
@@ -534,13 +540,13 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
 
     search = Search(probe, bundle, target, report=report_point, memo=memo,
                     started=lambda stage, label: step(stage, label, None))
-    base = {"high": "K8V4", "low": "K4cV2", "window": cfg.window}
+    base = CompressionConfig().with_policy(window=cfg.window)
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
     tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers")])
     step("family", "each family alone", None)
-    rank_start = search.measure("family", "K16V16 (fp16 store), full rank", {**base, "high": "K16V16",
-                                                                              "alpha_high": None})
+    rank_start = search.measure("family", "K16V16 (fp16 store), full rank",
+                                base.with_(high=TierFormat(16, 16)).with_policy(alpha_high=None))
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
     rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
     policies_only = search.policies(rank_start) if rank_start.feasible else None
@@ -549,7 +555,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                 "policies-only (FastGen)": policies_only, "joint (kvcal)": result.chosen}
 
     bundle.qk_rank, bundle.v_rank = result.qk_rank, result.v_rank
-    bundle.policy = policy_of(result.chosen.settings)
+    bundle.policy = result.config.to_dict()
     say("checking the chosen configuration on evaluation text")
     step("held-out", "the chosen configuration on evaluation text", None)
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
@@ -571,12 +577,6 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     if getattr(lm.model, "hf_device_map", None) is None:
         lm.model.to(model_dtype)
     return {"search": search_meta, "held_out": as_dict(held_out)}
-
-
-def policy_of(settings: dict) -> dict:
-    """The runtime settings a bundle records (read back by CompressionConfig.from_policy)."""
-    return {k: settings[k] for k in ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base",
-                                     "fastgen", "qk_removal_rate", "v_removal_rate") if k in settings}
 
 
 def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:

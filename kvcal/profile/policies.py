@@ -2,7 +2,7 @@
 (layer, KV head), and how many tokens it keeps.
 
 Based on FastGen (Ge et al., ICLR 2024), Eq. 1–2, Alg. 1. The paper profiles each prompt online; this is the
-optional offline mode (digest §5.1): the same per-prompt recovery, averaged over calibration windows, so a model's
+optional offline mode: the same per-prompt recovery, averaged over calibration windows, so a model's
 policy distribution (Fig. 3 analogue) and its expected pruned ratio can be read before serving.
 
     collector = PolicyCollector(adapter, *token_classes(tokenizer))

@@ -25,6 +25,34 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class QualityTarget:
+    """What "meets the target" means, for calibrate's search, its report and `kvcal bench` alike."""
+
+    top1: float = 0.97          # top-1 agreement with dense on held-out text
+    ppl_ratio: float = 1.02     # continuation perplexity / dense perplexity
+    z: float = 1.5              # top-1 must hold at this many standard errors (Wilson lower bound), see `met`
+
+    def met(self, measured) -> bool:
+        """`measured` (a `Fidelity`, a search `Point`: anything with top1, predictions and ppl_ratio) meets the
+        target: top-1's Wilson lower bound at `z` reaches it, and so does the perplexity ratio.
+
+        The search keeps the cheapest point that passes, so a point that passes by luck is exactly what it would
+        pick; the bound asks for more evidence the closer a point sits to the target (docs/calibration.md).
+        """
+        return (wilson_lower(measured.top1, measured.predictions, self.z) >= self.top1
+                and measured.ppl_ratio <= self.ppl_ratio)
+
+
+def wilson_lower(p: float, n: int, z: float) -> float:
+    """Wilson score lower bound of a proportion p observed over n trials."""
+    if n <= 0 or z <= 0:
+        return p
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - spread) / (1 + z * z / n)
+
+
 @dataclass
 class Fidelity:
     kl: float                 # mean KL(dense || compressed), nats
@@ -109,7 +137,7 @@ class DecodeProbe:
                  fastgen=None):
         """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
         FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`."""
-        from kvcal.runtime.cache import CompressionConfig
+        from kvcal.runtime.config import CompressionConfig
         from kvcal.runtime.hf import KvcalCache
 
         self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation

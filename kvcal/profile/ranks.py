@@ -28,6 +28,22 @@ def rank_from_removal_rate(spectrum: torch.Tensor, removal_rate: float) -> torch
     return rank.to(torch.int32)
 
 
+def ranks_for(spectrum: torch.Tensor, removal_rate: float, group: int = 1) -> torch.Tensor:
+    """The ranks a removal rate gives, rounded up to a multiple of `group` (a tier quantizing values in groups of
+    `group` channels needs the group to divide the stored rank): spectrum [..., d] -> rank int32 [...] in [1, d]."""
+    rank = rank_from_removal_rate(spectrum, removal_rate)
+    if group > 1:
+        rank = (-(-rank // group) * group).clamp(max=spectrum.shape[-1])
+    return rank
+
+
+def ranks_of(bundle, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qk ranks, v ranks) [L, H] int32 that `config`'s removal rates give on `bundle`'s spectra (a
+    `CompressionConfig`; V ranks rounded up to its value group)."""
+    return (ranks_for(bundle.qk_spectrum, config.qk_removal_rate),
+            ranks_for(bundle.v_spectrum, config.v_removal_rate, config.value_group))
+
+
 def energy_kept(spectrum: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """Fraction of squared singular values (energy) in the first `rank` dims: spectrum [..., d], rank [...] -> [...]"""
     energy = spectrum.double().pow(2)

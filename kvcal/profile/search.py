@@ -27,57 +27,31 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvcal.profile.ranks import rank_from_removal_rate
-from kvcal.runtime.cache import CompressionConfig
+from kvcal.profile.quality import QualityTarget, wilson_lower  # noqa: F401  (wilson_lower: re-exported)
+from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 
 logger = logging.getLogger(__name__)
 
 ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 LOW_TIERS = ("K4cV2", "K4V2")
-# high tiers by bytes: 4-bit values with one (scale, zero) per token, per 32 and per 16 channels, then 8-bit values.
-# Value groups sit between K8V4 and K8V8 in bytes and in quality (smollm2-135m, 512 predictions: top-1 0.967 at
-# 0.438 of fp16 bytes, 0.975 at 0.453, 0.988 at 0.484, 1.000 at 0.562; benchmarks/value_groups.py)
+# high tiers by bytes: 4-bit values with one (scale, zero) per token, per 32 and per 16 channels, then 8-bit values
+# (value groups sit between K8V4 and K8V8 in bytes and in quality: docs/results, benchmarks/value_groups.py)
 PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
-
-
-@dataclass(frozen=True)
-class QualityTarget:
-    top1: float = 0.97          # top-1 agreement with dense on held-out calibration text
-    ppl_ratio: float = 1.02     # continuation perplexity / dense perplexity
-    z: float = 1.5              # top-1 must hold at this many standard errors (Wilson lower bound), see `met`
-
-    def met(self, point: Point) -> bool:
-        """Top-1's Wilson lower bound at `z` reaches the target, and so does the perplexity ratio.
-
-        The search keeps the cheapest point that passes, so a point that passes by luck is exactly what it would
-        pick: on smollm2-135m, a point at top-1 0.977 over 256 predictions measured 0.926 on evaluation text. The
-        bound asks for more evidence the closer a point sits to the target.
-        """
-        return wilson_lower(point.top1, point.predictions, self.z) >= self.top1 and point.ppl_ratio <= self.ppl_ratio
-
-
-def wilson_lower(p: float, n: int, z: float) -> float:
-    """Wilson score lower bound of a proportion p observed over n trials."""
-    if n <= 0 or z <= 0:
-        return p
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - spread) / (1 + z * z / n)
 
 
 @dataclass
@@ -86,7 +60,7 @@ class Point:
 
     stage: str
     label: str
-    settings: dict             # everything needed to rebuild the candidate (tiers, alphas, removal rates)
+    settings: dict             # the candidate as its bundle `policy` block (`CompressionConfig.to_dict`)
     bytes_ratio: float         # KV bytes held / fp16 dense bytes of the same tokens
     top1: float
     kl: float
@@ -95,6 +69,11 @@ class Point:
     feasible: bool
     seconds: float
     predictions: int = 0       # scored predictions behind top-1 and the perplexity ratio
+
+    @property
+    def config(self) -> CompressionConfig:
+        """The measured candidate."""
+        return CompressionConfig.from_dict(self.settings)
 
 
 @dataclass
@@ -138,31 +117,15 @@ def cheapest(points: list[Point]) -> Point | None:
 
 
 def settings_key(settings: dict) -> str:
-    import json
-
     return json.dumps(settings, sort_keys=True)
 
 
-def v_ranks(v_spectrum: torch.Tensor, settings: dict) -> torch.Tensor:
-    """V ranks [L, H] for the settings' removal rate, rounded up to a multiple of the tiers' value group (a group
-    must divide the stored rank)."""
-    rank = rank_from_removal_rate(v_spectrum, settings.get("v_removal_rate", 0.0))
-    group = max((TierFormat.parse(settings[k]).v_group or 1 for k in ("high", "low") if k in settings), default=1)
-    if group > 1:
-        rank = (-(-rank // group) * group).clamp(max=v_spectrum.shape[-1])
-    return rank
-
-
-def config_for(settings: dict) -> CompressionConfig:
-    policy = TokenPolicy(alpha_high=settings.get("alpha_high"), alpha_low=settings.get("alpha_low", 0.0),
-                         window=settings.get("window", 64), threshold_base=settings.get("threshold_base", "length"))
-    fast = settings.get("fastgen")
-    return CompressionConfig(high=TierFormat.parse(settings["high"]), low=TierFormat.parse(settings["low"]),
-                             policy=policy, use_ranks=True, fastgen=FastGenConfig(**fast) if fast else None)
+FASTGEN = FastGenConfig(r_local=0.3, r_frequent=0.3)   # r_l, r_f the probe records; the search varies only T
 
 
 class Search:
-    """Runs the stages against a `DecodeProbe` (see module docstring)."""
+    """Runs the stages against a `DecodeProbe` (see module docstring). Every candidate is a `CompressionConfig`
+    whose removal rates give its ranks (`ranks_of`)."""
 
     def __init__(self, probe, bundle, target: QualityTarget, *, report: Callable[[Point], None] | None = None,
                  memo: dict[str, Point] | None = None, started: Callable[[str, str], None] | None = None):
@@ -172,14 +135,14 @@ class Search:
         self.memo = memo if memo is not None else {}   # settings key -> point: a resumed search skips known points
         self.path: list[Point] = []
 
-    def measure(self, stage: str, label: str, settings: dict) -> Point:
-        qk_rank = rank_from_removal_rate(self.bundle.qk_spectrum, settings.get("qk_removal_rate", 0.0))
-        v_rank = v_ranks(self.bundle.v_spectrum, settings)
+    def measure(self, stage: str, label: str, candidate: CompressionConfig) -> Point:
+        settings = candidate.to_dict()
+        qk_rank, v_rank = ranks_of(self.bundle, candidate)
         key = self._key(settings, qk_rank, v_rank)
         if key in self.memo:        # measured before (a resumed run, or other settings with the same effect)
             known = self.memo[key]
             point = known if known.settings == settings else dataclasses.replace(
-                known, stage=stage, label=label, settings=dict(settings), seconds=0.0)
+                known, stage=stage, label=label, settings=settings, seconds=0.0)
             point.feasible = self.target.met(point)
             self.path.append(point)
             return point
@@ -187,8 +150,8 @@ class Search:
             self.started(stage, label)
         t0 = time.perf_counter()
         bundle = dataclasses.replace(self.bundle, qk_rank=qk_rank, v_rank=v_rank)
-        fid = self.probe.measure(config_for(settings), bundle)
-        point = Point(stage=stage, label=label, settings=dict(settings), bytes_ratio=fid.memory["ratio_to_fp16"],
+        fid = self.probe.measure(candidate, bundle)
+        point = Point(stage=stage, label=label, settings=settings, bytes_ratio=fid.memory["ratio_to_fp16"],
                       top1=fid.top1, kl=fid.kl, ppl_ratio=fid.ppl_ratio, tiers=fid.tiers, feasible=False,
                       seconds=round(time.perf_counter() - t0, 2), predictions=fid.predictions)
         point.feasible = self.target.met(point)
@@ -212,36 +175,37 @@ class Search:
 
     # ----------------------------------------------------------------------------------------------------- stages
 
-    def precision(self, base: dict) -> Point:
+    def precision(self, base: CompressionConfig) -> Point:
         """The cheapest high tier of `PRECISION_LADDER` that meets the target (value groups that do not divide the
         head dim are skipped); the first one measured if none does."""
         d = self.bundle.v_spectrum.shape[-1]
         points = []
-        for high in PRECISION_LADDER:
-            group = TierFormat.parse(high).v_group
-            if group and d % group:
+        for name in PRECISION_LADDER:
+            high = TierFormat.parse(name)
+            if high.v_group and d % high.v_group:
                 continue
-            points.append(self.measure("precision", f"{high}, no tiers", {**base, "high": high, "alpha_high": None}))
+            points.append(self.measure("precision", f"{name}, no tiers",
+                                       base.with_(high=high).with_policy(alpha_high=None)))
             if points[-1].feasible:
                 return points[-1]
         return points[0]
 
-    def tiers(self, base: dict) -> Point:
+    def tiers(self, base: CompressionConfig) -> Point | None:
         best = []
-        for low in LOW_TIERS:
+        for name in LOW_TIERS:
             chosen = None
             for a_h in ALPHA_HIGH_GRID:
-                p = self.measure("tiers", f"{base['high']}/{low} a=({a_h:g},0)",
-                                 {**base, "low": low, "alpha_high": a_h, "alpha_low": 0.0})
+                p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},0)",
+                                 base.with_(low=TierFormat.parse(name)).with_policy(alpha_high=a_h, alpha_low=0.0))
                 if not p.feasible:
                     break
                 chosen = p
             if chosen is None:
                 continue
-            a_h = chosen.settings["alpha_high"]
+            a_h = chosen.config.policy.alpha_high
             for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
-                p = self.measure("tiers", f"{base['high']}/{low} a=({a_h:g},{a_l:g})",
-                                 {**chosen.settings, "alpha_low": a_l})
+                p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},{a_l:g})",
+                                 chosen.config.with_policy(alpha_low=a_l))
                 if not p.feasible:
                     break
                 chosen = p
@@ -253,7 +217,7 @@ class Search:
         best = start
         for t in RECOVERY_GRID:
             p = self.measure("policies", f"FastGen T={t:g} on {start.label}",
-                             {**start.settings, "fastgen": {"recovery": t, "r_local": 0.3, "r_frequent": 0.3}})
+                             start.config.with_(fastgen=dataclasses.replace(FASTGEN, recovery=t)))
             if not p.feasible:
                 break
             if _saves(p, best):
@@ -264,12 +228,12 @@ class Search:
         """Removal rates for QK, then V (FDC §5.2 binary search, bracketed from below by `RATE_GRID`); a rate is
         kept only if it saves bytes."""
         best = start
-        for key in ("qk_removal_rate", "v_removal_rate"):
+        for field_name, label in (("qk_removal_rate", "qk"), ("v_removal_rate", "v")):
             base, points = best, {}
 
-            def feasible(rate: float, key=key, base=base, points=points) -> bool:
-                points[rate] = self.measure("ranks", f"{key.split('_')[0]} removal rate {rate:.3f}",
-                                            {**base.settings, key: rate})
+            def feasible(rate: float, field_name=field_name, label=label, base=base, points=points) -> bool:
+                points[rate] = self.measure("ranks", f"{label} removal rate {rate:.3f}",
+                                            base.config.with_(**{field_name: rate}))
                 return points[rate].feasible
 
             rate = largest_feasible(feasible, RATE_GRID, rank_iters)
@@ -277,12 +241,12 @@ class Search:
                 best = points[rate]
         return best
 
-    def run(self, base: dict) -> SearchResult:
-        """base: starting settings, e.g. {"high": "K8V4", "low": "K4cV2", "window": 64}."""
+    def run(self, base: CompressionConfig) -> SearchResult:
+        """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window."""
         start = self.precision(base)
         chosen = start if start.feasible else None
         if start.feasible:
-            tiered = self.tiers(start.settings)
+            tiered = self.tiers(start.config)
             if tiered is not None and _saves(tiered, start):
                 chosen = tiered
             chosen = self.policies(chosen)
@@ -291,7 +255,5 @@ class Search:
             logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",
                            self.target)
             chosen = max(self.path, key=lambda p: (p.top1, -p.ppl_ratio))
-        s = chosen.settings
-        return SearchResult(config=config_for(s),
-                            qk_rank=rank_from_removal_rate(self.bundle.qk_spectrum, s.get("qk_removal_rate", 0.0)),
-                            v_rank=v_ranks(self.bundle.v_spectrum, s), chosen=chosen, path=self.path)
+        qk_rank, v_rank = ranks_of(self.bundle, chosen.config)
+        return SearchResult(config=chosen.config, qk_rank=qk_rank, v_rank=v_rank, chosen=chosen, path=self.path)

@@ -1,0 +1,41 @@
+"""kvcal's runtime: serve a calibrated bundle as a compressed, paged KV cache. Depends on torch, safetensors and
+transformers (for `hf.py`), and optionally cuda-python; never on `kvcal.profile` or `kvcal.cli`.
+
+    from kvcal.runtime import CompressionConfig, KvcalCache
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.from_dict(bundle.policy), tokenizer=tok)
+
+The names below are the public API; they load on first use, so importing one module of the runtime does not import
+transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "CompressionConfig": "kvcal.runtime.config",
+    "TokenPolicy": "kvcal.runtime.policy",
+    "FastGenConfig": "kvcal.runtime.fastgen",
+    "TierFormat": "kvcal.runtime.layout",
+    "PageLayout": "kvcal.runtime.layout",
+    "CompressedStore": "kvcal.runtime.store",
+    "CompressedKV": "kvcal.runtime.cache",
+    "served_bases": "kvcal.runtime.bases",
+    "AttentionBackend": "kvcal.runtime.attention",
+    "TorchBackend": "kvcal.runtime.attention",
+    "select_backend": "kvcal.runtime.attention",
+    "KvcalCache": "kvcal.runtime.hf",
+    "OffloadedCache": "kvcal.runtime.offload",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module `kvcal.runtime` has no attribute `{name}`")
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

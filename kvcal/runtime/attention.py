@@ -16,8 +16,14 @@ the new tokens' own scores (with `track_scores=False`, when no token policy read
 softmax scale is the model's (1/sqrt(d) of the original head dim), because the rotated, truncated product
 approximates the original logits.
 
-Backends declare what they support. `select_backend("auto")` takes the first that supports the request; naming a
-backend that cannot run raises a one-line ValueError with its reasons.
+A backend with `writes_cache = True` also writes the cache (the store does the bookkeeping, the backend the bytes):
+
+    write(store, layer, side, b [n], h [n], slot [n], keys [n, >= r_k], values [n, >= r_v], pos [n], score [n])
+    write_pages(store, layer, b [n], h [n], keys [n, T, >= r_k], values [n, T, >= r_v], pos [n, T], score [n, T])
+
+Backends declare what they support, up front: `supports(device)` and `supports_formats(formats, head_dim)` return
+the reasons they cannot serve (empty when they can). `select_backend("auto")` takes the first that supports the
+request; naming a backend that cannot run raises a one-line ValueError with its reasons.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 import importlib
 import logging
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -43,6 +50,8 @@ def prefill_rows(B: int, H: int, g: int, n: int) -> int:
 class AttentionBackend(ABC):
     """A namespace of static methods, never instantiated (vLLM style)."""
 
+    writes_cache: ClassVar[bool] = False     # True: implements `write` / `write_pages` (module docstring)
+
     @classmethod
     @abstractmethod
     def name(cls) -> str: ...
@@ -51,6 +60,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def supports(cls, device: torch.device) -> list[str]:
         """Reasons this backend cannot run on `device`; empty when it can."""
+
+    @classmethod
+    def supports_formats(cls, formats: tuple, head_dim: int) -> list[str]:
+        """Reasons this backend cannot serve tiers in `formats` (TierFormat) at ranks up to `head_dim`; empty when
+        it can. The default serves every format the store can hold."""
+        return []
 
     @staticmethod
     @abstractmethod
@@ -127,8 +142,10 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 @functools.cache
-def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBackend]:
-    """The backend to use: `auto` takes cuda when it can run on `device`, else torch (logged once)."""
+def select_backend(name: str = "auto", device: str = "cpu", formats: tuple = (),
+                   head_dim: int = 0) -> type[AttentionBackend]:
+    """The backend to use: `auto` takes cuda when it can run on `device` and serve `formats` (the tiers' TierFormat,
+    ranks up to `head_dim`), else torch (logged once)."""
     dev = torch.device(device)
     if name != "auto":
         if name not in BACKENDS:
@@ -137,7 +154,7 @@ def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBac
             backend = _load(name)
         except ImportError as e:
             raise ValueError(f"attention backend `{name}` is unavailable: {e}") from None
-        reasons = backend.supports(dev)
+        reasons = backend.supports(dev) + backend.supports_formats(formats, head_dim)
         if reasons:
             raise ValueError(f"attention backend `{name}` cannot run on {dev}: {'; '.join(reasons)}")
         return backend
@@ -148,7 +165,7 @@ def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBac
         except ImportError as e:
             rejected.append(f"{candidate}: {e}")
             continue
-        reasons = backend.supports(dev)
+        reasons = backend.supports(dev) + backend.supports_formats(formats, head_dim)
         if not reasons:
             if rejected:
                 logger.info("kvcal attention backend: %s (%s)", candidate, "; ".join(rejected))

@@ -38,6 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcal.runtime.cache_policy import CachePolicy, Prompt
+from kvcal.runtime.pages import HIGH, LOW
+from kvcal.runtime.policy import TIER_PRUNED
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full")
@@ -271,3 +275,85 @@ def decode_evictions(policy: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor
     idx = policy.clamp(0, _COMPRESSED - 1)[None, :, :, None].expand(1, B, H, S)
     keep = kept.gather(0, idx)[0]                                                   # [B, H, S]
     return (pos >= 0) & ~keep & ~full[..., None]
+
+
+# ---------------------------------------------------------------------------------------------- the cache policy
+
+
+class FastGenEviction(CachePolicy):
+    """FastGen as a cache policy. It owns its state: the token ids of the cache by index (`observe_tokens`), the
+    tokenizer's special and punctuation ids (`token_classes`) and the policy each (layer, sequence, KV head) chose
+    at prefill (`choice`). At prefill, each head takes the cheapest policy whose recovery of the prompt's attention
+    reaches T and drops what it does not keep (pruned whatever its tier); each decode token re-applies that frozen
+    policy at the new length (Alg. 2)."""
+
+    name = "fastgen"
+
+    def __init__(self, kv):
+        super().__init__(kv)
+        self.token_ids = torch.zeros(kv.batch, 0, dtype=torch.int64, device=kv.device)
+        self.token_classes = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        self.choice: dict[int, torch.Tensor] = {}        # layer -> [B, H] index into POLICIES
+
+    @classmethod
+    def enabled(cls, config) -> bool:
+        return config.fastgen is not None
+
+    def observe_tokens(self, ids: torch.Tensor) -> None:
+        """Token ids [B, n] of the tokens this forward pass adds."""
+        self.token_ids = torch.cat([self.token_ids, ids.to(self.kv.device)], dim=1)
+
+    def _flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        special, punct = self.token_classes
+        return token_flags(self.token_ids, special.to(self.kv.device), punct.to(self.kv.device))
+
+    def prompt_statistics(self, query, key, real, score, scale) -> torch.Tensor:
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy (prompt attention recomputed in
+        query blocks, because the ranking of frequent tokens needs the final column sums first)."""
+        from kvcal.runtime.attention import prefill_rows
+
+        B, H, g, n, d = query.shape
+        if self.token_ids.shape[1] < n:
+            raise ValueError("FastGen needs the prompt's token ids: call the model with `input_ids` (not "
+                             "`inputs_embeds`) through a cache made by `KvcalCache.from_bundle(..., tokenizer=...)`")
+        is_special, is_punct = self._flags()
+        n_pad = (~real).sum(-1)
+        total = torch.zeros(4, B, H, device=query.device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :]
+        step = prefill_rows(B, H, g, n)
+        for start in range(0, n, step):
+            rows = torch.arange(start, min(start + step, n), device=query.device)
+            logits = torch.einsum("bhgnd,bhsd->bhgns", query[:, :, :, rows].float(), key.float()) * scale
+            probs = torch.softmax(logits + torch.where(causal[:, None, None, rows], 0.0, float("-inf")), dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)
+            total += prompt_recovery(probs, rows, is_special[:, :n], is_punct[:, :n], score, self.kv.config.fastgen,
+                                     n_pad)
+        return total / (n - n_pad).clamp(min=1).to(total.dtype)[None, :, None]
+
+    def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        recovery = prompt.statistics.get(self.name)
+        if recovery is None:
+            raise ValueError("FastGen is on but this prefill has no recovery statistics (record with FastGen on)")
+        cfg, n = self.kv.config.fastgen, prompt.pos.shape[-1]
+        self.choice[layer] = choose_policy(recovery, cfg)                                 # [B, H]
+        is_special, is_punct = self._flags()
+        kept = kept_sets(is_special[:, :n], is_punct[:, :n], prompt.score, prompt.pos, prompt.length, cfg,
+                         self.kv.n_pad)
+        drop = decode_evictions(self.choice[layer], kept, prompt.pos)
+        return torch.where(drop, torch.full_like(tier, TIER_PRUNED), tier)
+
+    def decode(self, layer: int) -> None:
+        kv = self.kv
+        B, H = kv.batch, kv.store.num_kv_heads
+        b, h = kv.every_entry()
+        length = torch.full((B,), kv.length[layer], device=kv.device)
+        is_special, is_punct = self._flags()
+        for side in (HIGH, LOW):
+            score, pos = (t.view(B, H, -1) for t in kv.store.section_meta(layer, side, b, h))
+            if pos.shape[-1] == 0:
+                continue
+            kept = kept_sets(is_special, is_punct, score, pos, length, kv.config.fastgen, kv.n_pad)
+            drop = decode_evictions(self.choice[layer], kept, pos)
+            db, dh, ds = torch.nonzero(drop, as_tuple=True)
+            if len(db):
+                kv.store.drop(layer, side, db, dh, ds)

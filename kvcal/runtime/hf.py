@@ -46,13 +46,13 @@ def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = pending[0]
     pad = None
     if layer.owner.kv is None or layer.owner.kv.length[layer.layer_idx] == 0:
-        pad = _real_tokens(attention_mask, query.shape[2])
+        pad = real_tokens(attention_mask, query.shape[2])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.owner.kv.forward(layer.layer_idx, query, key, value, pad, scale)   # [B, Hq, n, d]
     return out.transpose(1, 2).contiguous(), None
 
 
-def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
+def real_tokens(attention_mask, n: int) -> torch.Tensor | None:
     """bool [B, n] real (non-padding) prompt tokens, from the 4D mask the model built (the last query row of a
     causal mask sees every real key), or None when there is no mask (no padding)."""
     if attention_mask is None:
@@ -96,11 +96,12 @@ class KvcalLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         kv = self.owner.kv
-        if kv.config.fastgen is not None and self.layer_idx == kv.layers[0]:
+        fastgen = kv.policy("fastgen")
+        if fastgen is not None and self.layer_idx == kv.layers[0]:
             ids = _INPUT_IDS.get()
             if ids is None or ids.shape[-1] != key_states.shape[-2]:
                 raise ValueError("FastGen needs token ids: run the model with `input_ids`, not `inputs_embeds`")
-            kv.observe_tokens(ids)
+            fastgen.observe_tokens(ids)
         self.seen += key_states.shape[-2]
         _PENDING.set((self, key_states, value_states))
         return key_states, value_states
@@ -152,14 +153,14 @@ class KvcalCache(Cache):
                            shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
         install(model)
         if config is None:
-            config = CompressionConfig.from_policy(bundle.policy)
+            config = CompressionConfig.from_dict(bundle.policy)
         return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
                    tokenizer=tokenizer)
 
     def prime(self, records: dict, token_ids: torch.Tensor | None = None) -> None:
         """Fill an empty cache with a recorded prefill instead of running it: `records` maps each layer to
-        (key, value, score, real) for compressed layers (CompressedKV.recorder) or, for sliding layers, the kept
-        window (key, value) and the number of tokens seen. `token_ids` [B, n]: the prompt (needed by FastGen)."""
+        (key, value, score, real, statistics) for compressed layers (CompressedKV.recorder) or, for sliding layers,
+        the kept window (key, value) and the number of tokens seen. `token_ids` [B, n]: the prompt (FastGen)."""
         first = True
         for i, layer in enumerate(self.layers):
             if self.sliding[i]:
@@ -167,13 +168,14 @@ class KvcalCache(Cache):
                 layer.update(keys, values)
                 layer.cumulative_length = seen
             else:
-                key, value, score, real, recovery = records[i]
+                key, value, score, real, statistics = records[i]
                 layer.lazy_initialization(key, value)
-                if first and token_ids is not None:
-                    self.kv.observe_tokens(token_ids)
+                fastgen = self.kv.policy("fastgen")
+                if first and token_ids is not None and fastgen is not None:
+                    fastgen.observe_tokens(token_ids)
                 first = False
                 layer.seen = key.shape[-2]
-                self.kv.write_prefill(i, key, value, score, real, recovery)
+                self.kv.write_prefill(i, key, value, score, real, statistics)
 
     def _ensure_kv(self, key_states: torch.Tensor) -> None:
         if self.kv is None:
@@ -182,8 +184,9 @@ class KvcalCache(Cache):
                                                sliding=self.sliding, device=key_states.device, raw16=raw16)
             if self.record:
                 self.kv.recorder = {}
-            if self.token_classes is not None:
-                self.kv.special_ids, self.kv.punct_ids = self.token_classes
+            fastgen = self.kv.policy("fastgen")
+            if fastgen is not None and self.token_classes is not None:
+                fastgen.token_classes = self.token_classes
 
     # --------------------------------------------------------------------------------------------- accounting
 

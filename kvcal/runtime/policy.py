@@ -24,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-HIGH, LOW, PRUNED = 0, 1, 2
+from kvcal.runtime.cache_policy import CachePolicy, Prompt
+from kvcal.runtime.pages import HIGH, LOW
+
+TIER_HIGH, TIER_LOW, TIER_PRUNED = 0, 1, 2   # a token's tier (page-table sides are pages.HIGH / LOW)
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,16 @@ def mean_score(score: torch.Tensor, pos: torch.Tensor, length: torch.Tensor) -> 
 
 def classify_prompt(policy: TokenPolicy, score: torch.Tensor, pos: torch.Tensor, n_pad: torch.Tensor,
                     length: torch.Tensor) -> torch.Tensor:
-    """Prompt-phase tiers: score, pos [B, H, S] (pos -1 = not a token) -> tier int8 [B, H, S] in HIGH/LOW/PRUNED."""
-    tier = torch.full(pos.shape, HIGH, dtype=torch.int8, device=pos.device)
+    """Prompt-phase tiers: score, pos [B, H, S] (pos -1 = not a token) -> tier int8 [B, H, S], TIER_* labels."""
+    tier = torch.full(pos.shape, TIER_HIGH, dtype=torch.int8, device=pos.device)
     if not policy.tiered:
         return tier
     m = mean_score(score, pos, length)
     tau_h, tau_l = policy.thresholds(pos, n_pad, length)
     in_window = pos >= (length[:, None, None] - policy.window)
-    tier[(m < tau_h) & ~in_window] = LOW
-    tier[(m < tau_l) & ~in_window] = PRUNED
-    tier[pos < 0] = PRUNED
+    tier[(m < tau_h) & ~in_window] = TIER_LOW
+    tier[(m < tau_l) & ~in_window] = TIER_PRUNED
+    tier[pos < 0] = TIER_PRUNED
     return tier
 
 
@@ -154,3 +157,63 @@ def pending_low(policy: TokenPolicy, hi_score, hi_pos, n_pad, length) -> torch.T
     tau_h, tau_l = policy.thresholds(hi_pos, n_pad, length)
     eligible = (hi_pos >= 0) & (hi_pos < length[:, None, None] - policy.window)
     return eligible & (m < tau_h) & (m >= tau_l)
+
+
+# ---------------------------------------------------------------------------------------------- the cache policy
+
+
+class DiffKVTiers(CachePolicy):
+    """DiffKV's tiers as a cache policy: the prompt is tiered by `classify_prompt`; each decode token runs one step
+    of Algorithm 1 (`decode_actions`), and with per-channel low keys, seals a whole low page once one is pending."""
+
+    name = "diffkv"
+
+    def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        return classify_prompt(self.kv.config.policy, prompt.score, prompt.pos, self.kv.n_pad, prompt.length)
+
+    def decode(self, layer: int) -> None:
+        kv, policy = self.kv, self.kv.config.policy
+        if not policy.tiered or kv.length[layer] <= policy.window:
+            return
+        B, H = kv.batch, kv.store.num_kv_heads
+        store = kv.store
+        b, h = kv.every_entry()
+        length = torch.full((B,), kv.length[layer], device=kv.device)
+        hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
+        lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
+        channel = kv.config.low.k_mode == "channel"
+        acts = decode_actions(policy, hi_s, hi_p, lo_s, lo_p, kv.n_pad, length, channel)
+        moving = acts.high_to_low.view(-1) >= 0
+        if bool(moving.any()):
+            mb, mh, ms = b[moving], h[moving], acts.high_to_low.view(-1)[moving]
+            k, v, sc, ps = store.read(layer, HIGH, mb, mh, ms)
+            store.drop(layer, HIGH, mb, mh, ms)
+            store.insert(layer, LOW, mb, mh, k, v, ps, sc)
+        for side, slots in ((HIGH, acts.prune_high), (LOW, acts.prune_low)):
+            sel = slots.view(-1) >= 0
+            if bool(sel.any()):
+                store.drop(layer, side, b[sel], h[sel], slots.view(-1)[sel])
+        if channel:
+            self._seal_pending(layer, b, h, length)
+
+    def _seal_pending(self, layer, b, h, length) -> None:
+        """Per-channel low tier in decode: once an entry has a page worth of high tokens that belong low, move the
+        least significant page of them into one new low page."""
+        kv, store = self.kv, self.kv.store
+        B, H = kv.batch, store.num_kv_heads
+        hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
+        pending = pending_low(kv.config.policy, hi_s, hi_p, kv.n_pad, length)
+        m = torch.where(pending, mean_score(hi_s, hi_p, length), torch.full_like(hi_s, float("inf")))
+        for g in store.groups[layer]:
+            T = g.layouts[LOW].tokens
+            ready = pending[:, g.heads].sum(-1) >= T                                     # [B, Hg]
+            if not bool(ready.any()):
+                continue
+            eb, eh = torch.nonzero(ready, as_tuple=True)
+            gh = g.heads[eh]
+            slots = m[eb, gh].argsort(-1)[:, :T]                                        # [e, T] least significant
+            rb, rh = eb.repeat_interleave(T), gh.repeat_interleave(T)
+            k, v, sc, ps = store.read(layer, HIGH, rb, rh, slots.reshape(-1))
+            store.write_pages(layer, eb, gh, k.view(len(eb), T, -1), v.view(len(eb), T, -1), ps.view(len(eb), T),
+                              sc.view(len(eb), T))
+            store.drop(layer, HIGH, rb, rh, slots.reshape(-1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,11 +29,25 @@ _RAW_DTYPES = {32: torch.float32, 16: torch.float16}
 
 
 @dataclass
-class _Group:
+class HeadGroup:
     heads: torch.Tensor        # int64 [n] KV heads of this group
     layouts: tuple[PageLayout, PageLayout]   # (high, low)
     r_k: int
     r_v: int
+
+
+class SectionRead(NamedTuple):
+    """One side of one head group, dequantized (`gather`); n = the group's entries, S = slots of the longest."""
+
+    side: int
+    group: HeadGroup
+    b: torch.Tensor          # int64 [n]
+    h: torch.Tensor          # int64 [n]
+    keys: torch.Tensor       # float32 [n, S, r_k]
+    values: torch.Tensor     # float32 [n, S, r_v]
+    score: torch.Tensor      # float32 [n, S]
+    pos: torch.Tensor        # int64 [n, S], -1 = no token
+    slot: torch.Tensor       # int64 [S]
 
 
 @dataclass
@@ -51,22 +66,29 @@ class CompressedStore:
     """Page-arena storage for the compressed layers of one batch of sequences.
 
     rank_k, rank_v: int [L, H] stored ranks per (layer, KV head); layers: indices of the layers stored here.
+    writer: an attention backend that writes the cache itself (`AttentionBackend.writes_cache`): `write` and
+    `write_pages` hand it the bytes, after the store did the bookkeeping (pages reserved, slots counted). None: the
+    torch writer here.
+
+    Public addressing for backends: `entries` (the (sequence, head) pairs of a head group), `section_pages`,
+    `page_of` (byte offset of a slot's page), `reserve_pages`, `reserve_low_page`.
     """
 
     def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
-                 initial_tokens: int = 2048):
+                 initial_tokens: int = 2048, writer=None):
         if high.k_mode != "token":
             raise ValueError("the high tier needs per-token keys (it holds the recent window, written token by token)")
         self.high, self.low = high, low
+        self.writer = writer
         self.layers = list(layers)
         self.batch, self.device = batch, torch.device(device)
         self.raw16 = raw16
         self.page_bytes = page_bytes or default_page_bytes(head_dim, high)
         L, H = rank_k.shape
         self.num_kv_heads = H
-        self.groups: dict[int, list[_Group]] = {}
+        self.groups: dict[int, list[HeadGroup]] = {}
         min_tokens = []
         for layer in self.layers:
             pairs = sorted({(int(rank_k[layer, h]), int(rank_v[layer, h])) for h in range(H)})
@@ -75,7 +97,7 @@ class CompressedStore:
                 heads = [h for h in range(H) if (int(rank_k[layer, h]), int(rank_v[layer, h])) == (r_k, r_v)]
                 lay = (PageLayout.build(high, r_k, r_v, self.page_bytes), PageLayout.build(low, r_k, r_v,
                                                                                        self.page_bytes))
-                groups.append(_Group(torch.tensor(heads, device=self.device), lay, r_k, r_v))
+                groups.append(HeadGroup(torch.tensor(heads, device=self.device), lay, r_k, r_v))
                 min_tokens += [lay[0].tokens, lay[1].tokens]
             self.groups[layer] = groups
         self.r_k_max = {layer: max(g.r_k for g in gs) for layer, gs in self.groups.items()}
@@ -95,10 +117,17 @@ class CompressedStore:
 
     # ------------------------------------------------------------------------------------------------- addressing
 
+    def group_rows(self, layer: int, h: torch.Tensor):
+        """(head group, bool [n] rows of `h` [n] in it) for each group of `layer` that has rows in `h`."""
+        for g in self.groups[layer]:
+            sel = torch.isin(h, g.heads)
+            if bool(sel.any()):
+                yield g, sel
+
     def _flat(self, dtype: torch.dtype) -> torch.Tensor:
         return self.arena.arena.view(-1).view(dtype)
 
-    def _page_of(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
+    def page_of(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
                  lay: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Byte offset of the page holding each slot, and the slot's index in that page; all [n]."""
         k = slot // lay.tokens
@@ -107,7 +136,7 @@ class CompressedStore:
         assert bool((page >= 0).all()), "slot without a page"
         return page * self.page_bytes, slot % lay.tokens
 
-    def _ensure_pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, need_slots: torch.Tensor,
+    def reserve_pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, need_slots: torch.Tensor,
                       lay: PageLayout) -> None:
         """Allocate pages so that each entry (b, h) [n] has at least `need_slots` [n] slots on `side`."""
         t0 = time.perf_counter()
@@ -128,10 +157,10 @@ class CompressedStore:
 
     # ------------------------------------------------------------------------------------------------- writing
 
-    def _free_slots(self, layer: int, side: int, g: _Group) -> int:
+    def _free_slots(self, layer: int, side: int, g: HeadGroup) -> int:
         """min over the group's entries of (allocated slots - filled slots) on `side`. Page management: timed."""
         t0 = time.perf_counter()
-        b, h = self._entries(layer, g)
+        b, h = self.entries(layer, g)
         have = self.arena.num_pages_used[b, layer, h, side].long() * g.layouts[side].tokens
         room = int((have - self.fill[layer, b, h, side]).min())
         self.page_seconds += time.perf_counter() - t0
@@ -149,12 +178,12 @@ class CompressedStore:
               values: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Write tokens one by one (per-token formats): b, h, slot, pos [n]; keys [n, >= r_k]; values [n, >= r_v];
         score [n]. Pages must exist (`append`). Tokens of different groups may be mixed."""
-        for g in self.groups[layer]:
-            sel = torch.isin(h, g.heads)
-            if not bool(sel.any()):
-                continue
+        if self.writer is not None:
+            self.writer.write(self, layer, side, b, h, slot, keys, values, pos, score)
+            return
+        for g, sel in self.group_rows(layer, h):
             lay = g.layouts[side]
-            base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             fmt = lay.fmt
             assert fmt.k_mode == "token", "per-channel pages are written whole (write_pages)"
             k, v = keys[sel, :g.r_k].float(), values[sel, :g.r_v].float()
@@ -178,22 +207,28 @@ class CompressedStore:
         b_idx = (base + off)[:, None] + idx[:, None] * nbytes + torch.arange(nbytes, device=x.device)
         self._flat(torch.uint8)[b_idx] = data
 
+    def reserve_low_page(self, layer: int, b: torch.Tensor, h: torch.Tensor, lay: PageLayout) -> torch.Tensor:
+        """Per-channel low tier: the bookkeeping of one whole new low page per entry (b, h) [n] of one head group
+        (pages allocated, slots counted as filled). Returns each new page's byte offset [n] for the writer."""
+        T = lay.tokens
+        start = self.fill[layer, b, h, LOW]
+        self.reserve_pages(layer, LOW, b, h, start + T, lay)
+        self.fill[layer, b, h, LOW] = start + T
+        self._forget_room(layer, LOW)
+        return self.page_of(layer, LOW, b, h, start, lay)[0]
+
     def write_pages(self, layer: int, b: torch.Tensor, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     pos: torch.Tensor, score: torch.Tensor) -> None:
         """Per-channel low tier: append one whole new low page per entry. b, h [n]; keys [n, T, >= r_k];
         values [n, T, >= r_v]; pos, score [n, T] (T = the group's low-page capacity)."""
-        for g in self.groups[layer]:
-            sel = torch.isin(h, g.heads)
-            if not bool(sel.any()):
-                continue
+        if self.writer is not None:
+            self.writer.write_pages(self, layer, b, h, keys, values, pos, score)
+            return
+        for g, sel in self.group_rows(layer, h):
             lay = g.layouts[LOW]
             bs, hs = b[sel], h[sel]
             T = lay.tokens
-            start = self.fill[layer, bs, hs, LOW]
-            self._ensure_pages(layer, LOW, bs, hs, start + T, lay)
-            self.fill[layer, bs, hs, LOW] = start + T
-            self._forget_room(layer, LOW)
-            base, _ = self._page_of(layer, LOW, bs, hs, start, lay)
+            base = self.reserve_low_page(layer, bs, hs, lay)
             k = keys[sel, :, :g.r_k].float()
             codes, scale, zero = quant.quantize_per_channel(k, lay.fmt.k_bits)          # [n, T, r_k], [n, r_k]
             data = quant.pack(codes, lay.fmt.k_bits).reshape(len(bs), -1)             # [n, T * k_bytes]
@@ -221,7 +256,7 @@ class CompressedStore:
                 if self._room.get((layer, side, i), 0) < 1:
                     sel = torch.isin(h, g.heads)
                     if bool(sel.any()):
-                        self._ensure_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
+                        self.reserve_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
                     self._room[layer, side, i] = self._free_slots(layer, side, g)
                 self._room[layer, side, i] -= 1
             self.fill[layer, b, h, side] = start + 1
@@ -235,10 +270,8 @@ class CompressedStore:
             torch.cumsum(counts, 0) - counts, counts)
         ub, uh = uniq // H, uniq % H
         start = self.fill[layer, ub, uh, side]
-        for g in self.groups[layer]:
-            sel = torch.isin(uh, g.heads)
-            if bool(sel.any()):
-                self._ensure_pages(layer, side, ub[sel], uh[sel], (start + counts)[sel], g.layouts[side])
+        for g, sel in self.group_rows(layer, uh):
+            self.reserve_pages(layer, side, ub[sel], uh[sel], (start + counts)[sel], g.layouts[side])
         self.fill[layer, ub, uh, side] = start + counts
         self._forget_room(layer, side)
         slot = torch.repeat_interleave(start, counts) + rank
@@ -268,12 +301,10 @@ class CompressedStore:
         self.holes.index_put_((torch.full((n,), layer, device=self.device), b, h,
                                torch.full((n,), side, device=self.device)),
                               torch.ones(n, dtype=torch.int64, device=self.device), accumulate=True)
-        for g in self.groups[layer]:
-            sel = torch.isin(h, g.heads)
-            if bool(sel.any()):
-                lay = g.layouts[side]
-                base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
-                self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
+        for g, sel in self.group_rows(layer, h):
+            lay = g.layouts[side]
+            base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
 
     def add_scores(self, layer: int, gathered: Gathered, delta: torch.Tensor) -> None:
         """score += delta [B, H, S] for every stored token of `gathered` (the same layer, unchanged since)."""
@@ -287,17 +318,17 @@ class CompressedStore:
                 sel = (side == s) & torch.isin(h, g.heads)
                 if bool(sel.any()):
                     lay = g.layouts[s]
-                    base, idx = self._page_of(layer, s, b[sel], h[sel], slot[sel], lay)
+                    base, idx = self.page_of(layer, s, b[sel], h[sel], slot[sel], lay)
                     self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = new[sel]
 
     # ------------------------------------------------------------------------------------------------- reading
 
-    def _entries(self, layer: int, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+    def entries(self, layer: int, g: HeadGroup) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(g.heads)
         b = torch.arange(self.batch, device=self.device).repeat_interleave(n)
         return b, g.heads.repeat(self.batch)
 
-    def _pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def section_pages(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """page ids int64 [n, P] of the entries' side in slot order (-1 padded); P = the longest side asked for.
 
         Reads the page table directly (no argument validation): this runs for every layer of every decode step.
@@ -314,12 +345,9 @@ class CompressedStore:
         """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
         Reads only the score and position segments."""
         parts = []
-        for g in self.groups[layer]:
-            sel = torch.isin(h, g.heads)
-            if not bool(sel.any()):
-                continue
+        for g, sel in self.group_rows(layer, h):
             lay = g.layouts[side]
-            pages = self._pages(layer, side, b[sel], h[sel])
+            pages = self.section_pages(layer, side, b[sel], h[sel])
             n, P = pages.shape
             word = (pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(lay.tokens,
                                                                                          device=self.device)
@@ -342,14 +370,11 @@ class CompressedStore:
         keys = torch.zeros(n, self.r_k_max[layer], device=self.device)
         values = torch.zeros(n, self.r_v_max[layer], device=self.device)
         score, pos = torch.zeros(n, device=self.device), torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        for g in self.groups[layer]:
-            sel = torch.isin(h, g.heads)
-            if not bool(sel.any()):
-                continue
+        for g, sel in self.group_rows(layer, h):
             lay = g.layouts[side]
-            base, idx = self._page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             pages = (base // self.page_bytes)[:, None]
-            k, v, sc, ps = self._decode(self.arena.arena[pages], lay)                      # [m, 1 * T, ...]
+            k, v, sc, ps = self._dequantize(self.arena.arena[pages], lay)                      # [m, 1 * T, ...]
             pick = idx[:, None]
             keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
             values[sel, :g.r_v] = v.gather(1, pick[..., None].expand(-1, -1, g.r_v)).squeeze(1)
@@ -357,7 +382,7 @@ class CompressedStore:
             pos[sel] = ps.gather(1, pick).squeeze(1)
         return keys, values, score, pos
 
-    def _decode(self, data: torch.Tensor, lay: PageLayout):
+    def _dequantize(self, data: torch.Tensor, lay: PageLayout):
         """data uint8 [n, P, page_bytes] -> keys [n, P*T, r_k], values [n, P*T, r_v] float32, score, pos [n, P*T]."""
         n, P, _ = data.shape
         T, fmt = lay.tokens, lay.fmt
@@ -390,23 +415,23 @@ class CompressedStore:
         parts = []
         for side in (HIGH, LOW):
             for g in self.groups[layer]:
-                b, h = self._entries(layer, g)
-                pages = self._pages(layer, side, b, h)
+                b, h = self.entries(layer, g)
+                pages = self.section_pages(layer, side, b, h)
                 if pages.shape[1] == 0:
                     continue
                 lay = g.layouts[side]
-                k, v, score, pos = self._decode(self.arena.arena[pages.clamp(min=0)], lay)
+                k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay)
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
                 # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
-                parts.append((side, g, b, h, k, v, score, pos, slot))
+                parts.append(SectionRead(side, g, b, h, k, v, score, pos, slot))
         if len(self.groups[layer]) == 1:
             return self._gather_one_group(parts)
         widths = {}
-        for side, _, _, _, k, *_ in parts:
-            widths[side] = max(widths.get(side, 0), k.shape[1])
+        for part in parts:
+            widths[part.side] = max(widths.get(part.side, 0), part.keys.shape[1])
         S = sum(widths.values())
         out = Gathered(
             keys=torch.zeros(B, H, S, self.r_k_max[layer], device=self.device),
@@ -428,21 +453,22 @@ class CompressedStore:
             out.slot[b, h, cols] = slot
         return out
 
-    def _gather_one_group(self, parts) -> Gathered:
+    def _gather_one_group(self, parts: list[SectionRead]) -> Gathered:
         """Fast path when every head of the layer shares one layout: entries are already [B * H] in order, so the
         sides only need reshaping and concatenating (no scatter)."""
         B, H = self.batch, self.num_kv_heads
         view = lambda t: t.reshape(B, H, *t.shape[1:])                                   # noqa: E731
-        cat = lambda i: torch.cat([view(p[i]) for p in parts], dim=2)                     # noqa: E731
+        cat = lambda name: torch.cat([view(getattr(p, name)) for p in parts], dim=2)     # noqa: E731
         if not parts:
             r_k, r_v = self.groups[self.layers[0]][0].r_k, self.groups[self.layers[0]][0].r_v
             empty = torch.zeros(B, H, 0, dtype=torch.int64, device=self.device)
             return Gathered(torch.zeros(B, H, 0, r_k, device=self.device), torch.zeros(B, H, 0, r_v,
                             device=self.device), empty - 1, empty.float(), empty, empty)
-        side = torch.cat([torch.full((B, H, p[4].shape[1]), p[0], dtype=torch.int64, device=self.device)
+        side = torch.cat([torch.full((B, H, p.keys.shape[1]), p.side, dtype=torch.int64, device=self.device)
                           for p in parts], dim=2)
-        slot = torch.cat([p[8].expand(B, H, -1) for p in parts], dim=2)
-        return Gathered(keys=cat(4), values=cat(5), pos=cat(7), score=cat(6), side=side, slot=slot)
+        slot = torch.cat([p.slot.expand(B, H, -1) for p in parts], dim=2)
+        return Gathered(keys=cat("keys"), values=cat("values"), pos=cat("pos"), score=cat("score"), side=side,
+                        slot=slot)
 
     # ------------------------------------------------------------------------------------------------- accounting
 

@@ -4,13 +4,11 @@
              head), longest first) -> decode_merge (one block per item: partials + new tokens, out, fused scores).
     prefill  the torch reference math: prefill runs on the uncompressed K/V of the prompt (compression happens
              when the cache is written), where dense attention is already what torch does well.
-    write / write_pages   same signatures as CompressedStore.write / write_pages, on write_tokens /
-             write_channel_keys. The store keeps its torch writer unless `bind(store)` is called, which points the
-             store instance's `write` / `write_pages` here (store.py itself is unchanged).
+    write / write_pages   the cache writes (`writes_cache`): a CompressedStore made with this backend as its
+             `writer` does the bookkeeping and hands the bytes to write_tokens / write_channel_keys.
 
-Kernels compile at first use for the device's arch (cubin, cached on disk by kvcal.runtime.cuda.build). GPU ONLY
-below `_kernels`: nothing in this module was executed on a GPU during development (none was available). What ran
-here: NVRTC compilation, launch-argument packing, plan building, and the CPU emulation of both kernels.
+Kernels compile at first use for the device's arch (cubin, cached on disk by kvcal.runtime.cuda.build). Everything
+below `_kernels` needs a GPU; what was run without one is listed in docs/cuda.md.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from kvcal.runtime.pages import LOW
 
 from . import cuda_status
 from .launch import PackedArgs, ceil_div, pack_args
-from .plan import DecodePlan, WritePlan, build_decode_plan, build_write_plan, desc_table
+from .plan import DecodePlan, WritePlan, build_decode_plan, build_write_plan, desc_table, format_limits
 from .sources import KERNELS, kernel_signature, kernel_text
 
 THREADS = 128          # decode_attention.cu THREADS and cache_write.cu WARPS * 32
@@ -108,6 +106,8 @@ def _sm_count(index: int) -> int:
 class CudaBackend(AttentionBackend):
     """Fused compressed paged attention on NVIDIA GPUs through cuda-python (see the module docstring)."""
 
+    writes_cache = True
+
     @classmethod
     def name(cls) -> str:
         return "cuda"
@@ -123,6 +123,10 @@ class CudaBackend(AttentionBackend):
         elif not torch.cuda.is_available():
             reasons.append("torch has no CUDA (CPU build of torch)")
         return reasons
+
+    @classmethod
+    def supports_formats(cls, formats: tuple, head_dim: int) -> list[str]:
+        return [reason for fmt in formats for reason in format_limits(fmt, head_dim)]
 
     prefill = staticmethod(TorchBackend.prefill)
 
@@ -175,11 +179,7 @@ class CudaBackend(AttentionBackend):
                 continue
             lay = g.layouts[LOW]
             bs, hs, T = b[sel], h[sel], lay.tokens
-            start = store.fill[layer, bs, hs, LOW]
-            store._ensure_pages(layer, LOW, bs, hs, start + T, lay)        # the store's own bookkeeping
-            store.fill[layer, bs, hs, LOW] = start + T
-            store._forget_room(layer, LOW)
-            base, _ = store._page_of(layer, LOW, bs, hs, start, lay)
+            base = store.reserve_low_page(layer, bs, hs, lay)
             k = keys[sel].float().contiguous()                             # [m, T, k_stride]
             assert k.shape[1] == T, f"keys hold {k.shape[1]} tokens per page, the group's low pages hold {T}"
             rows = torch.full((len(bs),), 2 * gi + LOW, dtype=torch.int32, device=store.device)
@@ -193,9 +193,3 @@ class CudaBackend(AttentionBackend):
                               pos[sel].reshape(-1).to(torch.int32).contiguous(),
                               score[sel].reshape(-1).float().contiguous(), write_keys=False)
             _launch("write_tokens", ceil_div(len(bs) * T, WRITE_WARPS), WRITE_WARPS * 32, args)
-
-    @classmethod
-    def bind(cls, store) -> None:
-        """Route this store's writes through the kernels (instance attributes shadow CompressedStore's methods)."""
-        store.write = functools.partial(cls.write, store)
-        store.write_pages = functools.partial(cls.write_pages, store)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 
 from kvcal.runtime import quant
+from kvcal.runtime.pages import LOW
 
-from .plan import DecodePlan, WritePlan, desc_fields
+from .backend import CudaBackend
+from .plan import DecodePlan, WritePlan, build_decode_plan, build_write_plan, desc_fields, desc_table
 
 _NEG_INF = float("-inf")
 
@@ -143,3 +145,59 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
             page[off:off + nbytes] = data
         page[D["score_off"] + 4 * t:D["score_off"] + 4 * t + 4] = score[i:i + 1].float().view(torch.uint8)
         page[D["pos_off"] + 4 * t:D["pos_off"] + 4 * t + 4] = pos[i:i + 1].to(torch.int32).view(torch.uint8)
+
+
+def emulate_channel_keys(descs: torch.Tensor, arena: torch.Tensor, base: torch.Tensor, rows: torch.Tensor,
+                         keys: torch.Tensor) -> None:
+    """write_channel_keys on the CPU: per-channel key codes and (scale, zero) of one whole low page per entry.
+    base int64 [n] page byte offsets; rows [n] descriptor rows; keys float32 [n, T, >= r_k]."""
+    flat = arena.view(-1)
+    for i in range(len(base)):
+        D = _desc(descs, int(rows[i]))
+        r, bits, T = D["r_k"], D["k_bits"], D["tokens"]
+        codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits)     # [1, T, r], [1, r]
+        page = flat[int(base[i]):int(base[i]) + D["pos_off"] + 4 * T]
+        data = quant.pack(codes[0], bits).reshape(-1)
+        page[D["k_off"]:D["k_off"] + len(data)] = data
+        page[D["k_meta_off"]:D["k_meta_off"] + 4 * r] = torch.stack([s[0], z[0]], -1).reshape(-1).view(torch.uint8)
+
+
+class EmulatedCudaBackend(CudaBackend):
+    """CudaBackend with each kernel replaced by its CPU emulation above: the same plans, descriptor tables, format
+    limits and store bookkeeping, run on the CPU. It lets the whole serving path of the CUDA backend (CompressedKV,
+    token policies, page writes) run and be compared with TorchBackend where no GPU exists. Not chosen by `auto`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "cuda-emulated"
+
+    @classmethod
+    def supports(cls, device: torch.device) -> list[str]:
+        return [] if torch.device(device).type == "cpu" else [f"the emulation runs on the CPU, not `{device}`"]
+
+    @staticmethod
+    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True, *, chunk: int | None = None):
+        plan = build_decode_plan(store, layer, chunk=chunk)
+        return emulate_decode(plan, store.arena.arena, query, new_keys, new_values, scale, track_scores)
+
+    @staticmethod
+    def write(store, layer, side, b, h, slot, keys, values, pos, score) -> None:
+        if len(b):
+            emulate_write(build_write_plan(store, layer, side, b, h, slot), store.arena.arena, keys, values, pos,
+                          score)
+
+    @staticmethod
+    def write_pages(store, layer, b, h, keys, values, pos, score) -> None:
+        descs = desc_table(store, layer)
+        for g, sel in store.group_rows(layer, h):
+            gi = store.groups[layer].index(g)
+            lay = g.layouts[LOW]
+            bs, hs, T = b[sel], h[sel], lay.tokens
+            base = store.reserve_low_page(layer, bs, hs, lay)
+            rows = torch.full((len(bs),), 2 * gi + LOW, dtype=torch.int64)
+            emulate_channel_keys(descs, store.arena.arena, base, rows, keys[sel])
+            slot = torch.arange(T).repeat(len(bs))
+            plan = WritePlan(descs, base.repeat_interleave(T), slot.to(torch.int32), rows.repeat_interleave(T))
+            emulate_write(plan, store.arena.arena, keys[sel].reshape(len(bs) * T, -1),
+                          values[sel].reshape(len(bs) * T, -1), pos[sel].reshape(-1), score[sel].reshape(-1),
+                          write_keys=False)

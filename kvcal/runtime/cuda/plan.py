@@ -34,6 +34,24 @@ MAX_GROUPS = 32       # per-token (scale, zero) groups per vector (cache_write.c
 MAX_RANK = 256        # stored rank per head (decode_attention.cu THREADS * DIMS_PER_THREAD, cache_write.cu MAX_RANK)
 
 
+def format_limits(fmt, rank: int) -> list[str]:
+    """Reasons the kernels cannot serve tier format `fmt` (a TierFormat) at stored ranks up to `rank`."""
+    reasons = []
+    if rank > MAX_RANK:
+        reasons.append(f"stored rank {rank} exceeds the CUDA kernels' limit of {MAX_RANK}")
+    # (bits, channels per group, whether the group gives per-token (scale, zero) pairs); per-channel keys have none
+    for bits, group, per_token in ((fmt.k_bits, fmt.k_group, fmt.k_mode == "token"), (fmt.v_bits, fmt.v_group, True)):
+        if bits >= 16 or group is None:
+            continue
+        if per_token and -(-rank // group) > MAX_GROUPS:
+            reasons.append(f"{fmt.name} has more than {MAX_GROUPS} quantization groups per vector; use a larger "
+                           "group")
+        if group % (8 // bits):
+            reasons.append(f"{fmt.name}: group {group} must be a multiple of {8 // bits} codes (one byte) at "
+                           f"{bits} bits")
+    return reasons
+
+
 @cache
 def desc_fields() -> tuple[str, ...]:
     """Field names of `struct PageDesc` in kernels/page_desc.cuh, in declaration order (all C `int`)."""
@@ -60,16 +78,11 @@ def desc_table(store, layer: int) -> torch.Tensor:
     fields = desc_fields()
     rows = []
     for g in store.groups[layer]:
-        if max(g.r_k, g.r_v) > MAX_RANK:
-            raise ValueError(f"stored rank ({g.r_k}, {g.r_v}) exceeds the CUDA kernels' limit of {MAX_RANK}")
         for side in (HIGH, LOW):
             lay = g.layouts[side]
-            if max(lay.k_groups, lay.v_groups) > MAX_GROUPS:
-                raise ValueError(f"{lay.fmt.name} has more than {MAX_GROUPS} quantization groups per vector; "
-                                 "use a larger group")
-            for bits, group in ((lay.fmt.k_bits, lay.fmt.k_group), (lay.fmt.v_bits, lay.fmt.v_group)):
-                if bits < 16 and group is not None and group % (8 // bits):
-                    raise ValueError(f"group {group} must be a multiple of {8 // bits} codes (one byte) at {bits} bits")
+            reasons = format_limits(lay.fmt, max(g.r_k, g.r_v))
+            if reasons:
+                raise ValueError(reasons[0])
             values = _desc_values(lay, store.raw16 == torch.bfloat16)
             rows.append([values[f] for f in fields])
     return torch.tensor(rows, dtype=torch.int32, device=store.device)
@@ -120,8 +133,8 @@ def _section_pages(store, layer: int, side: int):
     dev = store.device
     parts = []
     for gi, g in enumerate(store.groups[layer]):
-        b, h = store._entries(layer, g)
-        pages = store._pages(layer, side, b, h)                                            # [n, P_g]
+        b, h = store.entries(layer, g)
+        pages = store.section_pages(layer, side, b, h)                                            # [n, P_g]
         T = g.layouts[side].tokens
         fill = store.fill[layer, b, h, side]                                               # [n]
         slots = (fill[:, None] - torch.arange(pages.shape[1], device=dev) * T).clamp(0, T)  # [n, P_g]
@@ -196,5 +209,5 @@ def build_write_plan(store, layer: int, side: int, b: torch.Tensor, h: torch.Ten
     for i, g in enumerate(store.groups[layer]):
         sel = gi == i
         if bool(sel.any()):
-            page_off[sel], in_page[sel] = store._page_of(layer, side, b[sel], h[sel], slot[sel], g.layouts[side])
+            page_off[sel], in_page[sel] = store.page_of(layer, side, b[sel], h[sel], slot[sel], g.layouts[side])
     return WritePlan(desc_table(store, layer), page_off, in_page.to(torch.int32), (2 * gi + side).to(torch.int32))

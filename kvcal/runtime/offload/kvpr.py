@@ -1,9 +1,9 @@
 """KVPR partial-recompute offloading: the per-layer cost model and the split solver (pure Python, no torch).
 
-Based on Jiang et al., "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation", Eq. 6-11
-(digest: ``shared/research/seed-kvpr.md``). The KV cache lives on the host. For one layer and one decode step, the
-host sends the layer input ``X[0:l]`` of ``l`` kept tokens, and the device recomputes their K/V from it, while the KV
-of the other ``s - l`` kept tokens comes over the same link. ``l`` trades link bytes for device FLOPs.
+Based on Jiang et al., "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation", Eq. 6-11.
+The KV cache lives on the host. For one layer and one decode step, the host sends the layer input ``X[0:l]`` of ``l``
+kept tokens, and the device recomputes their K/V from it, while the KV of the other ``s - l`` kept tokens comes over
+the same link. ``l`` trades link bytes for device FLOPs.
 
 Paper notation -> this module (per layer, per decode step; b = ``batch``, s' = ``tokens``):
 

@@ -1,4 +1,4 @@
-"""KVPR's profiler (digest §2.1): measure this machine's link and matmul speed at the workload's sizes -> ``Hardware``.
+"""KVPR's profiler (paper §2.1): measure this machine's link and matmul speed at the workload's sizes -> ``Hardware``.
 
     prof = profile_hardware(batch=1, tokens=4096, hidden=576, kv_dim=192, dtype=torch.float16, device="cuda")
     prof.hardware            # kvpr.Hardware(link_bytes_per_s, matmul_flops_per_s, link_latency_s, kernel_latency_s)
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.runtime.kvpr import Hardware
+from kvcal.runtime.offload.kvpr import Hardware
 
 logger = logging.getLogger(__name__)
 

@@ -5,17 +5,17 @@
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32, do_sample=False)
     cache.history[layer]                                          # the l chosen at each decode step
 
-Based on Jiang et al., "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation" (digest:
-``shared/research/seed-kvpr.md``); the cost model and the split solver are ``kvcal.runtime.kvpr``.
+Based on Jiang et al., "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation"; the cost
+model and the split solver are ``kvcal.runtime.offload.kvpr``.
 
 What the host holds (``HostTier``, one per offloaded layer, pinned on CUDA): the post-RoPE K/V of every
 token, and **X = the input of the layer's ``k_proj``/``v_proj``**, i.e. the attention module's ``hidden_states``
 argument, which is the residual stream *after* the layer's input norm (``input_layernorm``). That is the one tensor
 from which K and V follow token by token with no other state: K = RoPE(k_norm?(k_proj(X)), position), V = v_proj(X).
 Recompute then runs exactly the ops the attention module ran (the module's own ``k_proj``/``v_proj``/``k_norm`` and
-its family's ``apply_rotary_pos_emb``); the pre-norm residual would be exact too but adds a norm to every recompute
-(digest §7-A). The RoPE (cos, sin) rows the model used are kept on the device, one table per layer type shared by all
-layers (2·head_dim values per token, not per layer), so recompute at the original positions is right for padded
+its family's ``apply_rotary_pos_emb``); the pre-norm residual would be exact too but adds a norm to every recompute.
+The RoPE (cos, sin) rows the model used are kept on the device, one table per layer type shared by all layers
+(2·head_dim values per token, not per layer), so recompute at the original positions is right for padded
 batches, scaled RoPE and Gemma3's local/global RoPE alike without re-deriving positions.
 
 One decode step of layer i (row-by-row, latency-oriented: one batch goes through all layers; weights stay on the
@@ -35,7 +35,7 @@ machine without CUDA the same code runs with no streams (every ``_on(stream)`` i
 Exactness: the transferred rows and the new tokens are the model's own K/V, bit for bit. The recomputed rows are
 the same arithmetic on the same X, but a GEMM over l rows may sum in a different order than the GEMM that produced
 the token (MKL uses other kernels below 16 rows; one decode token is a 1-row GEMM), so in fp32 they can differ by a
-few ulp (measured < 2e-6 absolute on SmolLM2). Greedy generation is unchanged (tests/test_offload.py).
+few ulp (docs/offload.md). Greedy generation is unchanged (tests/test_offload.py).
 
 Scope of v1: the host tier holds the cache in the model dtype (uncompressed), for full-attention layers; sliding
 layers (Gemma3) stay on the device as transformers' ``DynamicSlidingWindowLayer`` (they hold at most a window). The
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from kvcal.runtime import kvpr
+from kvcal.runtime.offload import kvpr
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class OffloadedCache(Cache):
         ``"auto"`` (``kvpr.solve_split`` per layer and step from ``hardware``), ``"none"`` (l = 0: plain offloading),
         ``"full"`` (l = s: recompute everything), an int (fixed l, clamped to s) or ``f(layer, s) -> l``.
     hardware:
-        ``kvpr.Hardware`` for ``"auto"``; None profiles this machine once (``kvcal.runtime.profiler``, cached).
+        ``kvpr.Hardware`` for ``"auto"``; None profiles this machine once (``kvcal.runtime.offload.profiler``, cached).
     mode:
         cost-model schedule. Default ``"pipelined"``: this runtime sends X and KV over one link and prefetches a layer
         ahead, so its steady state is max(link bytes, recompute); the paper's ``"row"`` ignores X's bytes (§7-G).
@@ -364,7 +364,7 @@ class OffloadedCache(Cache):
 
     def _hardware(self) -> kvpr.Hardware:
         if self.hardware is None:
-            from kvcal.runtime.profiler import profile_for_model
+            from kvcal.runtime.offload.profiler import profile_for_model
 
             self.hardware = profile_for_model(self.model, device=self.device).hardware
         return self.hardware

@@ -1,0 +1,55 @@
+"""The bases the runtime applies: each head's rotation and value basis cut to its rank, with the fixed mixing.
+
+    rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
+                                                   bundle.v_rank, config)
+
+`CompressedKV` serves with these and the manifest export writes them, so another runtime reads and writes the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.runtime.config import CompressionConfig
+
+
+def _mixing(width: int, rank: int) -> torch.Tensor:
+    """[width, width] orthogonal on the first `rank` coordinates (identity elsewhere), seeded by `rank` alone.
+
+    R and B sort coordinates by energy, so the first few carry most of it; a per-token quantizer then spends its range
+    on them and rounds the rest to nothing. A fixed random rotation inside the kept subspace spreads the energy evenly
+    (the incoherence step of QuaRot/QuIP) and changes no dot product: (q R M)(k R M)^T = (q R)(k R)^T for orthogonal
+    M, and the value output maps back through (B M)^T. Deterministic, so a bundle always serves the same way.
+    """
+    g = torch.Generator().manual_seed(rank)
+    q, r = torch.linalg.qr(torch.randn(rank, rank, generator=g, dtype=torch.float64))
+    m = torch.eye(width, dtype=torch.float64)
+    m[:rank, :rank] = q * torch.sign(torch.diagonal(r))        # sign fix: a unique Haar-distributed orthogonal
+    return m.float()
+
+
+def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
+                 config: CompressionConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ranks and bases the runtime actually applies under `config`: rotation, basis [L, H, d, d] float32 with
+    every column beyond the head's rank zeroed and, with mixing, the first rank columns multiplied by `_mixing`;
+    rank_k, rank_v [L, H] (full when `use_ranks` is off). K is stored as K @ rotation[l, h][:, :rank_k[l, h]]. The
+    manifest export writes exactly these, so another runtime reads and writes the same bytes."""
+    L, H, d, _ = rotation.shape
+    if not config.use_ranks:
+        rank_k = rank_v = torch.full((L, H), d, dtype=torch.int32)
+    if not config.rotate:
+        rotation = basis = torch.eye(d).expand(L, H, d, d)
+    cols = torch.arange(d)
+    out_r, out_b = torch.zeros(L, H, d, d), torch.zeros(L, H, d, d)
+    for layer in range(L):
+        rk, rv = int(rank_k[layer].max()), int(rank_v[layer].max())
+        keep_k = (cols[None, :] < rank_k[layer, :, None]).float()[:, None, :]             # [H, 1, d]
+        keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
+        R = (rotation[layer].float() * keep_k)[..., :rk]                                   # [H, d, rk]
+        Bv = (basis[layer].float() * keep_v)[..., :rv]                                     # [H, d, rv]
+        if config.mix and config.rotate:
+            R = torch.stack([R[h] @ _mixing(rk, int(rank_k[layer, h])) for h in range(H)])
+            Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
+        out_r[layer, :, :, :rk], out_b[layer, :, :, :rv] = R, Bv
+    return rank_k, rank_v, out_r, out_b

@@ -1,0 +1,94 @@
+"""Compression settings: one typed object, `CompressionConfig`, and its one codec, `to_dict` / `from_dict`.
+
+The codec is the only reader and writer of a bundle's `policy` block (bundle format v1). Keys, in this order:
+
+    high, low         str    tier formats (`TierFormat.name`, e.g. "K8V4g16", "K4cV2")
+    window            int    recent tokens always at high precision (DiffKV W)
+    alpha_high        float | null   DiffKV high threshold; null = no tiers
+    alpha_low         float  DiffKV low (pruning) threshold; written only with tiers
+    threshold_base    str    "length" or "position"; written only when not "length"
+    fastgen           {recovery, r_local, r_frequent} | absent (FastGen off)
+    qk_removal_rate, v_removal_rate   float  FDC removal rates the bundle's ranks came from; written only when > 0
+
+A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
+only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policy import TokenPolicy
+
+POLICY_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
+               "v_removal_rate")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Runtime settings. `CompressionConfig.none()` stores everything exactly (for checks against dense)."""
+
+    high: TierFormat = field(default_factory=lambda: TierFormat(8, 4))            # DiffKV's high tier
+    low: TierFormat = field(default_factory=lambda: TierFormat(4, 2, "channel"))  # per-channel keys: outlier-safe
+    policy: TokenPolicy = field(default_factory=TokenPolicy)
+    use_ranks: bool = True        # False: store full rank even if the bundle has lower ranks
+    rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
+    mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
+    page_bytes: int | None = None  # None: 32 full-rank high-tier tokens per page
+    backend: str = "auto"
+    fastgen: FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
+    qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
+    v_removal_rate: float = 0.0
+
+    @classmethod
+    def none(cls) -> CompressionConfig:
+        return cls(high=TierFormat(32, 32), low=TierFormat(32, 32), policy=TokenPolicy(), use_ranks=False,
+                   rotate=False)
+
+    @property
+    def value_group(self) -> int:
+        """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
+        return max(self.high.v_group or 1, self.low.v_group or 1)
+
+    def with_(self, **changes) -> CompressionConfig:
+        return replace(self, **changes)
+
+    def with_policy(self, **changes) -> CompressionConfig:
+        """A copy whose token policy has `changes` (window, alpha_high, alpha_low, threshold_base)."""
+        return replace(self, policy=replace(self.policy, **changes))
+
+    # ------------------------------------------------------------------------------------------------ codec
+
+    def to_dict(self, *, searched: bool = True) -> dict:
+        """The bundle's `policy` block (see module docstring). `searched=False`: only the window, for a bundle
+        whose settings were not chosen by a search (the runtime's defaults serve it)."""
+        p = self.policy
+        if not searched:
+            return {"window": p.window}
+        out = {"high": self.high.name, "low": self.low.name, "window": p.window, "alpha_high": p.alpha_high}
+        if p.tiered:
+            out["alpha_low"] = p.alpha_low
+        if p.threshold_base != TokenPolicy.threshold_base:
+            out["threshold_base"] = p.threshold_base
+        if self.fastgen is not None:
+            out["fastgen"] = asdict(self.fastgen)
+        for name in ("qk_removal_rate", "v_removal_rate"):
+            if getattr(self, name) > 0:
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CompressionConfig:
+        """Settings from a `policy` block; absent keys keep their defaults, unknown keys are refused."""
+        unknown = sorted(set(d) - set(POLICY_KEYS))
+        if unknown:
+            raise ValueError(f"policy key `{unknown[0]}` is not one of {', '.join(POLICY_KEYS)}; the bundle was "
+                             "written by a newer kvcal: upgrade kvcal")
+        base = cls()
+        tokens = {k: d[k] for k in ("window", "alpha_high", "alpha_low", "threshold_base") if k in d}
+        return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
+                       low=TierFormat.parse(d["low"]) if "low" in d else base.low, policy=TokenPolicy(**tokens),
+                       fastgen=FastGenConfig(**d["fastgen"]) if d.get("fastgen") else None,
+                       qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0))

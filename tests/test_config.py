@@ -1,0 +1,64 @@
+"""The settings codec: `CompressionConfig.to_dict` / `from_dict` is the bundle's `policy` block (format v1)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcal.bundle import load_bundle
+from kvcal.runtime.config import POLICY_KEYS, CompressionConfig
+from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.layout import TierFormat
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize("path", [ROOT / "tests/data/v1-tiny-llama.kvcal.safetensors",
+                                  ROOT / "artifacts/smollm2-135m.kvcal.safetensors"])
+def test_v1_policy_blocks_decode_and_encode_to_the_same_json(path):
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    policy = load_bundle(path).policy
+    config = CompressionConfig.from_dict(policy)
+    assert json.dumps(config.to_dict()) == json.dumps(policy)           # same keys, same order, same values
+
+
+def test_round_trip_of_every_setting_the_block_holds():
+    configs = [
+        CompressionConfig(),
+        CompressionConfig(high=TierFormat.parse("K8V4g16"), low=TierFormat.parse("K4V2")).with_policy(
+            window=16, alpha_high=3.0, alpha_low=0.0),
+        CompressionConfig(fastgen=FastGenConfig(0.9), qk_removal_rate=0.02, v_removal_rate=0.04).with_policy(
+            alpha_high=2.0, alpha_low=0.5, threshold_base="position"),
+    ]
+    for config in configs:
+        d = config.to_dict()
+        assert list(d) == [k for k in POLICY_KEYS if k in d]
+        assert CompressionConfig.from_dict(json.loads(json.dumps(d))) == config
+    assert "alpha_low" not in configs[0].to_dict() and "fastgen" not in configs[1].to_dict()
+    assert configs[2].to_dict()["fastgen"] == {"recovery": 0.9, "r_local": 0.3, "r_frequent": 0.3}
+
+
+def test_unsearched_block_records_the_window_only_and_reads_back_defaults():
+    config = CompressionConfig().with_policy(window=32)
+    assert config.to_dict(searched=False) == {"window": 32}
+    assert CompressionConfig.from_dict({"window": 32}) == config
+
+
+def test_unknown_policy_key_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="`alpha_hi` is not one of .* upgrade kvcal"):
+        CompressionConfig.from_dict({"alpha_hi": 1.0})
+
+
+def test_value_group_and_ranks_round_up_to_it():
+    import torch
+
+    from kvcal.profile.ranks import rank_from_removal_rate, ranks_for
+
+    assert CompressionConfig().value_group == 1
+    assert CompressionConfig(high=TierFormat.parse("K8V4g16")).value_group == 16
+    spectrum = torch.linspace(10, 0.1, 64).reshape(2, 1, 32)
+    plain = rank_from_removal_rate(spectrum, 0.3)
+    assert torch.equal(ranks_for(spectrum, 0.3), plain)
+    grouped = ranks_for(spectrum, 0.3, 8)
+    assert bool((grouped % 8 == 0).all()) and bool(((grouped - plain >= 0) & (grouped - plain < 8)).all())
