@@ -18,7 +18,7 @@ import torch
 from conftest import make_model, random_bundle, random_text, save_model
 from typer.testing import CliRunner
 
-from kvcal.bundle import BundleError, BundleMismatchError, _content_hash, _metadata_hash, load_bundle, save_bundle
+from kvcal.bundle import BundleError, BundleMismatchError, content_hash, _metadata_hash, load_bundle, save_bundle
 from kvcal.cli import app
 
 runner = CliRunner()
@@ -53,7 +53,7 @@ def rewrite(src: Path, dst: Path, *, meta=None, tensors=None, rehash: bool = Tru
     if tensors:
         tensors(ts)
     if rehash:
-        m["tensors.sha256"] = _content_hash(ts)
+        m["tensors.sha256"] = content_hash(ts)
         m["metadata.sha256"] = _metadata_hash(m)
     save_file(ts, str(dst), metadata=m)
     return dst
