@@ -118,6 +118,7 @@ class TorchBackend(AttentionBackend):
 BACKENDS = {
     "torch": "kvcal.runtime.attention:TorchBackend",
     "cuda": "kvcal.runtime.cuda.backend:CudaBackend",
+    "cpu": "kvcal.runtime.cpu.backend:CpuBackend",
 }
 
 
@@ -128,7 +129,8 @@ def _load(name: str) -> type[AttentionBackend]:
 
 @functools.cache
 def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBackend]:
-    """The backend to use: `auto` takes cuda when it can run on `device`, else torch (logged once)."""
+    """The backend to use: `auto` takes cuda when it can run on `device`, else the fused cpu kernels, else torch
+    (logged once, with the reasons)."""
     dev = torch.device(device)
     if name != "auto":
         if name not in BACKENDS:
@@ -142,7 +144,7 @@ def select_backend(name: str = "auto", device: str = "cpu") -> type[AttentionBac
             raise ValueError(f"attention backend `{name}` cannot run on {dev}: {'; '.join(reasons)}")
         return backend
     rejected = []
-    for candidate in ("cuda", "torch"):
+    for candidate in ("cuda", "cpu", "torch"):
         try:
             backend = _load(candidate)
         except ImportError as e:
