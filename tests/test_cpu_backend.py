@@ -93,8 +93,9 @@ def test_decode_matches_torch_reference(high, low, g, n):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_decode_is_the_same_at_any_thread_count(threads):
+def test_decode_is_the_same_at_any_thread_count(threads, monkeypatch):
     """The split over page chunks follows the thread count; the result must not."""
+    monkeypatch.setattr(cpu_backend, "GRAIN", 1)                  # every thread gets work, however small the layer
     store = random_store("K8V4", "K4cV2", seed=4, max_high=120, max_low_pages=4)
     ref = copy.deepcopy(store)
     q, kn, vn = decode_inputs(store, 2, 2)

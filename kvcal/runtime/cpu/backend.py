@@ -30,6 +30,7 @@ from .build import CpuBuildError, load_library
 DESC_FIELDS = ("tokens", "r_k", "r_v", "k_bits", "v_bits", "k_channel", "k_group", "v_group", "k_bytes", "v_bytes",
                "k_groups", "v_groups", "k_off", "k_meta_off", "v_off", "v_meta_off", "score_off", "pos_off",
                "raw_bf16")
+GRAIN = 1 << 17       # multiply-adds per thread below which a layer's decode uses fewer threads
 MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
 
 _FP16_MAX = 65504.0
@@ -120,7 +121,7 @@ class CpuBackend(AttentionBackend):
         new_score = torch.empty(B, H, n)
         rc = load_library().kvcal_decode(*_layer_args(store, layer), _ptr(query), _ptr(new_keys), _ptr(new_values),
                                          g, n, r, rv, float(scale), int(track_scores), torch.get_num_threads(),
-                                         _ptr(out), _ptr(new_score))
+                                         GRAIN, _ptr(out), _ptr(new_score))
         if rc != 0:
             raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
         return out, new_score

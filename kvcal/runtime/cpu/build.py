@@ -114,6 +114,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_decode.restype = i32
     lib.kvcal_decode.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                  p, p, p, i64, i64, i64, i64, f32, i32, i32,   # query .. threads
+                                 i64,                                           # grain
                                  p, p]                                          # out, new_score
     lib.kvcal_write.restype = i32
     lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes

@@ -154,8 +154,8 @@ int kvcal_desc_ints() { return DESC_INTS; }
 int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
                  const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
                  int64_t page_bytes, const float* query, const float* new_keys, const float* new_values, int64_t g,
-                 int64_t n, int64_t r, int64_t rv, float scale, int track_scores, int threads, float* out,
-                 float* new_score) {
+                 int64_t n, int64_t r, int64_t rv, float scale, int track_scores, int threads, int64_t grain,
+                 float* out, float* new_score) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H, qn = g * n;
@@ -179,6 +179,10 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
         item_start[w + 1] = (int64_t)pages.size();
     }
     const int64_t total = (int64_t)pages.size();
+    // a thread team costs microseconds to wake (far more on a loaded machine): one thread per `grain` multiply-adds
+    int64_t work = 0;
+    for (const PageRef& ref : pages) work += (int64_t)ref.count * (r + rv) * qn;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, work / std::max<int64_t>(1, grain)));
     const int64_t want = std::max<int64_t>(1, 4 * (int64_t)threads);
     const int64_t chunk = std::max<int64_t>(1, (total + want - 1) / want);
     std::vector<int64_t> task_item, task_begin, item_task(W + 1, 0);
