@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
     ap.add_argument("--speed-only", action="store_true", help="skip fidelity and passkey; decode speed only")
     ap.add_argument("--speed-contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="attention backend of the compressed caches")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="random and text tokens of an on-the-fly bundle")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     lm = load_model(args.model, dtype=args.dtype)
