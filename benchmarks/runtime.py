@@ -85,10 +85,13 @@ def dense_cache(model, records: dict) -> DynamicCache:
 
 @torch.inference_mode()
 def decode_speed(model, bundle, ids: torch.Tensor, P: int, batches: list[int], steps: int,
-                 configs: dict[str, CompressionConfig]) -> list[dict]:
+                 configs: dict[str, CompressionConfig], prefill_threads: int | None = None) -> list[dict]:
     """ids [1, >= P + steps + 1]. Per batch size: median ms per decode step of dense and of each config, measured
-    interleaved (see the module docstring)."""
+    interleaved (see the module docstring). `prefill_threads`: threads for the (untimed) prefill only."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(prefill_threads or threads)
     records = record_prefill(model, bundle, ids[:, :P])
+    torch.set_num_threads(threads)
     rows = []
     for B in batches:
         recs = replicate(records, B)
@@ -141,10 +144,14 @@ def main() -> None:
     ap.add_argument("--speed-configs", nargs="+", default=["K8V4"], help="compressed configurations to time (names "
                     "from the fidelity table) against dense")
     ap.add_argument("--backend", default="auto", help="attention backend of the compressed caches")
+    ap.add_argument("--prefill-threads", type=int, help="threads for the untimed prefill of the speed part")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="random and text tokens of an on-the-fly bundle")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    timed = {name: cfg.with_(backend=args.backend) for name, cfg in configs().items() if name in args.speed_configs}
+    if len(timed) != len(args.speed_configs):
+        raise SystemExit(f"--speed-configs: choose from {', '.join(n for n, c in configs().items() if c)}")
     torch.manual_seed(args.seed)
 
     lm = load_model(args.model, dtype=args.dtype)
@@ -184,14 +191,16 @@ def main() -> None:
                   f"ppl ratio {row['ppl_ratio']:.3f}  passkey {row['passkey']:.2f}  "
                   f"decode {row['decode_ms_per_step']:6.1f} ms/step  page share {row['page_share']:.2%}  "
                   f"tiers {json.dumps({k: round(v, 3) for k, v in row['tiers'].items()})}", flush=True)
-    timed = {name: cfg.with_(backend=args.backend) for name, cfg in configs().items() if name in args.speed_configs}
-    if len(timed) != len(args.speed_configs):
-        raise SystemExit(f"--speed-configs: choose from {', '.join(n for n, c in configs().items() if c)}")
     print(f"decode speed: prompt prefilled once at batch 1, its K/V replicated into each batch row; "
           f"{args.speed_steps} steps, dense and compressed interleaved", flush=True)
     for P in args.speed_contexts:
         ids = token_windows(tok, eval_docs, 1, P + args.speed_steps + 1, seed=args.seed)
-        speed += decode_speed(model, bundle, ids, P, args.batches, args.speed_steps, timed)
+        speed += decode_speed(model, bundle, ids, P, args.batches, args.speed_steps, timed, args.prefill_threads)
+        write_json(args, lm, results, speed)                # after each context: a long run keeps what it measured
+    write_json(args, lm, results, speed)
+
+
+def write_json(args, lm, results: list, speed: list) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": lm.name, "dtype": args.dtype, "steps": args.steps, "torch": torch.__version__,
