@@ -2,6 +2,8 @@
 
     python benchmarks/runtime.py --model smollm2-135m --contexts 1024 4096 \
         [--json docs/results/runtime-smollm2-135m.json]
+    python benchmarks/runtime.py --model smollm2-135m --bundle artifacts/smollm2-135m.kvcal.safetensors \
+        --speed-only --speed-contexts 1024 4096 8192 --batches 1 8 [--json docs/results/speed-smollm2-135m.json]
 
 For each context length P: a prompt of P held-out tokens (text disjoint from calibration), then M teacher-forced
 decode steps through each cache (kvcal.profile.quality). Reported per configuration: KV bytes per token actually held
@@ -9,8 +11,15 @@ in the page arena (metadata and fragmentation included) and the ratio to an fp16
 top-1 agreement, continuation-perplexity ratio, tier fractions, passkey accuracy (depths 0.1/0.5/0.9), CPU decode
 ms/step, and the page-management share of a decode step (time in page allocation / step time).
 
-The bundle is calibrated on the fly (8192 random + 8192 text tokens) unless `--bundle` is given. Configurations use
-the bundle's rotations at full rank: rank search is the calibration stage's job.
+Decode speed (`--speed-only` runs only this part): for each context P in `--speed-contexts` and batch in `--batches`,
+dense (transformers' DynamicCache in the model dtype) and each compressed configuration of `--speed-configs` decode
+the same held-out tokens, one step at a time, interleaved (dense step, compressed step, dense step, ...) so that load
+from other processes hits both alike. The prompt is prefilled once at batch 1 and its K/V replicated into every row
+of the batch (prefill at 8k x 8 costs minutes on 2 cores and is not what is measured). Reported: median ms per step,
+the ratio to dense, and the page-management share (time in page allocation / step time).
+
+The bundle is calibrated on the fly (`--calib-tokens` random + text tokens, 8192 by default) unless `--bundle` is
+given. Configurations use the bundle's rotations at full rank: rank search is the calibration stage's job.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -45,6 +55,78 @@ def configs() -> dict[str, CompressionConfig | None]:
     }
 
 
+@torch.inference_mode()
+def record_prefill(model, bundle, prompt: torch.Tensor) -> dict:
+    """Run the prompt [1, P] once; per layer the post-RoPE K/V and prefill scores (KvcalCache.prime's records)."""
+    recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
+    recording.record = True
+    model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
+    records = dict(recording.kv.recorder)
+    for i, layer in enumerate(recording.layers):
+        if recording.sliding[i]:
+            records[i] = (layer.keys, layer.values, layer.cumulative_length)
+    recording.release()
+    return records
+
+
+def replicate(records: dict, batch: int) -> dict:
+    """The batch-1 records repeated into `batch` identical rows."""
+    rep = lambda t: t.repeat(batch, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) else t   # noqa: E731
+    return {i: tuple(rep(t) for t in rec) for i, rec in records.items()}
+
+
+def dense_cache(model, records: dict) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for i in sorted(records):
+        cache.update(records[i][0].to(dtype), records[i][1].to(dtype), i)
+    return cache
+
+
+@torch.inference_mode()
+def decode_speed(model, bundle, ids: torch.Tensor, P: int, batches: list[int], steps: int,
+                 configs: dict[str, CompressionConfig], prefill_threads: int | None = None) -> list[dict]:
+    """ids [1, >= P + steps + 1]. Per batch size: median ms per decode step of dense and of each config, measured
+    interleaved (see the module docstring). `prefill_threads`: threads for the (untimed) prefill only."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(prefill_threads or threads)
+    records = record_prefill(model, bundle, ids[:, :P])
+    torch.set_num_threads(threads)
+    rows = []
+    for B in batches:
+        recs = replicate(records, B)
+        caches = {"dense": dense_cache(model, recs)}
+        for name, cfg in configs.items():
+            caches[name] = KvcalCache.from_bundle(bundle, model, cfg)
+            caches[name].prime(recs)
+        times = {name: [] for name in caches}
+        page0 = {}
+        for i in range(steps + 1):                          # step 0 is a warm-up
+            if i == 1:
+                page0 = {n: c.kv.store.page_seconds for n, c in caches.items() if n != "dense"}
+            token = ids[:, P + i:P + i + 1].expand(B, 1)
+            for name, cache in caches.items():
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        dense_ms = 1000 * statistics.median(times["dense"])
+        for name, cache in caches.items():
+            ms = 1000 * statistics.median(times[name])
+            page = 0.0 if name == "dense" else (cache.kv.store.page_seconds - page0[name]) / sum(times[name])
+            rows.append({"context": P, "batch": B, "config": name, "ms_per_step": round(ms, 2),
+                         "mean_ms_per_step": round(1000 * statistics.mean(times[name]), 2),
+                         "ratio_to_dense": round(ms / dense_ms, 3), "page_share": page, "steps": steps,
+                         "backend": None if name == "dense" else cache.kv.backend.name()})
+            print(f"P={P:<5} batch {B}  {name:<22} {ms:8.1f} ms/step  ratio to dense {ms / dense_ms:5.2f}  "
+                  f"page share {page:.3%}" + ("" if name == "dense" else f"  backend {cache.kv.backend.name()}"),
+                  flush=True)
+            if name != "dense":
+                cache.release()
+        del caches
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -54,7 +136,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
+    ap.add_argument("--speed-only", action="store_true", help="skip fidelity and passkey; decode speed only")
+    ap.add_argument("--speed-contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--speed-steps", type=int, default=16, help="timed decode steps per (context, batch)")
+    ap.add_argument("--speed-configs", nargs="+", default=["K8V4"], help="compressed configurations to time (names "
+                    "from the fidelity table) against dense")
+    ap.add_argument("--backend", default="auto", help="attention backend of the compressed caches")
+    ap.add_argument("--prefill-threads", type=int, help="threads for the untimed prefill of the speed part")
+    ap.add_argument("--calib-tokens", type=int, default=8192, help="random and text tokens of an on-the-fly bundle")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    timed = {name: cfg.with_(backend=args.backend) for name, cfg in configs().items() if name in args.speed_configs}
+    if len(timed) != len(args.speed_configs):
+        raise SystemExit(f"--speed-configs: choose from {', '.join(n for n, c in configs().items() if c)}")
     torch.manual_seed(args.seed)
 
     lm = load_model(args.model, dtype=args.dtype)
@@ -69,15 +166,17 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             bundle = calibrate(CalibrationConfig(model=args.model, out=f"{tmp}/b.safetensors", dtype=args.dtype,
-                                                 search=False),
+                                                 search=False, random_tokens=args.calib_tokens,
+                                                 text_tokens=args.calib_tokens),
                                lm=lm).bundle
     model, tok = lm.model, lm.tokenizer
     eval_docs = load_corpus("default", "eval")
     filler = "\n\n".join(load_corpus("pydoc", "all").documents)
-    results = []
-    for P in args.contexts:
+    results, speed = [], []
+    for P in [] if args.speed_only else args.contexts:
         ids = token_windows(tok, eval_docs, 1, P + args.steps + 1, seed=args.seed)
         for name, cfg in configs().items():
+            cfg = cfg and cfg.with_(backend=args.backend)
             make = (lambda: DynamicCache(config=model.config)) if cfg is None else \
                 (lambda cfg=cfg: KvcalCache.from_bundle(bundle, model, cfg))
             t0 = time.perf_counter()
@@ -92,11 +191,22 @@ def main() -> None:
                   f"ppl ratio {row['ppl_ratio']:.3f}  passkey {row['passkey']:.2f}  "
                   f"decode {row['decode_ms_per_step']:6.1f} ms/step  page share {row['page_share']:.2%}  "
                   f"tiers {json.dumps({k: round(v, 3) for k, v in row['tiers'].items()})}", flush=True)
+    print(f"decode speed: prompt prefilled once at batch 1, its K/V replicated into each batch row; "
+          f"{args.speed_steps} steps, dense and compressed interleaved", flush=True)
+    for P in args.speed_contexts:
+        ids = token_windows(tok, eval_docs, 1, P + args.speed_steps + 1, seed=args.seed)
+        speed += decode_speed(model, bundle, ids, P, args.batches, args.speed_steps, timed, args.prefill_threads)
+        write_json(args, lm, results, speed)                # after each context: a long run keeps what it measured
+    write_json(args, lm, results, speed)
+
+
+def write_json(args, lm, results: list, speed: list) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": lm.name, "dtype": args.dtype, "steps": args.steps, "torch": torch.__version__,
-                       "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "results": results},
-                      f, indent=2, default=str)
+                       "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "results": results,
+                       "speed": speed, "speed_note": "prefill once at batch 1, K/V replicated into each batch row; "
+                       "dense and compressed steps interleaved; median ms per step"}, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

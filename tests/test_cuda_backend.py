@@ -351,9 +351,9 @@ def test_auto_falls_back_to_torch_with_one_log_line(caplog):
     cuda_status()                                            # its own probe line is not the selector's
     with caplog.at_level(logging.INFO, logger="kvcal.runtime.attention"):
         backend = select_backend.__wrapped__("auto", "cpu")
-    assert backend is TorchBackend
+    assert backend is not CudaBackend                        # the fused cpu backend, or torch where it cannot build
     lines = [r for r in caplog.records if r.name == "kvcal.runtime.attention"]
-    assert len(lines) == 1 and "torch" in lines[0].getMessage() and "cuda" in lines[0].getMessage()
+    assert len(lines) == 1 and backend.name() in lines[0].getMessage() and "cuda" in lines[0].getMessage()
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the GPU-less fallback")

@@ -1,5 +1,5 @@
 """Token policies x attention backends: every policy the runtime serves (none, DiffKV tiers with per-token or
-per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend
+per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, the fused cpu backend
 and on the CUDA backend's CPU emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and
 both give the same tiers and logits."""
 
@@ -24,7 +24,7 @@ POLICIES = {
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_policy(
         **TIERS),
 }
-BACKENDS = ("torch", "cuda-emulated")
+BACKENDS = ("torch", "cpu", "cuda-emulated")
 
 
 @pytest.fixture(autouse=True)

@@ -133,6 +133,7 @@ class TorchBackend(AttentionBackend):
 BACKENDS = {
     "torch": "kvcal.runtime.attention:TorchBackend",
     "cuda": "kvcal.runtime.cuda.backend:CudaBackend",
+    "cpu": "kvcal.runtime.cpu.backend:CpuBackend",
 }
 
 
@@ -145,7 +146,7 @@ def _load(name: str) -> type[AttentionBackend]:
 def select_backend(name: str = "auto", device: str = "cpu", formats: tuple = (),
                    head_dim: int = 0) -> type[AttentionBackend]:
     """The backend to use: `auto` takes cuda when it can run on `device` and serve `formats` (the tiers' TierFormat,
-    ranks up to `head_dim`), else torch (logged once)."""
+    ranks up to `head_dim`), else the fused cpu kernels, else torch (logged once, with the reasons)."""
     dev = torch.device(device)
     if name != "auto":
         if name not in BACKENDS:
@@ -159,7 +160,7 @@ def select_backend(name: str = "auto", device: str = "cpu", formats: tuple = (),
             raise ValueError(f"attention backend `{name}` cannot run on {dev}: {'; '.join(reasons)}")
         return backend
     rejected = []
-    for candidate in ("cuda", "torch"):
+    for candidate in ("cuda", "cpu", "torch"):
         try:
             backend = _load(candidate)
         except ImportError as e:

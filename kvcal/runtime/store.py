@@ -223,7 +223,12 @@ class CompressedStore:
         values [n, T, >= r_v]; pos, score [n, T] (T = the group's low-page capacity)."""
         if self.writer is not None:
             self.writer.write_pages(self, layer, b, h, keys, values, pos, score)
-            return
+        else:
+            self.write_pages_torch(layer, b, h, keys, values, pos, score)
+
+    def write_pages_torch(self, layer: int, b: torch.Tensor, h: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """`write_pages` in torch, whatever the writer: for writers without a page kernel of their own."""
         for g, sel in self.group_rows(layer, h):
             lay = g.layouts[LOW]
             bs, hs = b[sel], h[sel]

@@ -1,0 +1,121 @@
+"""Build and load the CPU kernels (csrc/paged_attention.cpp): one shared library, compiled at first use, cached on disk.
+
+The library has a plain C ABI and is called through ctypes with tensor data pointers, so it needs no torch headers
+(the build takes about a second, not the minute a torch extension takes) and no ninja: only a C++ compiler with
+OpenMP, which gcc has. It is compiled for the machine it runs on (`-march=native`); the cache key covers the source,
+the flags, the compiler and the CPU's feature flags, so a cache folder shared between machines never serves a
+library built for another CPU. Writes are atomic (temporary file + rename).
+
+    lib = load_library()        # ctypes.CDLL, or CpuBuildError with a one-line reason
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
+
+
+class CpuBuildError(RuntimeError):
+    """The CPU kernels cannot be built or loaded here (the message says why and what to do)."""
+
+
+def cache_folder() -> Path:
+    """`$KVCAL_CACHE/cpu`, else `~/.cache/kvcal/cpu`."""
+    from kvcal.models.sources import cache_dir
+
+    return cache_dir() / "cpu"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use: `$CXX`, else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _key(cxx: str) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), platform.machine().encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _compile(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
+            raise CpuBuildError(f"compiling the CPU kernels with `{cxx}` failed: {first}")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled kernels (built on first use, then read from the cache). CpuBuildError when impossible."""
+    if os.environ.get("KVCAL_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+        raise CpuBuildError("the CPU kernels are disabled by KVCAL_DISABLE_CPU_KERNELS")
+    cxx = compiler()
+    if cxx is None:
+        raise CpuBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set $CXX); install one, e.g. "
+                            "`apt-get install g++`, to get the fused CPU kernels")
+    target = cache_folder() / f"paged_attention-{_key(cxx)}.so"
+    if not target.is_file():
+        logger.info("compiling the kvcal CPU kernels into %s", target)
+        try:
+            _compile(cxx, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise CpuBuildError(f"compiling the CPU kernels failed: {e}") from None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise CpuBuildError(f"loading the CPU kernels from {target} failed: {e}; delete the file to rebuild it") \
+            from None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.kvcal_desc_ints.restype = i32
+    lib.kvcal_desc_ints.argtypes = []
+    lib.kvcal_decode.restype = i32
+    lib.kvcal_decode.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
+                                 p, p, p, i64, i64, i64, i64, f32, i32, i32,   # query .. threads
+                                 i64,                                           # grain
+                                 p, p]                                          # out, new_score
+    lib.kvcal_write.restype = i32
+    lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes
+                                i32, i64, p, p, p, p, i64, p, i64, p, p, p]     # side .. bad_value

@@ -1,0 +1,417 @@
+// Fused decode attention and token writes over kvcal's page arena, for CPUs (C ABI, loaded with ctypes).
+//
+// Pages are read in place: keys and values are dequantized a page at a time into a small buffer, so no dequantized
+// K/V of the layer exists at any time. Every byte offset comes from the descriptor table built in Python from
+// kvcal.runtime.layout.PageLayout (struct Desc mirrors kvcal/runtime/cpu/backend.py DESC_FIELDS, all int32).
+//
+// decode: one layer, W = B * H items (item = b * H + h), qn = g * n query rows per item (row = gi * n + i).
+//   split  tasks of up to `chunk` pages of one item, in parallel: online softmax (m, l, acc) over their pages,
+//          logits kept per page for the score pass.
+//   merge  per item: partials + the n new tokens (causal among themselves) -> out, the new tokens' scores, and
+//          score += sum over the n queries of max over g of each stored token's probability, in the page.
+// write: per-token formats, one token per (b, h, slot) request; quantization is kvcal.runtime.quant's, bit for bit
+//   (fp32 min/max, scale and zero rounded to fp16 first, codes = clamp(rint((x - zero) / scale))).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+struct Desc {
+    int32_t tokens, r_k, r_v, k_bits, v_bits, k_channel, k_group, v_group, k_bytes, v_bytes, k_groups, v_groups,
+        k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, raw_bf16;
+};
+constexpr int DESC_INTS = sizeof(Desc) / sizeof(int32_t);
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int HIGH = 0;
+
+inline float bits_f32(uint32_t w) { float f; std::memcpy(&f, &w, 4); return f; }
+inline uint32_t f32_bits(float f) { uint32_t w; std::memcpy(&w, &f, 4); return w; }
+
+// IEEE half <-> float (c10's fp16_ieee_{to,from}_fp32_value: exact, round to nearest even)
+inline float half_to_float(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
+}
+inline uint16_t float_to_half(float f) {
+    float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+inline float bf16_to_float(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+inline uint16_t float_to_bf16(float f) {
+    if (std::isnan(f)) return 0x7FC0;
+    const uint32_t u = f32_bits(f);
+    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// Unpacked codes of one token: element i sits in byte (i * bits) / 8 at bit offset (i * bits) % 8. Written byte by
+// byte (whole bytes first) so that the compiler vectorizes the loops.
+inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
+    if (bits == 8) {
+        for (int i = 0; i < r; ++i) codes[i] = (float)src[i];
+    } else if (bits == 4) {
+        const int whole = r / 2;
+        for (int j = 0; j < whole; ++j) {
+            codes[2 * j] = (float)(src[j] & 0xF);
+            codes[2 * j + 1] = (float)(src[j] >> 4);
+        }
+        for (int i = 2 * whole; i < r; ++i) codes[i] = (float)((src[i >> 1] >> ((i & 1) * 4)) & 0xF);
+    } else {
+        const int whole = r / 4;
+        for (int j = 0; j < whole; ++j) {
+            codes[4 * j] = (float)(src[j] & 0x3);
+            codes[4 * j + 1] = (float)((src[j] >> 2) & 0x3);
+            codes[4 * j + 2] = (float)((src[j] >> 4) & 0x3);
+            codes[4 * j + 3] = (float)(src[j] >> 6);
+        }
+        for (int i = 4 * whole; i < r; ++i) codes[i] = (float)((src[i >> 2] >> ((i & 3) * 2)) & 0x3);
+    }
+}
+
+// Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r].
+void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out) {
+    const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
+    const uint8_t* data = page + (which ? D.v_off : D.k_off);
+    if (bits == 32) {
+        std::memcpy(out, data, sizeof(float) * count * r);
+        return;
+    }
+    if (bits == 16) {
+        for (int t = 0; t < count; ++t)
+            for (int i = 0; i < r; ++i) {
+                const uint16_t v = load_u16(data + 2 * (t * r + i));
+                out[t * r + i] = D.raw_bf16 ? bf16_to_float(v) : half_to_float(v);
+            }
+        return;
+    }
+    const uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off);
+    if (!which && D.k_channel) {                          // (scale, zero) per channel over the page's tokens
+        float s[512], z[512];
+        for (int i = 0; i < r; ++i) {
+            s[i] = half_to_float(load_u16(meta + 4 * i));
+            z[i] = half_to_float(load_u16(meta + 4 * i + 2));
+        }
+        for (int t = 0; t < count; ++t) {
+            float* o = out + t * r;
+            unpack(data + t * nbytes, bits, r, o);
+            for (int i = 0; i < r; ++i) o[i] = o[i] * s[i] + z[i];
+        }
+        return;
+    }
+    const int groups = which ? D.v_groups : D.k_groups, group = r / groups;
+    for (int t = 0; t < count; ++t) {
+        float* o = out + t * r;
+        unpack(data + t * nbytes, bits, r, o);
+        for (int gi = 0; gi < groups; ++gi) {
+            const float s = half_to_float(load_u16(meta + 4 * (t * groups + gi)));
+            const float z = half_to_float(load_u16(meta + 4 * (t * groups + gi) + 2));
+            float* og = o + gi * group;
+            for (int i = 0; i < group; ++i) og[i] = og[i] * s + z;
+        }
+    }
+}
+
+inline float dot(const float* a, const float* b, int r) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < r; ++i) acc += a[i] * b[i];
+    return acc;
+}
+
+inline float exp_diff(float a, float b) {        // exp(a - b), 0 where a = -inf (also when b = -inf)
+    return a == NEG_INF ? 0.f : std::exp(a - (b == NEG_INF ? 0.f : b));
+}
+
+struct PageRef {
+    int64_t off;      // byte offset of the page in the arena
+    int32_t desc;     // descriptor row
+    int32_t count;    // slots written in the page
+};
+
+struct Layer {        // where the layer's pages are: page_table [slots, L, H, P] int32, fill [L, slots, H, 2] int64
+    const int32_t* table;
+    const int64_t* fill;
+    const int32_t* head_group;
+    int64_t L, H, P, layer, batch, page_bytes;
+
+    int32_t page(int64_t b, int64_t h, int side, int64_t k) const {
+        const int64_t col = side == HIGH ? k : P - 1 - k;
+        return table[((b * L + layer) * H + h) * P + col];
+    }
+    int64_t filled(int64_t b, int64_t h, int side) const { return fill[((layer * batch + b) * H + h) * 2 + side]; }
+};
+
+}  // namespace
+
+extern "C" {
+
+int kvcal_desc_ints() { return DESC_INTS; }
+
+// Returns 0, or -1 when a page the fill counts promise is missing from the page table.
+int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
+                 const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                 int64_t page_bytes, const float* query, const float* new_keys, const float* new_values, int64_t g,
+                 int64_t n, int64_t r, int64_t rv, float scale, int track_scores, int threads, int64_t grain,
+                 float* out, float* new_score) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    const int64_t W = B * H, qn = g * n;
+
+    // ---- the pages of every item, high section then low, and their tasks (split-K when items are few)
+    std::vector<PageRef> pages;
+    std::vector<int64_t> item_start(W + 1, 0);
+    int t_max = 1;
+    for (int64_t w = 0; w < W; ++w) {
+        const int64_t b = w / H, h = w % H;
+        for (int side = 0; side < 2; ++side) {
+            const int32_t row = 2 * head_group[h] + side;
+            const int64_t T = descs[row].tokens, filled = lay.filled(b, h, side);
+            t_max = std::max<int>(t_max, (int)T);
+            for (int64_t k = 0; k * T < filled; ++k) {
+                const int32_t id = lay.page(b, h, side, k);
+                if (id < 0) return -1;
+                pages.push_back({(int64_t)id * page_bytes, row, (int32_t)std::min<int64_t>(T, filled - k * T)});
+            }
+        }
+        item_start[w + 1] = (int64_t)pages.size();
+    }
+    const int64_t total = (int64_t)pages.size();
+    // a thread team costs microseconds to wake (far more on a loaded machine): one thread per `grain` multiply-adds
+    int64_t work = 0;
+    for (const PageRef& ref : pages) work += (int64_t)ref.count * (r + rv) * qn;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, work / std::max<int64_t>(1, grain)));
+    const int64_t want = std::max<int64_t>(1, 4 * (int64_t)threads);
+    const int64_t chunk = std::max<int64_t>(1, (total + want - 1) / want);
+    std::vector<int64_t> task_item, task_begin, item_task(W + 1, 0);
+    for (int64_t w = 0; w < W; ++w) {
+        for (int64_t p = item_start[w]; p < item_start[w + 1]; p += chunk) {
+            task_item.push_back(w);
+            task_begin.push_back(p);
+        }
+        item_task[w + 1] = (int64_t)task_item.size();
+    }
+    const int64_t NT = (int64_t)task_item.size();
+    std::vector<float> part_m(NT * qn, NEG_INF), part_l(NT * qn, 0.f), part_acc(NT * qn * rv, 0.f);
+    std::vector<float> logits(track_scores ? total * t_max * qn : 0);
+
+    // ---- split: online softmax over each task's pages
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> kbuf(t_max * r), vbuf(t_max * rv), x(t_max * qn);
+        std::vector<char> valid(t_max);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < NT; ++task) {
+            const int64_t w = task_item[task];
+            const int64_t end = std::min(task_begin[task] + chunk, item_start[w + 1]);
+            float* m = &part_m[task * qn];
+            float* l = &part_l[task * qn];
+            float* acc = &part_acc[task * qn * rv];
+            const float* q = query + w * qn * r;
+            for (int64_t p = task_begin[task]; p < end; ++p) {
+                const PageRef& ref = pages[p];
+                const Desc& D = descs[ref.desc];
+                const uint8_t* page = arena + ref.off;
+                const int cnt = ref.count;
+                const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
+                dequantize(page, D, 0, cnt, kbuf.data());
+                for (int t = 0; t < cnt; ++t) {
+                    valid[t] = pos[t] >= 0;
+                    for (int64_t row = 0; row < qn; ++row)
+                        x[t * qn + row] = valid[t] ? dot(q + row * r, &kbuf[t * D.r_k], D.r_k) * scale : NEG_INF;
+                }
+                if (track_scores) std::memcpy(&logits[p * t_max * qn], x.data(), sizeof(float) * cnt * qn);
+                dequantize(page, D, 1, cnt, vbuf.data());
+                for (int64_t row = 0; row < qn; ++row) {
+                    float page_max = NEG_INF;
+                    for (int t = 0; t < cnt; ++t) page_max = std::max(page_max, x[t * qn + row]);
+                    const float m_new = std::max(m[row], page_max);
+                    if (m_new == NEG_INF) continue;                   // nothing valid yet
+                    const float alpha = exp_diff(m[row], m_new);
+                    float* a = acc + row * rv;
+                    if (alpha != 1.f)
+                        for (int64_t c = 0; c < rv; ++c) a[c] *= alpha;
+                    float sum = 0.f;
+                    for (int t = 0; t < cnt; ++t) {
+                        if (!valid[t]) continue;                      // holes may hold stale bytes (NaN when raw)
+                        const float e = std::exp(x[t * qn + row] - m_new);
+                        sum += e;
+                        const float* v = &vbuf[t * D.r_v];
+                        for (int c = 0; c < D.r_v; ++c) a[c] += e * v[c];
+                    }
+                    l[row] = l[row] * alpha + sum;
+                    m[row] = m_new;
+                }
+            }
+        }
+
+        // ---- merge: partials + new tokens, output, fused score update
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < W; ++w) {
+            const float* q = query + w * qn * r;
+            const float* kn = new_keys + w * n * r;
+            const float* vn = new_values + w * n * rv;
+            std::vector<float> M(qn), Linv(qn), xn(qn * n);
+            for (int64_t row = 0; row < qn; ++row) {
+                const int64_t i = row % n;                            // the row's own new token
+                float mx = NEG_INF;
+                for (int64_t j = 0; j < n; ++j) {
+                    xn[row * n + j] = j <= i ? dot(q + row * r, kn + j * r, (int)r) * scale : NEG_INF;
+                    mx = std::max(mx, xn[row * n + j]);
+                }
+                for (int64_t task = item_task[w]; task < item_task[w + 1]; ++task)
+                    mx = std::max(mx, part_m[task * qn + row]);
+                float L = 0.f;
+                float* o = out + (w * qn + row) * rv;
+                std::fill(o, o + rv, 0.f);
+                for (int64_t task = item_task[w]; task < item_task[w + 1]; ++task) {
+                    const float s = exp_diff(part_m[task * qn + row], mx);
+                    if (s == 0.f) continue;
+                    L += part_l[task * qn + row] * s;
+                    const float* a = &part_acc[(task * qn + row) * rv];
+                    for (int64_t c = 0; c < rv; ++c) o[c] += a[c] * s;
+                }
+                for (int64_t j = 0; j <= i; ++j) {
+                    const float e = exp_diff(xn[row * n + j], mx);
+                    xn[row * n + j] = e;
+                    L += e;
+                    for (int64_t c = 0; c < rv; ++c) o[c] += e * vn[j * rv + c];
+                }
+                const float inv = 1.f / L;
+                for (int64_t c = 0; c < rv; ++c) o[c] *= inv;
+                M[row] = mx;
+                Linv[row] = inv;
+            }
+            if (!track_scores) {
+                for (int64_t j = 0; j < n; ++j) new_score[w * n + j] = 0.f;
+                continue;
+            }
+            for (int64_t j = 0; j < n; ++j) {                         // new token j: sum over i of max over g
+                float s = 0.f;
+                for (int64_t i = j; i < n; ++i) {
+                    float best = 0.f;
+                    for (int64_t gi = 0; gi < g; ++gi) {
+                        const int64_t row = gi * n + i;
+                        best = std::max(best, xn[row * n + j] * Linv[row]);
+                    }
+                    s += best;
+                }
+                new_score[w * n + j] = s;
+            }
+            for (int64_t p = item_start[w]; p < item_start[w + 1]; ++p) {
+                const PageRef& ref = pages[p];
+                const Desc& D = descs[ref.desc];
+                uint8_t* page = arena + ref.off;
+                const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
+                float* score = reinterpret_cast<float*>(page + D.score_off);
+                const float* x = &logits[p * t_max * qn];
+                for (int t = 0; t < ref.count; ++t) {
+                    if (pos[t] < 0) continue;
+                    float delta = 0.f;
+                    for (int64_t i = 0; i < n; ++i) {
+                        float best = 0.f;
+                        for (int64_t gi = 0; gi < g; ++gi) {
+                            const int64_t row = gi * n + i;
+                            best = std::max(best, std::exp(x[t * qn + row] - M[row]) * Linv[row]);
+                        }
+                        delta += best;
+                    }
+                    score[t] += delta;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+// Quantize and write n tokens, token i into slot slot[i] of section `side` of entry (b[i], h[i]) of `layer`.
+// keys [n, k_stride], values [n, v_stride] float32; pos int64 [n]; score float32 [n].
+// Returns 0; 1 if a vector to quantize is not finite; 2 if it exceeds the float16 range of scale / zero (nothing is
+// written then); -1 if a slot has no page.
+int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
+                const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                int64_t page_bytes, int side, int64_t n, const int64_t* b, const int64_t* h, const int64_t* slot,
+                const float* keys, int64_t k_stride, const float* values, int64_t v_stride, const int64_t* pos,
+                const float* score, float* bad_value) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    // checks first, so that a refused batch leaves the arena untouched (quant._check_values)
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& D = descs[2 * head_group[h[i]] + side];
+        if (lay.page(b[i], h[i], side, slot[i] / D.tokens) < 0) return -1;
+        for (int which = 0; which < 2; ++which) {
+            if ((which ? D.v_bits : D.k_bits) >= 16) continue;
+            const float* x = which ? values + i * v_stride : keys + i * k_stride;
+            const int r = which ? D.r_v : D.r_k;
+            for (int c = 0; c < r; ++c) {
+                if (!std::isfinite(x[c])) { *bad_value = x[c]; return 1; }
+                if (std::fabs(x[c]) > 65504.f) { *bad_value = std::fabs(x[c]); return 2; }
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& D = descs[2 * head_group[h[i]] + side];
+        const int64_t t = slot[i] % D.tokens;
+        uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], side, slot[i] / D.tokens) * page_bytes;
+        for (int which = 0; which < 2; ++which) {
+            const float* x = which ? values + i * v_stride : keys + i * k_stride;
+            const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits;
+            const int nbytes = which ? D.v_bytes : D.k_bytes;
+            uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
+            if (bits == 32) {
+                std::memcpy(data, x, sizeof(float) * r);
+                continue;
+            }
+            if (bits == 16) {
+                for (int c = 0; c < r; ++c) {
+                    const uint16_t v = D.raw_bf16 ? float_to_bf16(x[c]) : float_to_half(x[c]);
+                    std::memcpy(data + 2 * c, &v, 2);
+                }
+                continue;
+            }
+            const int groups = which ? D.v_groups : D.k_groups, group = r / groups, top = (1 << bits) - 1;
+            uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + t * groups * 4;
+            std::memset(data, 0, nbytes);
+            for (int gi = 0; gi < groups; ++gi) {
+                const float* xg = x + gi * group;
+                float mn = xg[0], mx = xg[0];
+                for (int c = 1; c < group; ++c) { mn = std::min(mn, xg[c]); mx = std::max(mx, xg[c]); }
+                const uint16_t s16 = float_to_half((mx - mn) / (float)top), z16 = float_to_half(mn);
+                std::memcpy(meta + 4 * gi, &s16, 2);
+                std::memcpy(meta + 4 * gi + 2, &z16, 2);
+                const float s = half_to_float(s16), z = half_to_float(z16);
+                for (int c = 0; c < group; ++c) {
+                    int code = 0;
+                    if (s != 0.f) {
+                        const float q = std::nearbyint((xg[c] - z) / s);
+                        code = (int)std::min((float)top, std::max(0.f, q));
+                    }
+                    const int e = gi * group + c;
+                    data[(e * bits) >> 3] |= (uint8_t)(code << ((e * bits) & 7));
+                }
+            }
+        }
+        std::memcpy(page + D.score_off + 4 * t, &score[i], 4);
+        const int32_t p32 = (int32_t)pos[i];
+        std::memcpy(page + D.pos_off + 4 * t, &p32, 4);
+    }
+    return 0;
+}
+
+}  // extern "C"

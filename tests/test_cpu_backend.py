@@ -1,0 +1,286 @@
+"""CpuBackend (the fused C++/OpenMP kernels) against the torch reference: decode attention and fused score updates at
+every tier format, token writes byte for byte, whole decodes with tier moves / FastGen / ragged ranks, selection."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from conftest import make_model, random_bundle, random_text
+
+from kvcal.runtime import attention
+from kvcal.runtime.attention import TorchBackend, select_backend
+from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.cpu import backend as cpu_backend
+from kvcal.runtime.cpu import build
+from kvcal.runtime.cpu.backend import CpuBackend
+from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.hf import KvcalCache
+from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.pages import HIGH, LOW
+from kvcal.runtime.policy import TokenPolicy
+from kvcal.runtime.store import CompressedStore
+
+# (high, low) tier formats: precisions, per-token / per-channel keys, value and key groups, raw tiers
+MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K4V2", "K2cV2"), ("K8V8", "K8cV4"), ("K16V16", "K4cV2"),
+         ("K32V32", "K8V8"), ("K8V4g4", "K2V2g4"), ("K8V4kg4", "K4cV4g4"), ("K2V2", "K2V2")]
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def random_store(high: str, low: str, *, seed: int = 0, B: int = 2, H: int = 3, d: int = 16, max_high: int = 40,
+                 max_low_pages: int = 2, holes: float = 0.15, raw16: torch.dtype = torch.float16) -> CompressedStore:
+    """Ragged lengths per (sequence, head), three rank groups, both tiers, several pages, and holes (pos -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    rank_k, rank_v = torch.tensor([[16, 8, 12][:H]]), torch.tensor([[12, 16, 8][:H]])
+    store = CompressedStore(rank_k, rank_v, [0], high=TierFormat.parse(high), low=TierFormat.parse(low), head_dim=d,
+                            batch=B, page_bytes=512, initial_pages=4, raw16=raw16)
+    pos = 0
+    for side, fmt in ((LOW, store.low), (HIGH, store.high)):
+        for bi in range(B):
+            for hi in range(H):
+                b, h = torch.tensor([bi]), torch.tensor([hi])
+                if side == LOW and fmt.k_mode == "channel":
+                    T = next(g for g in store.groups[0] if hi in g.heads.tolist()).layouts[LOW].tokens
+                    for _ in range(int(torch.randint(0, max_low_pages + 1, (1,), generator=gen))):
+                        store.write_pages(0, b, h, torch.randn(1, T, d, generator=gen), torch.randn(1, T, d,
+                                          generator=gen), torch.arange(pos, pos + T)[None], torch.rand(1, T,
+                                                                                                   generator=gen))
+                        pos += T
+                    continue
+                n = int(torch.randint(0, max_high + 1, (1,), generator=gen)) if (bi, hi) != (0, 0) else max_high
+                store.append(0, side, b.repeat(n), h.repeat(n), torch.randn(n, d, generator=gen) * 2,
+                             torch.randn(n, d, generator=gen), torch.arange(pos, pos + n), torch.rand(n, generator=gen))
+                pos += n
+    for side in (HIGH, LOW):
+        b, h = torch.arange(B).repeat_interleave(H), torch.arange(H).repeat(B)
+        _, p = store.section_meta(0, side, b, h)
+        e, s = torch.nonzero((p >= 0) & (torch.rand(p.shape, generator=gen) < holes), as_tuple=True)
+        if len(e):
+            store.drop(0, side, b[e], h[e], s)
+    return store
+
+
+def decode_inputs(store: CompressedStore, g: int, n: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    B, H, r, rv = store.batch, store.num_kv_heads, store.r_k_max[0], store.r_v_max[0]
+    return (torch.randn(B, H, g, n, r, generator=gen), torch.randn(B, H, n, r, generator=gen) * 2,
+            torch.randn(B, H, n, rv, generator=gen))
+
+
+def assert_same_scores(got: CompressedStore, want: CompressedStore) -> None:
+    a, b = got.gather(0), want.gather(0)
+    assert torch.equal(a.pos, b.pos)
+    live = b.pos >= 0
+    torch.testing.assert_close(a.score[live], b.score[live], **TOL)
+
+
+# ---------------------------------------------------------------- decode attention + fused scores
+
+
+@pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
+@pytest.mark.parametrize("high,low", MIXES)
+def test_decode_matches_torch_reference(high, low, g, n):
+    store = random_store(high, low, seed=MIXES.index((high, low)) * 10 + g + n)
+    ref = copy.deepcopy(store)
+    q, kn, vn = decode_inputs(store, g, n)
+    out_ref, score_ref = TorchBackend.attend(ref, 0, q, kn, vn, 16 ** -0.5)
+    out, score = CpuBackend.attend(store, 0, q, kn, vn, 16 ** -0.5)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    torch.testing.assert_close(score, score_ref, **TOL)
+    assert_same_scores(store, ref)                                   # the score update of the stored tokens
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_is_the_same_at_any_thread_count(threads, monkeypatch):
+    """The split over page chunks follows the thread count; the result must not."""
+    monkeypatch.setattr(cpu_backend, "GRAIN", 1)                  # every thread gets work, however small the layer
+    store = random_store("K8V4", "K4cV2", seed=4, max_high=120, max_low_pages=4)
+    ref = copy.deepcopy(store)
+    q, kn, vn = decode_inputs(store, 2, 2)
+    want = TorchBackend.attend(ref, 0, q, kn, vn, 0.3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = CpuBackend.attend(store, 0, q, kn, vn, 0.3)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same_scores(store, ref)
+
+
+def test_decode_reads_bfloat16_raw_tiers():
+    store = random_store("K16V16", "K4cV2", seed=6, raw16=torch.bfloat16)
+    ref = copy.deepcopy(store)
+    q, kn, vn = decode_inputs(store, 2, 1)
+    for a, b in zip(CpuBackend.attend(store, 0, q, kn, vn, 0.25), TorchBackend.attend(ref, 0, q, kn, vn, 0.25)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_decode_without_score_tracking_leaves_the_arena():
+    store = random_store("K8V4", "K4cV2", seed=7)
+    before = store.arena.arena.clone()
+    q, kn, vn = decode_inputs(store, 2, 2)
+    out_ref, s_ref = TorchBackend.attend(copy.deepcopy(store), 0, q, kn, vn, 0.25, track_scores=False)
+    out, s = CpuBackend.attend(store, 0, q, kn, vn, 0.25, track_scores=False)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    assert torch.equal(s, s_ref) and torch.equal(store.arena.arena, before)
+
+
+def test_decode_on_an_empty_store():
+    store = random_store("K8V4", "K4V2", seed=8, max_high=0, max_low_pages=0)
+    store.release()
+    q, kn, vn = decode_inputs(store, 2, 3)
+    for a, b in zip(CpuBackend.attend(store, 0, q, kn, vn, 0.5),
+                    TorchBackend.attend(copy.deepcopy(store), 0, q, kn, vn, 0.5)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+# ---------------------------------------------------------------- token writes
+
+
+@pytest.mark.parametrize("high,low", [m for m in MIXES if "c" not in m[1]] + [("K8V4", "K4cV2")])
+def test_write_bytes_equal_store_write(high, low):
+    """Quantization, packing, metadata, score and position: the same bytes as CompressedStore.write."""
+    ref = random_store(high, low, seed=5, holes=0.0)
+    store = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(9)
+    B, H = store.batch, store.num_kv_heads
+    for side in (HIGH, LOW) if ref.low.k_mode == "token" else (HIGH,):
+        b, h = torch.arange(B).repeat_interleave(H), torch.arange(H).repeat(B)
+        fill = store.fill[0, b, h, side]
+        keep = fill > 0
+        b, h, slot = b[keep], h[keep], (torch.rand(int(keep.sum()), generator=gen) * fill[keep]).long()
+        n = len(b)
+        keys, values = torch.randn(n, 16, generator=gen) * 3, torch.randn(n, 16, generator=gen)
+        keys[0] = 1.5                                           # a constant vector: scale 0, codes 0
+        values[-1, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 3.5, 4.5, -1.5, 0.0])   # ties at the rounding step
+        pos, score = torch.arange(n) + 1000, torch.rand(n, generator=gen)
+        ref.write(0, side, b, h, slot, keys, values, pos, score)
+        CpuBackend.write(store, 0, side, b, h, slot, keys, values, pos, score)
+        assert torch.equal(store.arena.arena, ref.arena.arena)
+
+
+@pytest.mark.parametrize("bad,message", [(float("nan"), "must be finite"), (1e6, "beyond the float16 range")])
+def test_write_refuses_what_the_quantizer_refuses_and_writes_nothing(bad, message):
+    store = random_store("K8V4", "K4V2", seed=3, holes=0.0)
+    before = store.arena.arena.clone()
+    keys, values = torch.randn(2, 16), torch.randn(2, 16)
+    values[1, 3] = bad
+    b, h, slot = torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=message):
+        CpuBackend.write(store, 0, HIGH, b, h, slot, keys, values, torch.tensor([5, 6]), torch.zeros(2))
+    assert torch.equal(store.arena.arena, before)
+    with pytest.raises(ValueError, match=message):                 # the reference says the same
+        store.write(0, HIGH, b, h, slot, keys, values, torch.tensor([5, 6]), torch.zeros(2))
+
+
+# ---------------------------------------------------------------- whole decodes through transformers
+
+
+def _decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prefill `prompt` tokens, then teacher-force the rest one token per step; logits [B, steps, vocab]."""
+    with torch.inference_mode():
+        model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        steps = [model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                 for i in range(prompt, ids.shape[1])]
+    return torch.stack(steps, 1)
+
+
+TIERED = TokenPolicy(window=4, alpha_high=1.5, alpha_low=0.5)
+CONFIGS = {
+    "K8V4 untiered": CompressionConfig(use_ranks=False),
+    "tiers, per-channel low": CompressionConfig(policy=TIERED, page_bytes=256),     # small pages: some get sealed
+    "tiers, per-token low": CompressionConfig(high=TierFormat.parse("K8V4g4"), low=TierFormat.parse("K4V2"),
+                                              policy=TIERED),
+    "tiers + FastGen": CompressionConfig(policy=TIERED, fastgen=FastGenConfig(recovery=0.5)),
+    "raw": CompressionConfig.none(),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_whole_decode_matches_torch_backend(name):
+    """Tiny Llama, ragged ranks, a batch of two: every step's logits, the tier moves (Algorithm 1, per-channel page
+    sealing, FastGen evictions) and the stored scores agree with the torch backend."""
+    model, tok = make_model("llama")
+    H, L = model.config.num_key_value_heads, model.config.num_hidden_layers
+    bundle = random_bundle(model, tok, rank_k=torch.tensor([[16, 12]] * L), rank_v=torch.tensor([[8, 16]] * L))
+    ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :56]
+    runs = {}
+    for backend in ("torch", "cpu"):
+        cache = KvcalCache.from_bundle(bundle, model, CONFIGS[name].with_(backend=backend), tokenizer=tok)
+        runs[backend] = (_decode_logits(model, cache, ids, 24), cache)
+    (want, ref), (got, cache) = runs["torch"], runs["cpu"]
+    assert cache.kv.backend is CpuBackend and ref.kv.backend is TorchBackend
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.kv.tier_counts() == ref.kv.tier_counts()
+    counts, seen = ref.kv.tier_counts(), 2 * H * L * ids.shape[1]
+    if CONFIGS[name].policy.tiered:                     # the tier moves and evictions did happen
+        assert counts["low"] > 0 if CONFIGS[name].fastgen is None else counts["high"] + counts["low"] < seen
+    b, h = torch.arange(2).repeat_interleave(H), torch.arange(H).repeat(2)
+    for layer in cache.kv.layers:
+        for side in (HIGH, LOW):
+            s_got, p_got = cache.kv.store.section_meta(layer, side, b, h)
+            s_want, p_want = ref.kv.store.section_meta(layer, side, b, h)
+            assert torch.equal(p_got, p_want)
+            torch.testing.assert_close(s_got[p_got >= 0], s_want[p_want >= 0], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- selection and build
+
+
+def test_auto_picks_the_cpu_backend_on_cpu():
+    assert select_backend.__wrapped__("auto", "cpu") is CpuBackend
+    assert select_backend.__wrapped__("cpu", "cpu") is CpuBackend
+    assert CpuBackend.supports(torch.device("cpu")) == []
+    assert "`cuda` is not the CPU" in CpuBackend.supports(torch.device("cuda"))[0]
+
+
+def test_auto_falls_back_to_torch_with_one_log_line_when_the_build_fails(monkeypatch, caplog):
+    def fail():
+        raise build.CpuBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set $CXX)")
+
+    monkeypatch.setattr(cpu_backend, "load_library", fail)
+    with caplog.at_level(logging.INFO, logger="kvcal.runtime.attention"):
+        chosen = select_backend.__wrapped__("auto", "cpu")
+    assert chosen is TorchBackend
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcal.runtime.attention"]
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and lines[0].startswith("kvcal attention backend: torch")
+    with pytest.raises(ValueError, match="attention backend `cpu` cannot run on cpu: no C\\+\\+ compiler"):
+        select_backend.__wrapped__("cpu", "cpu")
+
+
+def test_build_is_cached_on_disk_and_written_atomically(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path))
+    build.load_library.cache_clear()
+    try:
+        lib = build.load_library()
+        files = list((tmp_path / "cpu").iterdir())
+        assert len(files) == 1 and files[0].suffix == ".so"           # no temporary file left behind
+        assert lib.kvcal_desc_ints() == len(cpu_backend.DESC_FIELDS)
+        stamp = files[0].stat().st_mtime_ns
+        build.load_library.cache_clear()
+        build.load_library()                                            # the second load reuses the file
+        assert files[0].stat().st_mtime_ns == stamp
+    finally:
+        build.load_library.cache_clear()
+
+
+def test_a_missing_compiler_is_a_one_line_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    build.load_library.cache_clear()
+    try:
+        with pytest.raises(build.CpuBuildError) as e:
+            build.load_library()
+        assert "\n" not in str(e.value) and "install one" in str(e.value)
+        assert not (tmp_path / "cpu").exists()
+    finally:
+        build.load_library.cache_clear()
+
+
+def test_registry_names_the_backend():
+    assert attention.BACKENDS["cpu"] == "kvcal.runtime.cpu.backend:CpuBackend"
