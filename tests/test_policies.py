@@ -1,7 +1,7 @@
 """Token policies x attention backends: every policy the runtime serves (none, DiffKV tiers with per-token or
-per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, the fused cpu backend
-and on the CUDA backend's CPU emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and
-both give the same tiers and logits."""
+per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU
+emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and all give the same tiers and
+logits."""
 
 import functools
 
