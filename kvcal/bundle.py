@@ -400,7 +400,7 @@ def _validate_metadata(meta: dict[str, str]) -> list[str]:
         from kvcal.runtime.cache import CompressionConfig
 
         try:
-            CompressionConfig.from_policy(blocks["policy"])
+            CompressionConfig.from_dict(blocks["policy"])
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             problems.append(f"metadata `policy` is not a runtime policy ({reason})")
