@@ -34,10 +34,14 @@ def test_v1_bundle_serves_the_recorded_logits():
 
 
 def test_v1_bundle_rewrites_to_the_same_content(tmp_path):
-    """Loading and saving again keeps every tensor and every metadata value (the policy block included)."""
+    """Loading and saving again keeps every tensor and every metadata value (the policy block included); a new
+    write only stamps its own time (`created`) and adds the hash over the metadata."""
     out = save_bundle(load_bundle(BUNDLE), tmp_path / "again.kvcal.safetensors")
     with safe_open(BUNDLE, "pt") as old, safe_open(out, "pt") as new:
-        assert new.metadata() == old.metadata()
+        added = {"created", "metadata.sha256"}
+        assert {k: v for k, v in new.metadata().items() if k not in added} == \
+            {k: v for k, v in old.metadata().items() if k not in added}
+        assert "metadata.sha256" in new.metadata() and "metadata.sha256" not in old.metadata()
         assert sorted(new.keys()) == sorted(old.keys())
         for name in old.keys():
             assert torch.equal(new.get_tensor(name), old.get_tensor(name)), name

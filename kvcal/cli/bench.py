@@ -29,6 +29,7 @@ from kvcal.models import DEFAULT_MODEL
 class Backend(StrEnum):
     auto = "auto"
     torch = "torch"
+    cpu = "cpu"
     cuda = "cuda"
 
 
