@@ -37,20 +37,29 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def is_kvcal_bundle(path: str | os.PathLike) -> bool:
-    """True when `path` is a safetensors file whose metadata says `format = kvcal-bundle` (reads the header only)."""
+def safetensors_header(path: str | os.PathLike) -> tuple[int, dict] | None:
+    """(header length n, JSON header) of a safetensors file (8-byte little-endian n, then a JSON object; the tensor
+    data starts at byte 8 + n), read without the tensors; None when `path` cannot be read or its header is not one
+    that fits in the file (at most 100 MB)."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
-                return False
+                return None
             (n,) = struct.unpack("<Q", head)
-            if not 2 <= n <= 100 << 20:
-                return False
+            if not 2 <= n <= min(size - 8, 100 << 20):
+                return None
             header = json.loads(f.read(n))
     except (OSError, ValueError):
-        return False
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return None
+    return (n, header) if isinstance(header, dict) else None
+
+
+def is_kvcal_bundle(path: str | os.PathLike) -> bool:
+    """True when `path` is a safetensors file whose metadata says `format = kvcal-bundle` (reads the header only)."""
+    found = safetensors_header(path)
+    meta = found[1].get("__metadata__") if found else None
     return isinstance(meta, dict) and meta.get("format") == "kvcal-bundle"
 
 

@@ -107,9 +107,9 @@ def read_config(folder) -> object:
 def check_weight_files(folder) -> None:
     """Refuse, before loading anything, a folder whose weights kvcal will not read: pickle checkpoints (`.bin`,
     `.pt`: loading them can run code) or safetensors files whose header does not fit the file (truncated copies)."""
-    import json
-    import struct
     from pathlib import Path
+
+    from kvcal.safe_paths import safetensors_header
 
     folder = Path(folder)
     st = sorted(folder.glob("*.safetensors"))
@@ -121,15 +121,13 @@ def check_weight_files(folder) -> None:
         raise ValueError(f"`{folder}` has no .safetensors weights; pass a Hugging Face folder saved with "
                          "`save_pretrained`")
     for path in st:
-        size = path.stat().st_size
+        found = safetensors_header(path)
         try:
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n)) if 2 <= n <= min(size - 8, 100 << 20) else None
+            n, header = found
             end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (OSError, ValueError, TypeError, KeyError, struct.error, AttributeError):
-            header, end = None, 0
-        if header is None or 8 + n + end > size:
+        except (TypeError, KeyError, IndexError, AttributeError):
+            found, n, end = None, 0, 0
+        if found is None or 8 + n + end > path.stat().st_size:
             raise ValueError(f"weights file `{path}` is truncated or not safetensors; re-copy or re-convert the "
                              "model")
 
