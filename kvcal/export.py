@@ -384,7 +384,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     against it first."""
     from kvcal.runtime.bases import served_bases
     from kvcal.runtime.config import CompressionConfig
-    from kvcal.runtime.layout import ALIGN, PageLayout, default_page_bytes
+    from kvcal.runtime.layout import ALIGN, PageLayout
 
     bundle = _bundle(bundle)
     target = _target(model, need_weights=False) if model is not None else None
@@ -395,7 +395,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
                                                    bundle.v_rank, cfg)
-    page_bytes = cfg.page_bytes or default_page_bytes(d, cfg.high)
+    page_bytes = cfg.page_size(d)
     layers = []
     for layer in range(L):
         compressed = bundle.model.layer_types[layer] != "sliding_attention"   # sliding layers stay dense

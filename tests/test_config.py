@@ -30,6 +30,8 @@ def test_round_trip_of_every_setting_the_block_holds():
             window=16, alpha_high=3.0, alpha_low=0.0),
         CompressionConfig(fastgen=FastGenConfig(0.9), qk_removal_rate=0.02, v_removal_rate=0.04).with_policy(
             alpha_high=2.0, alpha_low=0.5, threshold_base="position"),
+        CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32).with_policy(
+            window=32, alpha_high=1e9, alpha_low=0.25),
     ]
     for config in configs:
         d = config.to_dict()
@@ -62,3 +64,16 @@ def test_value_group_and_ranks_round_up_to_it():
     assert torch.equal(ranks_for(spectrum, 0.3), plain)
     grouped = ranks_for(spectrum, 0.3, 8)
     assert bool((grouped % 8 == 0).all()) and bool(((grouped - plain >= 0) & (grouped - plain < 8)).all())
+
+
+def test_pages_are_sized_by_the_low_tier_when_page_tokens_is_set():
+    from kvcal.runtime.layout import PageLayout
+
+    fp16_window = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV2"))
+    assert PageLayout.build(fp16_window.high, 64, 64, fp16_window.page_size(64)).tokens == 32   # 32 fp16 tokens
+    sized = fp16_window.with_(page_tokens=16)
+    assert PageLayout.build(sized.low, 64, 64, sized.page_size(64)).tokens == 16                 # 16 low tokens
+    assert sized.with_(page_bytes=4096).page_size(64) == 4096                                    # explicit wins
+    for bad in (0, -3, 2.5, "32"):
+        with pytest.raises(ValueError, match="page_tokens=.* must be a positive integer"):
+            CompressionConfig.from_dict({"page_tokens": bad})

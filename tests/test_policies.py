@@ -1,5 +1,5 @@
 """Token policies x attention backends: every policy the runtime serves (none, DiffKV tiers with per-token or
-per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU
+per-channel low keys, the residual family's fp16 high tier over per-channel low pages, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU
 emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and all give the same tiers and
 logits."""
 
@@ -20,6 +20,9 @@ POLICIES = {
     "none": CompressionConfig(),
     "diffkv, per-token low": CompressionConfig(low=TierFormat.parse("K4V2")).with_policy(**TIERS),
     "diffkv, per-channel low": CompressionConfig(page_bytes=512).with_policy(**{**TIERS, "alpha_low": 0.8}),
+    "residual: fp16 window, per-channel low": CompressionConfig(
+        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_policy(
+        window=8, alpha_high=1e9, alpha_low=0.5),
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_policy(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_policy(
         **TIERS),
@@ -69,6 +72,8 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
         assert tiers["low"] == tiers["pruned"] == 0
     if "diffkv" in policy:
         assert tiers["low"] > 0                 # per-channel: whole low pages were sealed
+    if "residual" in policy:                    # fp16 holds the window and tokens waiting for a low page, no more
+        assert tiers["low"] > tiers["high"] > 0
     if policy != "none" and "per-channel" not in policy:
         assert tiers["pruned"] > 0
     ref_logits, ref_tiers, _ = _serve(POLICIES[policy].with_(backend="torch"))

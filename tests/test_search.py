@@ -171,3 +171,37 @@ def test_rates_with_the_same_ranks_are_measured_once():
     assert len(probe.calls) == 1 and b.label == "v 0.0001" and b.top1 == a.top1 and b.seconds == 0.0
     search.measure("ranks", "v 0.9", base.with_(v_removal_rate=0.9))              # a real rank change
     assert len(probe.calls) == 2 and probe.calls[-1][1] != [[64]]
+
+
+class ResidualProbe:
+    """A fake probe for the residual family: 2-bit keys miss the target, so does every token leaving the window at
+    4-bit keys, so do windows under 32 and pruning past alpha_low 0.5."""
+
+    def __init__(self):
+        self.calls = []
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        p, low = config.policy, config.low
+        self.calls.append((low.name, p.alpha_high, p.window, p.alpha_low))
+        ok = (low.k_bits >= 4 and not (low.k_bits == 4 and p.alpha_high > 100) and p.window >= 32
+              and p.alpha_low <= 0.5)
+        ratio = 0.2 + 0.02 * low.k_bits + 0.01 * low.v_bits + p.window / 1e3 - 0.01 * p.alpha_low - 1e-5 * p.alpha_high
+        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
+                        prompt_tokens=1, memory={"ratio_to_fp16": ratio}, tiers={})
+
+
+def test_residual_family_walks_cheaper_low_tiers_then_shorter_windows_then_pruning():
+    from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
+
+    probe = ResidualProbe()
+    best = Search(probe, _bundle(), QualityTarget()).residual(BASE)
+    c = best.config
+    assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2", RESIDUAL_PAGE_TOKENS)
+    assert (c.policy.alpha_high, c.policy.window, c.policy.alpha_low) == (16.0, 32, 0.5)
+    assert ("K2cV2", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2" and call[2] < 64
+                                                                for call in probe.calls)
+    assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
+    # a search whose residual family misses everywhere keeps none of it
+    assert Search(ResidualProbe(), _bundle(), QualityTarget()).residual(BASE.with_policy(window=8)) is None

@@ -35,7 +35,7 @@ from kvcal.bundle import Bundle
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import TierFormat, default_page_bytes
+from kvcal.runtime.layout import TierFormat
 from kvcal.runtime.policy import TokenPolicy
 
 KIVI_WINDOW = 64          # recent tokens always fp16
@@ -95,7 +95,6 @@ def _tiers(config: CompressionConfig) -> str:
 
 def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
     """Uniform and KIVI-style quantization, each seed family alone, and kvcal joint (all on the kvcal store)."""
-    d = bundle.model.head_dim
     plain = CompressionConfig(use_ranks=False, rotate=False, mix=False, backend=backend)   # model basis, full rank
     out = []
     for bits in (8, 4, 2):
@@ -104,7 +103,7 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
                           {"high": f"K{bits}V{bits}"}, plain.with_(high=TierFormat(bits, bits)), bundle))
     for k_bits in (4, 2):
         low = TierFormat(k_bits, 2, "channel")
-        cfg = plain.with_(high=TierFormat(16, 16), low=low, page_bytes=default_page_bytes(d, low, KIVI_GROUP),
+        cfg = plain.with_(high=TierFormat(16, 16), low=low, page_tokens=KIVI_GROUP,
                           policy=TokenPolicy(window=KIVI_WINDOW, alpha_high=KIVI_ALPHA, alpha_low=0.0))
         out.append(Method(f"kivi-k{k_bits}v2", f"KIVI K{k_bits}V2", "quantization", "KIVI-style",
                           f"keys per channel (groups of {KIVI_GROUP} tokens), values per token, fp16 residual of "

@@ -53,10 +53,10 @@ def bundle_kv_bytes(bundle, head_dim: int) -> list[float]:
     """Stored K+V bytes per token of each layer (all KV heads) in kvcal's high tier: page bytes per token slot at
     the bundle's ranks, padding and quantization metadata included (tokens demoted to the low tier are smaller)."""
     from kvcal.runtime.cache import CompressionConfig
-    from kvcal.runtime.layout import PageLayout, default_page_bytes
+    from kvcal.runtime.layout import PageLayout
 
     cfg = CompressionConfig.from_dict(bundle.policy)
-    page = cfg.page_bytes or default_page_bytes(head_dim, cfg.high)
+    page = cfg.page_size(head_dim)
     L, H, _ = bundle.shape
     return [sum(PageLayout.build(cfg.high, int(bundle.qk_rank[i, h]), int(bundle.v_rank[i, h]), page).bytes_per_token
                 for h in range(H)) for i in range(L)]

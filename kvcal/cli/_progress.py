@@ -14,7 +14,17 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from kvcal.profile.search import ALPHA_HIGH_GRID, ALPHA_LOW_GRID, LOW_TIERS, PRECISION_LADDER, RATE_GRID, RECOVERY_GRID
+from kvcal.profile.search import (
+    ALPHA_HIGH_GRID,
+    ALPHA_LOW_GRID,
+    LOW_TIERS,
+    PRECISION_LADDER,
+    RATE_GRID,
+    RECOVERY_GRID,
+    RESIDUAL_ALPHA_GRID,
+    RESIDUAL_LOW_TIERS,
+    RESIDUAL_WINDOWS,
+)
 
 RANK_POINTS = 2 * (len(RATE_GRID) + 2)       # QK then V: the grid walk plus two bisection steps each
 # stage -> the most points it can measure (the bar's split of that stage's step)
@@ -22,6 +32,7 @@ STAGE_POINTS = {
     "prefill": 1,
     "precision": len(PRECISION_LADDER),
     "tiers": len(LOW_TIERS) * (len(ALPHA_HIGH_GRID) + len(ALPHA_LOW_GRID)),
+    "residual": len(RESIDUAL_LOW_TIERS) * len(RESIDUAL_ALPHA_GRID) + len(RESIDUAL_WINDOWS) + len(ALPHA_LOW_GRID),
     "policies": len(RECOVERY_GRID),
     "ranks": RANK_POINTS,
     "family": 1 + RANK_POINTS + len(RECOVERY_GRID),

@@ -262,8 +262,8 @@ class Checkpoint:
 
 Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
 # (stage, label, point): a search step starts (point None) or a point was measured. Stages: "prefill" (recording
-# the dense reference), the Search stages ("precision", "tiers", "policies", "ranks"), "family" (each family alone,
-# whose points then come as "ranks"/"policies") and "held-out" (the final check on evaluation text)
+# the dense reference), the Search stages ("precision", "tiers", "residual", "policies", "ranks"), "family" (each
+# family alone, whose points then come as "ranks"/"policies") and "held-out" (the final check on evaluation text)
 SearchProgress = Callable[[str, str, Any], None]
 
 
@@ -543,7 +543,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     base = CompressionConfig().with_policy(window=cfg.window)
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
-    tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers")])
+    tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers", "residual")])
     step("family", "each family alone", None)
     rank_start = search.measure("family", "K16V16 (fp16 store), full rank",
                                 base.with_(high=TierFormat(16, 16)).with_policy(alpha_high=None))

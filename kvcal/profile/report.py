@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "ranks": "tab:orange", "policies": "tab:green",
-                "family": "tab:purple"}
+STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
+                "policies": "tab:green", "family": "tab:purple"}
 
 
 def report_paths(bundle_path: Path) -> dict[str, Path]:

@@ -13,6 +13,12 @@ Stages, each starting from the previous stage's choice; every measured point is 
    pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
    ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
    the grid follows the data rather than the paper;
+   Alongside, the residual family (KIVI's layout inside DiffKV's tiers): the high tier is raw fp16 and holds the
+   recent window plus the tokens above alpha_high (heavy hitters), the low tier has per-channel keys over pages of
+   `RESIDUAL_PAGE_TOKENS` low tokens. Per-channel scales survive outlier key channels that a per-token scale spends
+   its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
+   "every token leaves the window to the low tier" down to keeping more heavy hitters, then shorter windows over
+   `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
 3. policies: FastGen per-head policies (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -49,6 +55,11 @@ LOW_TIERS = ("K4cV2", "K4V2")
 # high tiers by bytes: 4-bit values with one (scale, zero) per token, per 32 and per 16 channels, then 8-bit values
 # (value groups sit between K8V4 and K8V8 in bytes and in quality: docs/results, benchmarks/value_groups.py)
 PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
+RESIDUAL_HIGH = "K16V16"
+RESIDUAL_LOW_TIERS = ("K8cV4", "K4cV4", "K4cV2", "K2cV2")   # by bytes, most precise first
+RESIDUAL_ALPHA_GRID = (1e9, 16.0, 4.0)   # 1e9: no token is that significant, so every token leaves the window low
+RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
+RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -212,6 +223,40 @@ class Search:
             best.append(chosen)
         return cheapest(best) if best else None
 
+    def residual(self, base: CompressionConfig) -> Point | None:
+        """The residual family (module docstring, stage 2): the cheapest feasible point, or None."""
+        start = base.with_(high=TierFormat.parse(RESIDUAL_HIGH), page_tokens=RESIDUAL_PAGE_TOKENS)
+        chosen = None
+        for name in RESIDUAL_LOW_TIERS:
+            found = None
+            for a_h in RESIDUAL_ALPHA_GRID:     # most aggressive first: the first feasible alpha is this tier's best
+                p = self.measure("residual", f"fp16 W={base.policy.window} / {name} a=({a_h:g},0)",
+                                 start.with_(low=TierFormat.parse(name)).with_policy(alpha_high=a_h, alpha_low=0.0))
+                if p.feasible:
+                    found = p
+                    break
+            if found is None:       # cheaper low tiers quantize harder: assumed infeasible too
+                break
+            chosen = found
+        if chosen is None:
+            return None
+        for window in (w for w in RESIDUAL_WINDOWS if w < base.policy.window):
+            c = chosen.config
+            p = self.measure("residual", f"fp16 W={window} / {c.low.name} a=({c.policy.alpha_high:g},0)",
+                             c.with_policy(window=window))
+            if not p.feasible:
+                break
+            chosen = p
+        a_h = chosen.config.policy.alpha_high
+        for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
+            c = chosen.config
+            p = self.measure("residual", f"fp16 W={c.policy.window} / {c.low.name} a=({a_h:g},{a_l:g})",
+                             c.with_policy(alpha_low=a_l))
+            if not p.feasible:
+                break
+            chosen = p
+        return chosen
+
     def policies(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
@@ -249,6 +294,10 @@ class Search:
             tiered = self.tiers(start.config)
             if tiered is not None and _saves(tiered, start):
                 chosen = tiered
+        residual = self.residual(base)
+        if residual is not None and (chosen is None or _saves(residual, chosen)):
+            chosen = residual
+        if chosen is not None:
             chosen = self.policies(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:

@@ -42,7 +42,7 @@ class CompressedKV:
         self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device) for layer in self.layers}
         self.backend = select_backend(config.backend, str(self.device), (config.high, config.low), d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
-                                     batch=batch, device=self.device, page_bytes=config.page_bytes, raw16=raw16,
+                                     batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)

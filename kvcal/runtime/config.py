@@ -9,6 +9,7 @@ The codec is the only reader and writer of a bundle's `policy` block (bundle for
     threshold_base    str    "length" or "position"; written only when not "length"
     fastgen           {recovery, r_local, r_frequent} | absent (FastGen off)
     qk_removal_rate, v_removal_rate   float  FDC removal rates the bundle's ranks came from; written only when > 0
+    page_tokens       int    low-tier tokens per page (the per-channel key group); written only when set
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -19,11 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.layout import TierFormat, default_page_bytes
 from kvcal.runtime.policy import TokenPolicy
 
 POLICY_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
-               "v_removal_rate")
+               "v_removal_rate", "page_tokens")
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,20 @@ class CompressionConfig:
     use_ranks: bool = True        # False: store full rank even if the bundle has lower ranks
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
-    page_bytes: int | None = None  # None: 32 full-rank high-tier tokens per page
+    page_bytes: int | None = None  # explicit page size; None: from `page_tokens`
+    # Pages hold `page_tokens` full-rank low-tier tokens; None: 32 high-tier tokens. A per-channel low tier computes
+    # its key scales over one page and keeps up to a page of low tokens waiting at the high tier, so with a raw
+    # (fp16) high tier the page must be sized by the low tier, or the waiting tokens cost more than they save.
+    page_tokens: int | None = None
     backend: str = "auto"
     fastgen: FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
     qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
     v_removal_rate: float = 0.0
+
+    def __post_init__(self):
+        if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens < 1):
+            raise ValueError(f"`page_tokens={self.page_tokens!r}` must be a positive integer (low-tier tokens per "
+                             "page)")
 
     @classmethod
     def none(cls) -> CompressionConfig:
@@ -51,6 +61,14 @@ class CompressionConfig:
     def value_group(self) -> int:
         """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
         return max(self.high.v_group or 1, self.low.v_group or 1)
+
+    def page_size(self, head_dim: int) -> int:
+        """Bytes per page for heads of `head_dim` (the arena's one page size, shared by both tiers)."""
+        if self.page_bytes:
+            return self.page_bytes
+        if self.page_tokens:
+            return default_page_bytes(head_dim, self.low, self.page_tokens)
+        return default_page_bytes(head_dim, self.high)
 
     def with_(self, **changes) -> CompressionConfig:
         return replace(self, **changes)
@@ -77,6 +95,8 @@ class CompressionConfig:
         for name in ("qk_removal_rate", "v_removal_rate"):
             if getattr(self, name) > 0:
                 out[name] = getattr(self, name)
+        if self.page_tokens is not None:
+            out["page_tokens"] = self.page_tokens
         return out
 
     @classmethod
@@ -91,4 +111,5 @@ class CompressionConfig:
         return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
                        low=TierFormat.parse(d["low"]) if "low" in d else base.low, policy=TokenPolicy(**tokens),
                        fastgen=FastGenConfig(**d["fastgen"]) if d.get("fastgen") else None,
-                       qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0))
+                       qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),
+                       page_tokens=d.get("page_tokens"))
