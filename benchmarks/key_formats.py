@@ -24,9 +24,7 @@ from kvcal.profile.quality import DecodeProbe, QualityTarget
 from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
-
-EVERY_TOKEN_LOW = 1e9     # alpha_high no token reaches: every token that leaves the window goes low
+from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
 
 # (label, high tier, low tier or None, window, alpha_high, alpha_low, rotate)
 ROWS = (

@@ -77,3 +77,14 @@ def test_pages_are_sized_by_the_low_tier_when_page_tokens_is_set():
     for bad in (0, -3, 2.5, "32"):
         with pytest.raises(ValueError, match="page_tokens=.* must be a positive integer"):
             CompressionConfig.from_dict({"page_tokens": bad})
+
+
+def test_the_residual_family_reads_in_words_without_the_sentinel_alpha():
+    from kvcal.profile.report import settings_in_words
+    from kvcal.runtime.policy import EVERY_TOKEN_LOW
+
+    residual = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV2"), page_tokens=32)
+    words = settings_in_words(residual.with_policy(window=32, alpha_high=EVERY_TOKEN_LOW).to_dict())
+    assert "for the 32 newest tokens," in words and "1e+09" not in words and "pages of 32 tokens" in words
+    tiered = settings_in_words(CompressionConfig().with_policy(alpha_high=2.0).to_dict())
+    assert "mean attention >= 2/N" in tiered

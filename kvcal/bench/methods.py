@@ -36,11 +36,11 @@ from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
+from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
 
 KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
-KIVI_ALPHA = 1e9          # alpha_high: every token that leaves the window goes to the low tier
+KIVI_ALPHA = EVERY_TOKEN_LOW   # alpha_high: every token that leaves the window goes to the low tier
 
 FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family (window: the bundle's)
     "rank-only (FDC)": CompressionConfig(high=TierFormat(16, 16), qk_removal_rate=0.04, v_removal_rate=0.04),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
+
 STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
                 "policies": "tab:green", "family": "tab:purple"}
 
@@ -40,13 +42,16 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
     if not high:
         return "the runtime's default settings (the bundle was made without a search)"
     a_h, a_l = settings.get("alpha_high"), settings.get("alpha_low") or 0.0
-    window = settings.get("window", 64)
+    window = settings.get("window", TokenPolicy.window)
     if a_h is None:
         parts = [f"every token as {high} ({tier_in_words(high)})"]
     else:
         low = settings.get("low", "")
-        parts = [f"{high} ({tier_in_words(high)}) for the {window} newest tokens and those with mean attention "
-                 f">= {a_h:g}/N, {low} ({tier_in_words(low)}) for the others"]
+        kept = "" if a_h >= EVERY_TOKEN_LOW else f" and those with mean attention >= {a_h:g}/N"
+        parts = [f"{high} ({tier_in_words(high)}) for the {window} newest tokens{kept}, {low} "
+                 f"({tier_in_words(low)}) for the others"]
+        if settings.get("page_tokens"):
+            parts.append(f"low-tier pages of {settings['page_tokens']} tokens")
         if a_l > 0:
             parts.append(f"tokens below {a_l:g}/N dropped")
     fast = settings.get("fastgen")

@@ -46,6 +46,7 @@ from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policy import EVERY_TOKEN_LOW
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ LOW_TIERS = ("K4cV2", "K4V2")
 PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
 RESIDUAL_HIGH = "K16V16"
 RESIDUAL_LOW_TIERS = ("K8cV4", "K4cV4", "K4cV2", "K2cV2")   # by bytes, most precise first
-RESIDUAL_ALPHA_GRID = (1e9, 16.0, 4.0)   # 1e9: no token is that significant, so every token leaves the window low
+RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 16.0, 4.0)   # most aggressive first
 RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early

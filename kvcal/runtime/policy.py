@@ -28,6 +28,9 @@ from kvcal.runtime.cache_policy import CachePolicy, Prompt
 from kvcal.runtime.pages import HIGH, LOW
 
 TIER_HIGH, TIER_LOW, TIER_PRUNED = 0, 1, 2   # a token's tier (page-table sides are pages.HIGH / LOW)
+# an alpha_high no token's significance reaches (mean attention >= 1e9 / N): every token that leaves the window goes
+# to the low tier, as in KIVI. A finite number, so the policy block stays plain JSON
+EVERY_TOKEN_LOW = 1e9
 
 
 @dataclass(frozen=True)
