@@ -297,3 +297,26 @@ def test_fastgen_prunes_and_replays():
     probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok, fastgen=fast)
     replayed = probe.measure(cfg)
     assert replayed.top1 == full.top1 and abs(replayed.kl - full.kl) < 1e-6 and replayed.tiers == full.tiers
+
+
+def test_runtime_depends_only_on_torch_safetensors_transformers():
+    """Every import in kvcal/runtime, lazy ones included, is the standard library, the runtime itself, torch,
+    safetensors or transformers (the optional cuda backend adds cuda-python and its numpy)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "kvcal" / "runtime"
+    allowed = {"torch", "safetensors", "transformers"}
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        extra = {"cuda", "numpy"} if "cuda" in f.relative_to(root).parts else set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                if name.startswith("kvcal.runtime") or top in sys.stdlib_module_names | allowed | extra:
+                    continue
+                bad.append(f"{f.relative_to(root)}: {name}")
+    assert not bad, bad

@@ -22,6 +22,7 @@ from contextvars import ContextVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvcal.runtime.adapters import adapter_for, fingerprint, weights_hash
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 
 KVCAL_IMPL = "kvcal"
@@ -146,8 +147,6 @@ class KvcalCache(Cache):
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
         """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
         attention function on the model, and return an empty cache. `config` defaults to the bundle's policy."""
-        from kvcal.models import adapter_for, fingerprint, weights_hash
-
         adapter = adapter_for(model.config)
         bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
                            shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
