@@ -29,8 +29,9 @@ class CompressedKV:
 
     def __init__(self, rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                 raw16: torch.dtype = torch.float16):
-        """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int."""
+                 raw16: torch.dtype = torch.float16, token_classes: tuple | None = None):
+        """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
+        tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation."""
         L, H, d, _ = rotation.shape
         self.config, self.batch, self.device = config, batch, torch.device(device)
         self.layers = [i for i in range(L) if not sliding[i]]
@@ -47,13 +48,14 @@ class CompressedKV:
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
+        self.token_classes = token_classes
         self.policies: list[CachePolicy] = cache_policies(self)   # token policies, run in this order
 
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                    raw16: torch.dtype = torch.float16) -> CompressedKV:
+                    raw16: torch.dtype = torch.float16, token_classes: tuple | None = None) -> CompressedKV:
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
-                   sliding=sliding, device=device, raw16=raw16)
+                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
