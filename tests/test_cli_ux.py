@@ -102,8 +102,9 @@ def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     from kvcal.models import load_model
 
     lm = load_model(str(tiny_dir), dtype="float32")
-    built = (M.cache_methods(lm.model) + M.store_methods(random_bundle(lm.model, lm.tokenizer))
-             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None))
+    bundle = random_bundle(lm.model, lm.tokenizer)
+    built = (M.cache_methods(lm.model) + M.store_methods(bundle)
+             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None, bundle))
     assert {m.key for m in built} == set(METHOD_KEYS)
     assert {m.family for m in built} == set(METHOD_FAMILIES)
     text = " ".join(_help(["bench"], 100).split())

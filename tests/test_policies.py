@@ -1,7 +1,7 @@
 """Token policies x attention backends: every policy the runtime serves (none, DiffKV tiers with per-token or
-per-channel low keys, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU
-emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and all give the same tiers and
-logits."""
+per-channel low keys, FastGen alone and on top of tiers, the H2O / SnapKV / StreamingLLM eviction baselines) runs end
+to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU emulation
+(the kernels' plans, descriptor tables and page writes, run on the CPU), and all give the same tiers and logits."""
 
 import functools
 
@@ -12,8 +12,11 @@ from conftest import make_model, random_bundle
 from kvcal.runtime import attention
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.snapkv import SnapKVConfig
+from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 TIERS = dict(window=8, alpha_high=2.0, alpha_low=1.5)
 POLICIES = {
@@ -23,6 +26,12 @@ POLICIES = {
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_policy(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_policy(
         **TIERS),
+    # the eviction baselines: as `kvcal bench` serves them (fp16 store, model basis), and on top of tiers
+    "h2o": CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False,
+                             h2o=H2OConfig(0.4)),
+    "snapkv": CompressionConfig(snapkv=SnapKVConfig(0.4, window=8, reserve=12)),
+    "streamingllm + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"),
+                                               streamingllm=StreamingLLMConfig(0.5)).with_policy(**TIERS),
 }
 BACKENDS = ("torch", "cpu", "cuda-emulated")
 

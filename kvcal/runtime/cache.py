@@ -167,7 +167,7 @@ class CompressedKV:
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
         out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
-                                               track_scores=self.config.policy.tiered)
+                                               track_scores=any(p.reads_scores for p in self.policies))
         start = self.length[layer]
         b, h = self.every_entry()
         for i in range(n):

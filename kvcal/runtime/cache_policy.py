@@ -22,10 +22,13 @@ from typing import ClassVar
 
 import torch
 
-# name -> "module:Class", in the order the policies run (DiffKV tiers first: FastGen prunes what it drops from them)
+# name -> "module:Class", in the order the policies run (DiffKV tiers first: the others prune what they drop from them)
 CACHE_POLICIES = {
     "diffkv": "kvcal.runtime.policy:DiffKVTiers",
     "fastgen": "kvcal.runtime.fastgen:FastGenEviction",
+    "h2o": "kvcal.runtime.h2o:H2OEviction",
+    "snapkv": "kvcal.runtime.snapkv:SnapKVEviction",
+    "streamingllm": "kvcal.runtime.streamingllm:StreamingLLMEviction",
 }
 
 
@@ -51,6 +54,12 @@ class CachePolicy(ABC):
     def enabled(cls, config) -> bool:
         """Whether `config` (a CompressionConfig) turns this policy on."""
         return True
+
+    @property
+    def reads_scores(self) -> bool:
+        """Whether `decode` reads the stored tokens' cumulative scores, so decode attention must keep adding to them
+        (tracking costs a second pass over the probabilities on every backend)."""
+        return False
 
     def prompt_statistics(self, query, key, real, score, scale) -> torch.Tensor | None:
         """Statistics of the uncompressed prompt this policy needs at prefill: query [B, H, g, n, d], key
