@@ -209,14 +209,20 @@ def cache_methods(model) -> list[Method]:
 
 
 EVICTION_STORE = CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False)   # fp16, as is
+EVICTION_PAGE_TOKENS = 8  # small pages: a budgeted entry holds at most one partly filled page of slack
+
+
+def eviction_page_bytes(head_dim: int) -> int:
+    return default_page_bytes(head_dim, EVICTION_STORE.high, EVICTION_PAGE_TOKENS)
 
 
 def eviction_fraction(ratio: float, head_dim: int) -> float:
     """Share of tokens an eviction baseline keeps so that its store holds `ratio` of the fp16 bytes of every token
     seen: an fp16 token is 4 * head_dim bytes, a stored one its page slot (K, V, score and position). Page rounding
-    comes on top (at most one partly filled page per sequence, layer and KV head) and is measured, not budgeted."""
+    comes on top (a partly filled page per sequence, layer and KV head, plus the slot the newest token takes before
+    the policy evicts) and is measured, not budgeted."""
     fmt = EVICTION_STORE.high
-    slot = PageLayout.build(fmt, head_dim, head_dim, default_page_bytes(head_dim, fmt)).bytes_per_token
+    slot = PageLayout.build(fmt, head_dim, head_dim, eviction_page_bytes(head_dim)).bytes_per_token
     return min(1.0, ratio * 4 * head_dim / slot)
 
 
@@ -225,7 +231,7 @@ def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundl
     """StreamingLLM, H2O, SnapKV (runtime policies on `bundle`'s store) and Palu budgeted to `ratio` of fp16 bytes
     (kvcal joint's measured ratio). `palu()` returns the PaluFactors (computed on first use)."""
     f = eviction_fraction(ratio, adapter.head_dim)
-    store = EVICTION_STORE.with_(backend=backend)
+    store = EVICTION_STORE.with_(backend=backend, page_bytes=eviction_page_bytes(adapter.head_dim))
     out = [
         Method("streamingllm", "StreamingLLM", "eviction", "StreamingLLM",
                f"4 sink tokens + recent window, {ratio:.3f} of fp16 bytes", {"ratio": ratio, "fraction": f, "sinks": 4},
