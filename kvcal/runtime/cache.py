@@ -17,7 +17,7 @@ import torch
 
 from kvcal.runtime.attention import select_backend
 from kvcal.runtime.bases import served_bases
-from kvcal.runtime.cache_policy import CachePolicy, Prompt, cache_policies
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks, cache_policies
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
@@ -90,8 +90,11 @@ class CompressedKV:
         B, H, g, n, d = q.shape
         real = pad if pad is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]   # [B, n, n]
-        out, score = self.backend.prefill(q.float(), key.float(), value.float(), mask, scale)
-        statistics = {p.name: p.prompt_statistics(q, key, real, score, scale) for p in self.policies}
+        blocks = PromptBlocks(q.float(), key.float(), mask, scale)
+        reads = any(p.reads_prompt_probs for p in self.policies)
+        out, score = self.backend.prefill(blocks.query, blocks.keys, value.float(), mask, scale,
+                                          on_block=blocks.keep if reads else None)
+        statistics = {p.name: p.prompt_statistics(blocks, real, score) for p in self.policies}
         if self.recorder is not None:
             self.recorder[layer] = (key.float(), value.float(), score, real, statistics)
         self.write_prefill(layer, key, value, score, real, statistics)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.runtime.cache_policy import CachePolicy, Prompt
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_PRUNED
 
@@ -313,22 +313,17 @@ class FastGenEviction(CachePolicy):
                              "`inputs_embeds`) through a cache made by `KvcalCache.from_bundle(..., tokenizer=...)`")
         return token_flags(self.token_ids, self.special, self.punct)
 
-    def prompt_statistics(self, query, key, real, score, scale) -> torch.Tensor:
-        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy (prompt attention recomputed in
-        query blocks, because the ranking of frequent tokens needs the final column sums first)."""
-        from kvcal.runtime.attention import prefill_rows
+    reads_prompt_probs = True
 
-        B, H, g, n, d = query.shape
+    def prompt_statistics(self, blocks: PromptBlocks, real, score) -> torch.Tensor:
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy. It needs the final column sums
+        (the ranking of frequent tokens) before it can read any block, so it reads the prefill's probability blocks
+        after the prefill: those the backend handed over, the rest recomputed (`PromptBlocks`)."""
+        B, H, g, n, d = blocks.query.shape
         is_special, is_punct = self._flags(n)
         n_pad = (~real).sum(-1)
-        total = torch.zeros(4, B, H, device=query.device)
-        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :]
-        step = prefill_rows(B, H, g, n)
-        for start in range(0, n, step):
-            rows = torch.arange(start, min(start + step, n), device=query.device)
-            logits = torch.einsum("bhgnd,bhsd->bhgns", query[:, :, :, rows].float(), key.float()) * scale
-            probs = torch.softmax(logits + torch.where(causal[:, None, None, rows], 0.0, float("-inf")), dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)
+        total = torch.zeros(4, B, H, device=blocks.query.device)
+        for rows, probs in blocks:
             total += prompt_recovery(probs, rows, is_special[:, :n], is_punct[:, :n], score, self.kv.config.fastgen,
                                      n_pad)
         return total / (n - n_pad).clamp(min=1).to(total.dtype)[None, :, None]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcal.runtime.cache_policy import Prompt
+from kvcal.runtime.attention import prompt_probs
+from kvcal.runtime.cache_policy import Prompt, PromptBlocks
 from kvcal.runtime.eviction import BudgetEviction, TokenBudget, rank_by_score
 
 
@@ -45,16 +46,12 @@ class SnapKVEviction(BudgetEviction):
     name = "snapkv"
     evicts_in_decode = False
 
-    def prompt_statistics(self, query, key, real, score, scale) -> torch.Tensor:
+    def prompt_statistics(self, blocks: PromptBlocks, real, score) -> torch.Tensor:
         """Window votes float32 [B, H, n]: the probability the last `window` queries give each key, summed over them
-        and over the g query heads (query [B, H, g, n, d], key [B, H, n, d], real bool [B, n])."""
-        B, H, g, n, d = query.shape
+        and over the g query heads (one small extra block: the prefill's blocks do not end at the window)."""
+        n = blocks.query.shape[3]
         w = min(self.settings.window, n)
-        rows = torch.arange(n - w, n, device=query.device)
-        allowed = (torch.arange(n, device=query.device)[None, :] <= rows[:, None])[None] & real[:, None, :]
-        logits = torch.einsum("bhgnd,bhsd->bhgns", query[:, :, :, n - w:].float(), key.float()) * scale
-        probs = torch.softmax(logits.masked_fill(~allowed[:, None, None], float("-inf")), dim=-1)
-        return torch.nan_to_num(probs, nan=0.0).sum(dim=(2, 3))
+        return prompt_probs(blocks.query, blocks.keys, blocks.mask, blocks.scale, slice(n - w, n)).sum(dim=(2, 3))
 
     def budget(self, real: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self.settings.prompt_tokens(int(n)) for n in real.tolist()], device=real.device)
