@@ -83,3 +83,34 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
     ref_logits, ref_tiers, _ = _serve(POLICIES[policy].with_(backend="torch"))
     assert tiers == ref_tiers
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])
+def test_eviction_budgets_count_the_real_tokens_of_left_padded_prompts(name):
+    """With left padding, each sequence keeps the budget of its own real length and never a padding token."""
+    from conftest import random_text
+
+    from kvcal.runtime.h2o import H2OConfig
+
+    model, tok, bundle = _model()
+    tok.padding_side = "left"
+    inputs = tok([random_text(60, seed=1), random_text(30, seed=2)], return_tensors="pt", padding=True)
+    settings = {"streamingllm": StreamingLLMConfig(0.5), "h2o": H2OConfig(0.5),
+                "snapkv": SnapKVConfig(0.5, window=8)}[name]
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(**{name: settings}), tokenizer=tok)
+    with torch.inference_mode():
+        model(**inputs, past_key_values=cache, use_cache=True)
+    kv = cache.kv
+    n = inputs.input_ids.shape[1]
+    real = inputs.attention_mask.sum(-1)
+    budget = [settings.prompt_tokens(int(r)) if name == "snapkv" else settings.tokens(int(r)) for r in real]
+    b, h = kv.every_entry()
+    for layer in kv.layers:
+        pos = kv.store.section_meta(layer, 0, b, h)[1].view(2, kv.store.num_kv_heads, -1)
+        for seq in range(2):
+            kept = pos[seq][pos[seq] >= 0].view(kv.store.num_kv_heads, -1)
+            assert kept.shape[-1] == budget[seq] < int(real[seq])
+            assert bool((kept >= n - real[seq]).all())                       # no padding token is held
+            if name == "streamingllm":
+                first = int(n - real[seq])
+                assert set(range(first, first + 4)) <= set(kept[0].tolist())

@@ -8,7 +8,9 @@ How the two halves meet: transformers calls `cache.update(k, v, layer_idx)` righ
 passes the layer's attention module to that function. `KvcalLayer.update` records the new post-RoPE K/V as pending
 for its layer; the `kvcal` attention function picks them up and runs the compressed path (`CompressedKV.forward`).
 Any call without a pending kvcal layer (another cache, a sliding layer) runs transformers' SDPA attention unchanged,
-so a model with `kvcal` attention installed still works with `DynamicCache`.
+so a model with `kvcal` attention installed still works with `DynamicCache`. Token ids, which attention functions
+never see, reach the cache through a pre-hook on the model's decoder that hands each call's `input_ids` to the
+`KvcalCache` of that call (FastGen keeps them).
 
 Sliding-window layers (Gemma3) keep transformers' own `DynamicSlidingWindowLayer`, uncompressed: they hold at most
 `sliding_window` tokens by design, so they behave exactly as they do densely; the compressed layers are the global
