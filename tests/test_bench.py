@@ -341,6 +341,9 @@ def test_bench_json_report_is_stable(bench_run):
     assert dense["quality"]["top1"] == 1.0 and abs(dense["quality"]["kl"]) < 1e-6
     joint = next(m for m in report["methods"] if m["key"] == "kvcal-joint")
     assert report["settings"]["matched_ratio"] == joint["memory"]["ratio_to_fp16"]
+    for m in report["methods"]:                        # the matched rows report the budget they ran at
+        if m["key"] in ("streamingllm", "h2o", "snapkv", "palu"):
+            assert m["settings"]["ratio"] == report["settings"]["matched_ratio"], m["settings"]
     assert report["summary"]["verdict"] and report["summary"]["kvcal_joint"]["key"] == "kvcal-joint"
 
 

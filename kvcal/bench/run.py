@@ -346,6 +346,8 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     quality(joint)
     ratio = rows["kvcal-joint"]["memory"]["ratio_to_fp16"]
     matched = M.matched_methods(model, adapter, ratio, palu_factors, bundle, s.backend)
+    for m in matched:               # the rows were made from placeholders budgeted at 1.0: say the real budget
+        rows[m.key].update(description=m.description, settings=m.settings)
     runnable = [m for m in base + matched + sweep if m.key in chosen and not m.unavailable]
     for m in runnable:
         if rows[m.key]["quality"] is None:
