@@ -53,11 +53,6 @@ def _ids(tok, n_seq=2, n_words=70):
     return torch.stack(rows)
 
 
-def _eviction(cls, a, ratio=0.3, **kw):
-    return cls(ratio=ratio, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=torch.float32,
-               layer_types=list(a.layer_types), **kw)
-
-
 def _held(obj) -> int:
     """Bytes of every tensor an object holds in its attributes, found independently of its `memory()`."""
     total = 0
@@ -84,7 +79,6 @@ def test_dense_baseline_reproduces_the_models_own_logits(tiny):
     ids = _ids(tok)
     with torch.inference_mode():
         ref = model(input_ids=ids).logits[:, 39:]
-    C.install(model)
     cache = C.DenseCache(config=model.config)
     got = _decode(model, cache, ids, 40)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -95,69 +89,100 @@ def test_dense_baseline_reproduces_the_models_own_logits(tiny):
     assert mem["ratio_to_fp16"] == 2.0
 
 
-@pytest.mark.parametrize("cls, ratio, P", [(C.StreamingLLMCache, 0.3, 40), (C.H2OCache, 0.3, 40),
-                                           (C.SnapKVCache, 0.5, 56)])
-def test_eviction_keeps_exactly_the_budget_and_counts_what_it_holds(tiny, cls, ratio, P):
+def _eviction(model, tok, name, ratio, **settings):
+    """A KvcalCache serving the eviction baseline `name` as the bench builds it, budgeted to `ratio` of fp16 bytes,
+    with its settings changed by `settings`."""
+    import dataclasses
+
+    from conftest import random_bundle
+
+    a = adapter_for(model.config)
+    method = next(m for m in M.matched_methods(model, a, ratio, lambda: None, random_bundle(model, tok))
+                  if m.key == name)
+    method.config = method.config.with_(**{name: dataclasses.replace(getattr(method.config, name), **settings)})
+    return method
+
+
+def _kept_positions(cache, layer):
+    """Cache indices each (sequence, KV head) holds in `layer`, sorted: int64 [B, H, kept] (the same count for every
+    entry, or the stack fails)."""
+    kv = cache.kv
+    b, h = kv.every_entry()
+    pos = torch.cat([kv.store.section_meta(layer, side, b, h)[1] for side in (0, 1)], dim=-1)
+    rows = [p[p >= 0].sort().values for p in pos]
+    return torch.stack(rows).view(kv.batch, kv.store.num_kv_heads, -1)
+
+
+@pytest.mark.parametrize("name, ratio, P, settings", [("streamingllm", 0.3, 40, {}), ("h2o", 0.3, 40, {}),
+                                                     ("snapkv", 0.5, 56, {"window": 8})])
+def test_eviction_keeps_exactly_the_budget_and_counts_what_it_holds(tiny, name, ratio, P, settings):
+    """Each eviction baseline, a runtime token policy, holds exactly its token budget after every step, keeps the
+    tokens its method defines, and its real page bytes meet the matched ratio (plus at most one page per entry)."""
     model, tok, a = tiny
     ids = _ids(tok)
     steps = ids.shape[1] - P
-    C.install(model)
-    kw = {"reserve": steps, "window": 8} if cls is C.SnapKVCache else {}
-    cache = _eviction(cls, a, ratio, **kw)
+    method = _eviction(model, tok, name, ratio, **settings)
+    cache = method.make_cache(model, tok, reserve=steps)
+    cfg = getattr(cache.config, name)                      # SnapKV: with the steps to come as its reserve
+    assert cfg.fraction == pytest.approx(M.eviction_fraction(ratio, a.head_dim))
+    layers = range(a.num_layers)
     with torch.inference_mode():
         model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True)
-        prompt_kept = cache.kept_tokens()[0]
         for t in range(P, ids.shape[1]):
-            seen = t                                      # tokens seen before this step
-            want = cache.prompt_budget(P) + seen - P if cls is C.SnapKVCache else cache.budget(seen)
-            assert cache.kept_tokens() == [want] * a.num_layers, (t, cache.kept_tokens(), want)
+            want = cfg.prompt_tokens(P) + t - P if name == "snapkv" else cfg.tokens(t)
+            assert all(_kept_positions(cache, i).shape[-1] == want for i in layers), (t, want)
             model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
     n = ids.shape[1]
-    final = cache.kept_tokens()[0]
-    if cls is C.SnapKVCache:
-        assert prompt_kept == cache.prompt_budget(P) and final == cache.budget(n)     # memory met at the end
-    else:
-        assert final == cache.budget(n)
-    for layer in cache.layers:
-        assert layer.keys.shape == (2, a.num_kv_heads, final, a.head_dim) and layer.keys.dtype == torch.float16
-        pos = layer.pos
-        assert bool((pos[..., 1:] > pos[..., :-1]).all())                     # ascending, no duplicates
-        if cls is C.StreamingLLMCache:
-            assert pos[0, 0].tolist() == [0, 1, 2, 3] + list(range(n - final + 4, n))
-        elif cls is C.H2OCache:
-            recent = cache.recent_for(final)
+    final = _kept_positions(cache, 0).shape[-1]
+    assert final == cfg.tokens(n)                                                 # memory met at the end
+    for i in layers:
+        pos = _kept_positions(cache, i)
+        if name == "streamingllm":
+            assert bool((pos == torch.tensor([0, 1, 2, 3] + list(range(n - final + 4, n)))).all())
+        elif name == "h2o":
+            recent = int(cfg.recent_for(torch.tensor([final]))[0])
             assert bool((pos[..., -recent:] == torch.arange(n - recent, n)).all())
         else:                                             # the observation window, then every decode token
             assert bool((pos[..., -(steps + 8):] == torch.arange(P - 8, n)).all())
     mem = cache.memory()
-    assert mem["total_bytes"] == sum(_held(layer) for layer in cache.layers)
-    assert mem["fp16_bytes"] == a.num_layers * 2 * a.num_kv_heads * n * a.head_dim * 4
-    per_token = 2 * a.head_dim * 2 + 4 + (4 if cls is C.H2OCache else 0)     # fp16 K, V + int32 position (+ score)
-    assert mem["total_bytes"] == a.num_layers * 2 * a.num_kv_heads * final * per_token
-    assert ratio <= mem["ratio_to_fp16"] < ratio + per_token / (n * a.head_dim * 4)   # matched, one token of slack
+    page = cache.kv.store.page_bytes
+    fp16 = a.num_layers * 2 * a.num_kv_heads * n * a.head_dim * 4
+    assert mem["total_bytes"] == cache.kv.store.bytes_in_use() and mem["fp16_bytes"] == fp16
+    # matched: a budget's rounding up (one slot) and a partly filled page of slack per entry at most
+    slot = page // PageLayout.build(TierFormat(16, 16), a.head_dim, a.head_dim, page).tokens
+    assert ratio <= mem["ratio_to_fp16"] <= ratio + a.num_layers * 2 * a.num_kv_heads * (page + slot) / fp16
+    assert page == M.eviction_page_bytes(a.head_dim)
+    assert cache.kv.store.high.name == "K16V16" and not cache.kv.config.rotate and not cache.kv.config.use_ranks
+    cache.release()
 
 
 def test_h2o_keeps_the_heaviest_hitters(tiny):
-    """After a prefill, H2O keeps the recent tokens and the prompt tokens with the most attention received, summed
-    over every query and the KV head's query heads (checked against transformers' eager attention weights)."""
+    """After a prefill, H2O keeps the recent tokens and the prompt tokens with the most attention received: per query
+    the max over the KV head's query heads (the runtime's significance), summed over every query (checked against
+    transformers' eager attention weights)."""
     model, tok, a = tiny
     ids = _ids(tok, n_seq=1)
     n, recent = ids.shape[1], 4
-    C.install(model)
-    cache = _eviction(C.H2OCache, a, ratio=0.5, recent=recent)
+    method = _eviction(model, tok, "h2o", 0.5, fraction=0.5, recent=recent)
+    cache = method.make_cache(model, tok)
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     eager, _ = make_model("llama")
     eager.set_attn_implementation("eager")
     with torch.inference_mode():
         probs = eager(input_ids=ids, output_attentions=True).attentions            # per layer [1, Hq, n, n]
-    budget, g = cache.budget(n), a.num_q_heads // a.num_kv_heads
-    for layer, p in zip(cache.layers, probs):
-        score = p.sum(dim=2).view(1, a.num_kv_heads, g, n).sum(dim=2)              # [1, H, n]
+    budget, g = method.config.h2o.tokens(n), a.num_q_heads // a.num_kv_heads
+    kv = cache.kv
+    b, h = kv.every_entry()
+    for layer, p in enumerate(probs):
+        score = p.view(1, a.num_kv_heads, g, n, n).amax(dim=2).sum(dim=2)            # [1, H, n]
         heavy = score[..., :n - recent].topk(budget - recent, dim=-1).indices.sort(dim=-1).values
         want = torch.cat([heavy, torch.arange(n - recent, n).expand(1, a.num_kv_heads, recent)], dim=-1)
-        assert torch.equal(layer.pos.long(), want)
-        torch.testing.assert_close(layer.score, score.gather(-1, want), atol=1e-4, rtol=1e-4)
+        assert torch.equal(_kept_positions(cache, layer), want)
+        stored, pos = kv.store.section_meta(layer, 0, b, h)
+        kept = pos >= 0
+        torch.testing.assert_close(stored[kept].view(1, a.num_kv_heads, -1),
+                                   score.gather(-1, pos[kept].view(1, a.num_kv_heads, -1)), atol=1e-4, rtol=1e-4)
 
 
 def test_palu_at_full_rank_is_dense_and_counts_its_latents(tiny):
@@ -167,7 +192,6 @@ def test_palu_at_full_rank_is_dense_and_counts_its_latents(tiny):
     factors = palu_factors(model, a, calib)
     with torch.inference_mode():
         ref = model(input_ids=ids).logits[:, 39:]
-    C.install(model)
     full = PaluCache(model, factors, a.head_dim, list(a.layer_types))
     torch.testing.assert_close(_decode(model, full, ids, 40), ref, atol=2e-3, rtol=0)    # fp16 latents
     half = PaluCache(model, factors, a.head_dim // 2, list(a.layer_types))
@@ -180,7 +204,6 @@ def test_palu_at_full_rank_is_dense_and_counts_its_latents(tiny):
 def test_transformers_quantized_cache_fp8_counts_its_bytes(tiny):
     model, tok, a = tiny
     ids = _ids(tok)
-    C.install(model)
     cache = C.MeasuredQuantizedCache("fp8", model.config)
     _decode(model, cache, ids, 40)
     mem = cache.memory()
@@ -252,7 +275,7 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
     sweep = M.sweep_methods(b, joint, quick=True)
     assert sweep and all(m.family == "kvcal" and m.config.policy != joint.config.policy for m in sweep)
     lm = load_model(str(tiny_dir), dtype="float32")
-    matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None)
+    matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None, b)
     assert {m.key for m in matched} == {"streamingllm", "h2o", "snapkv", "palu"}
     assert next(m for m in matched if m.key == "palu").settings["rank"] == round(0.4 * lm.adapter.head_dim)
 
@@ -318,6 +341,9 @@ def test_bench_json_report_is_stable(bench_run):
     assert dense["quality"]["top1"] == 1.0 and abs(dense["quality"]["kl"]) < 1e-6
     joint = next(m for m in report["methods"] if m["key"] == "kvcal-joint")
     assert report["settings"]["matched_ratio"] == joint["memory"]["ratio_to_fp16"]
+    for m in report["methods"]:                        # the matched rows report the budget they ran at
+        if m["key"] in ("streamingllm", "h2o", "snapkv", "palu"):
+            assert m["settings"]["ratio"] == report["settings"]["matched_ratio"], m["settings"]
     assert report["summary"]["verdict"] and report["summary"]["kvcal_joint"]["key"] == "kvcal-joint"
 
 

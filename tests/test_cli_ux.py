@@ -75,6 +75,24 @@ def test_help_shows_each_default_once_flags_as_flags_and_what_is_required():
     assert "Usage: kvcal export [OPTIONS] BUNDLE" in " ".join(export.split())
 
 
+def test_calibrate_defaults_are_the_library_defaults():
+    """Each calibrate option's default is the library's (CalibrationConfig, QualityTarget), not a second literal: a
+    default changed there is the default of the command."""
+    import dataclasses
+
+    import typer.main
+
+    from kvcal.profile.calibrate import CalibrationConfig
+    from kvcal.profile.quality import QualityTarget
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["calibrate"].params}
+    library = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)
+               if f.default is not dataclasses.MISSING and f.name in params}
+    library.update(target_top1=QualityTarget.top1, target_ppl_ratio=QualityTarget.ppl_ratio, target_z=QualityTarget.z)
+    assert len(library) >= 15
+    assert {k: params[k] for k in library} == library
+
+
 def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     """The keys in `--methods` are spelled out for `--help`; they must be the keys `kvcal bench` really builds."""
     from conftest import random_bundle
@@ -84,8 +102,9 @@ def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     from kvcal.models import load_model
 
     lm = load_model(str(tiny_dir), dtype="float32")
-    built = (M.cache_methods(lm.model) + M.store_methods(random_bundle(lm.model, lm.tokenizer))
-             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None))
+    bundle = random_bundle(lm.model, lm.tokenizer)
+    built = (M.cache_methods(lm.model) + M.store_methods(bundle)
+             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None, bundle))
     assert {m.key for m in built} == set(METHOD_KEYS)
     assert {m.family for m in built} == set(METHOD_FAMILIES)
     text = " ".join(_help(["bench"], 100).split())

@@ -41,6 +41,29 @@ def test_round_trip_of_every_setting_the_block_holds():
     assert configs[2].to_dict()["fastgen"] == {"recovery": 0.9, "r_local": 0.3, "r_frequent": 0.3}
 
 
+def test_eviction_settings_round_trip_and_are_off_when_absent():
+    """H2O, SnapKV and StreamingLLM are one settings block each; a block without them (every bundle written before
+    they existed) reads them as off, and a config without them writes none of their keys."""
+    from kvcal.runtime.h2o import H2OConfig
+    from kvcal.runtime.snapkv import SnapKVConfig
+    from kvcal.runtime.streamingllm import StreamingLLMConfig
+
+    config = CompressionConfig(h2o=H2OConfig(0.25, recent=8), snapkv=SnapKVConfig(0.3, window=16, reserve=4),
+                               streamingllm=StreamingLLMConfig(0.5, sinks=2))
+    d = json.loads(json.dumps(config.to_dict()))
+    assert list(d) == [k for k in POLICY_KEYS if k in d]
+    assert d["h2o"] == {"fraction": 0.25, "recent": 8} and d["streamingllm"] == {"fraction": 0.5, "sinks": 2}
+    assert CompressionConfig.from_dict(d) == config
+    old = CompressionConfig.from_dict({"window": 64, "high": "K8V4"})
+    assert old.h2o is None and old.snapkv is None and old.streamingllm is None
+    assert not {"h2o", "snapkv", "streamingllm"} & set(CompressionConfig().to_dict())
+    for bad, fix in (({"h2o": {"fraction": 0.0}}, "must be in \\(0, 1\\]"),
+                     ({"snapkv": {"fraction": 0.5, "kernel": 4}}, "must be odd"),
+                     ({"streamingllm": {"fraction": 0.5, "sinks": -1}}, "must be >= 0")):
+        with pytest.raises(ValueError, match=fix):
+            CompressionConfig.from_dict(bad)
+
+
 def test_unsearched_block_records_the_window_only_and_reads_back_defaults():
     config = CompressionConfig().with_policy(window=32)
     assert config.to_dict(searched=False) == {"window": 32}

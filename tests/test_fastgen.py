@@ -374,3 +374,41 @@ def test_policy_collector_requires_tokens_and_skips_sliding_layers():
     fresh = PolicyCollector(adapter_for(model.config), *token_classes(tok))
     with pytest.raises(RuntimeError, match="set_tokens"), torch.no_grad(), capturing(model, fresh):
         model(input_ids=torch.tensor([[1, 5, 6, 7]]), use_cache=False)
+
+
+def test_fastgen_reads_the_prefills_probabilities_instead_of_recomputing(monkeypatch):
+    """FastGen's prompt recovery reads the probability blocks the backend's prefill computed (no softmax of its own);
+    blocks beyond the kept budget are recomputed by the same function, so the statistics are bit-identical."""
+    from conftest import make_model, random_bundle, random_text
+
+    import kvcal.runtime.cache_policy as cache_policy
+    from kvcal.runtime import attention
+    from kvcal.runtime.config import CompressionConfig
+    from kvcal.runtime.hf import KvcalCache
+
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    tok.padding_side = "left"
+    inputs = tok([random_text(120, seed=1), random_text(70, seed=2)], return_tensors="pt", padding=True)
+    monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", 1 << 14)          # several row blocks per prompt
+    calls = []
+    real_probs = cache_policy.prompt_probs
+    monkeypatch.setattr(cache_policy, "prompt_probs", lambda *a: calls.append(a[-1]) or real_probs(*a))
+
+    def recovery(kept_elements):
+        monkeypatch.setattr(cache_policy, "PROMPT_PROBS_KEPT", kept_elements)
+        calls.clear()
+        cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=FastGenConfig(0.9)), tokenizer=tok)
+        cache.record = True
+        with torch.no_grad():
+            model(**inputs, past_key_values=cache, use_cache=True)
+        return {layer: r[4]["fastgen"] for layer, r in cache.kv.recorder.items()}, len(calls)
+
+    reused, recomputed = recovery(1 << 26)
+    assert recomputed == 0
+    n = inputs.input_ids.shape[1]
+    blocks = len(attention.prompt_rows(torch.empty(2, 2, 2, n, 0)))
+    assert blocks > 2
+    partly, recomputed = recovery(1 << 16)                               # the first block or so kept, the rest not
+    assert 0 < recomputed < blocks * len(reused)
+    assert all(torch.equal(reused[layer], partly[layer]) for layer in reused)

@@ -1,7 +1,8 @@
 """Token policies x attention backends: every policy the runtime serves (none, DiffKV tiers with per-token or
-per-channel low keys, the residual family's fp16 high tier over per-channel low pages, FastGen alone and on top of tiers) runs end to end through `KvcalCache` on the torch backend, on the fused cpu backend and on the CUDA backend's CPU
-emulation (the kernels' plans, descriptor tables and page writes, run on the CPU), and all give the same tiers and
-logits."""
+per-channel low keys, the residual family's fp16 high tier over per-channel low pages, FastGen alone and on top of
+tiers, the H2O / SnapKV / StreamingLLM eviction baselines) runs end to end through `KvcalCache` on the torch backend,
+on the fused cpu backend and on the CUDA backend's CPU emulation (the kernels' plans, descriptor tables and page
+writes, run on the CPU), and all give the same tiers and logits."""
 
 import functools
 
@@ -12,8 +13,11 @@ from conftest import make_model, random_bundle
 from kvcal.runtime import attention
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.snapkv import SnapKVConfig
+from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 TIERS = dict(window=8, alpha_high=2.0, alpha_low=1.5)
 POLICIES = {
@@ -26,6 +30,12 @@ POLICIES = {
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_policy(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_policy(
         **TIERS),
+    # the eviction baselines: as `kvcal bench` serves them (fp16 store, model basis), and on top of tiers
+    "h2o": CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False,
+                             h2o=H2OConfig(0.4)),
+    "snapkv": CompressionConfig(snapkv=SnapKVConfig(0.4, window=8, reserve=12)),
+    "streamingllm + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"),
+                                               streamingllm=StreamingLLMConfig(0.5)).with_policy(**TIERS),
 }
 BACKENDS = ("torch", "cpu", "cuda-emulated")
 
@@ -79,3 +89,34 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
     ref_logits, ref_tiers, _ = _serve(POLICIES[policy].with_(backend="torch"))
     assert tiers == ref_tiers
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])
+def test_eviction_budgets_count_the_real_tokens_of_left_padded_prompts(name):
+    """With left padding, each sequence keeps the budget of its own real length and never a padding token."""
+    from conftest import random_text
+
+    from kvcal.runtime.h2o import H2OConfig
+
+    model, tok, bundle = _model()
+    tok.padding_side = "left"
+    inputs = tok([random_text(60, seed=1), random_text(30, seed=2)], return_tensors="pt", padding=True)
+    settings = {"streamingllm": StreamingLLMConfig(0.5), "h2o": H2OConfig(0.5),
+                "snapkv": SnapKVConfig(0.5, window=8)}[name]
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(**{name: settings}), tokenizer=tok)
+    with torch.inference_mode():
+        model(**inputs, past_key_values=cache, use_cache=True)
+    kv = cache.kv
+    n = inputs.input_ids.shape[1]
+    real = inputs.attention_mask.sum(-1)
+    budget = [settings.prompt_tokens(int(r)) if name == "snapkv" else settings.tokens(int(r)) for r in real]
+    b, h = kv.every_entry()
+    for layer in kv.layers:
+        pos = kv.store.section_meta(layer, 0, b, h)[1].view(2, kv.store.num_kv_heads, -1)
+        for seq in range(2):
+            kept = pos[seq][pos[seq] >= 0].view(kv.store.num_kv_heads, -1)
+            assert kept.shape[-1] == budget[seq] < int(real[seq])
+            assert bool((kept >= n - real[seq]).all())                       # no padding token is held
+            if name == "streamingllm":
+                first = int(n - real[seq])
+                assert set(range(first, first + 4)) <= set(kept[0].tolist())

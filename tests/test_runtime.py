@@ -297,3 +297,57 @@ def test_fastgen_prunes_and_replays():
     probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok, fastgen=fast)
     replayed = probe.measure(cfg)
     assert replayed.top1 == full.top1 and abs(replayed.kl - full.kl) < 1e-6 and replayed.tiers == full.tiers
+
+
+def test_fastgen_token_ids_go_to_the_cache_of_each_call():
+    """Two FastGen caches taking turns on one model each see only their own tokens (the decoder pre-hook hands the
+    ids to the cache of the call), so interleaved decoding equals running each alone; `inputs_embeds` is refused."""
+    from kvcal.runtime.fastgen import FastGenConfig
+
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    cfg = CompressionConfig(fastgen=FastGenConfig(recovery=0.5))
+    prompts = [tok([random_text(50, seed=s)], return_tensors="pt").input_ids for s in (3, 4)]
+
+    def steps(cache, ids, n=6):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        yield out.logits[:, -1]
+        for _ in range(n):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            yield out.logits[:, -1]
+
+    with torch.no_grad():
+        alone = [list(steps(KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok), p)) for p in prompts]
+        runs = [steps(KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok), p) for p in prompts]
+        together = [[], []]
+        for pair in zip(*runs):
+            for i, logits in enumerate(pair):
+                together[i].append(logits)
+        for a, b in zip(alone, together):
+            torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=0, atol=0)
+        cache = KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok)
+        with pytest.raises(ValueError, match="`input_ids`, not `inputs_embeds`"):
+            model(inputs_embeds=model.get_input_embeddings()(prompts[0]), past_key_values=cache, use_cache=True)
+
+
+def test_runtime_depends_only_on_torch_safetensors_transformers():
+    """Every import in kvcal/runtime, lazy ones included, is the standard library, the runtime itself, torch,
+    safetensors or transformers (the optional cuda backend adds cuda-python and its numpy)."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "kvcal" / "runtime"
+    allowed = {"torch", "safetensors", "transformers"}
+    bad = []
+    for f in sorted(root.rglob("*.py")):
+        extra = {"cuda", "numpy"} if "cuda" in f.relative_to(root).parts else set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                if name.startswith("kvcal.runtime") or top in sys.stdlib_module_names | allowed | extra:
+                    continue
+                bad.append(f"{f.relative_to(root)}: {name}")
+    assert not bad, bad

@@ -17,9 +17,11 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 * kvcal joint: `CompressionConfig.from_dict(bundle.policy)` with the bundle's ranks; and a sweep of alpha_high x
   {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
 
+The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.streamingllm`,
+`h2o`, `snapkv`) on a `K16V16` store at full rank without rotation, so their bytes are the pages they really hold.
 The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`): dense (model dtype),
-transformers' `QuantizedCache` for each backend that runs offline, StreamingLLM, H2O, SnapKV and Palu. Eviction and
-Palu are "matched": built once kvcal joint's bytes ratio is measured, with that ratio as their memory budget.
+transformers' `QuantizedCache` for each backend that runs offline, and Palu. Eviction and Palu are "matched": built
+once kvcal joint's bytes ratio is measured, with that ratio as their memory budget (`eviction_fraction`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from kvcal.bundle import Bundle
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.h2o import H2OConfig
+from kvcal.runtime.layout import PageLayout, TierFormat, default_page_bytes
 from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
+from kvcal.runtime.snapkv import SnapKVConfig
+from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
@@ -64,16 +69,21 @@ class Method:
     note: str | None = None                          # how it was built, when that needs saying
 
     @property
-    def on_store(self) -> bool:
-        return self.config is not None
+    def replays(self) -> bool:
+        """Whether a recorded prefill can serve this method: on the store, and needing no prompt statistics the
+        probes do not record (SnapKV's window votes; FastGen's are recorded)."""
+        return self.config is not None and self.config.snapkv is None
 
     def make_cache(self, model, tokenizer, reserve: int = 0):
-        """A fresh, empty cache for this method (installs the attention function it needs on `model`)."""
+        """A fresh, empty cache for this method; `reserve`: decode steps to come (SnapKV budgets its prompt so
+        that its memory matches after them)."""
         if self.config is not None:
             from kvcal.runtime.hf import KvcalCache
 
-            return KvcalCache.from_bundle(self.bundle, model, self.config, tokenizer=tokenizer)
-        caches.install(model)
+            config = self.config
+            if config.snapkv is not None:
+                config = config.with_(snapkv=dataclasses.replace(config.snapkv, reserve=reserve))
+            return KvcalCache.from_bundle(self.bundle, model, config, tokenizer=tokenizer)
         return self.factory(reserve)
 
 
@@ -197,23 +207,41 @@ def cache_methods(model) -> list[Method]:
     return out
 
 
-def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any]) -> list[Method]:
-    """StreamingLLM, H2O, SnapKV and Palu budgeted to `ratio` of fp16 bytes (kvcal joint's measured ratio).
-    `palu()` returns the PaluFactors (computed on first use)."""
-    common = {"ratio": ratio, "num_kv_heads": adapter.num_kv_heads, "head_dim": adapter.head_dim,
-              "dtype": model.dtype, "layer_types": list(adapter.layer_types),
-              "sliding_window": adapter.sliding_window}
+EVICTION_STORE = CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False)   # fp16, as is
+EVICTION_PAGE_TOKENS = 8  # small pages: a budgeted entry holds at most one partly filled page of slack
+
+
+def eviction_page_bytes(head_dim: int) -> int:
+    return default_page_bytes(head_dim, EVICTION_STORE.high, EVICTION_PAGE_TOKENS)
+
+
+def eviction_fraction(ratio: float, head_dim: int) -> float:
+    """Share of tokens an eviction baseline keeps so that its store holds `ratio` of the fp16 bytes of every token
+    seen: an fp16 token is 4 * head_dim bytes, a stored one its page slot (K, V, score and position). Page rounding
+    comes on top (a partly filled page per sequence, layer and KV head, plus the slot the newest token takes before
+    the policy evicts) and is measured, not budgeted."""
+    fmt = EVICTION_STORE.high
+    slot = PageLayout.build(fmt, head_dim, head_dim, eviction_page_bytes(head_dim)).bytes_per_token
+    return min(1.0, ratio * 4 * head_dim / slot)
+
+
+def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundle: Bundle,
+                    backend: str = "auto") -> list[Method]:
+    """StreamingLLM, H2O, SnapKV (runtime policies on `bundle`'s store) and Palu budgeted to `ratio` of fp16 bytes
+    (kvcal joint's measured ratio). `palu()` returns the PaluFactors (computed on first use)."""
+    f = eviction_fraction(ratio, adapter.head_dim)
+    store = EVICTION_STORE.with_(backend=backend, page_bytes=eviction_page_bytes(adapter.head_dim))
     out = [
         Method("streamingllm", "StreamingLLM", "eviction", "StreamingLLM",
-               f"4 sink tokens + recent window, {ratio:.3f} of fp16 bytes", {"ratio": ratio, "sinks": 4},
-               factory=lambda reserve: caches.StreamingLLMCache(**common)),
+               f"4 sink tokens + recent window, {ratio:.3f} of fp16 bytes", {"ratio": ratio, "fraction": f, "sinks": 4},
+               store.with_(streamingllm=StreamingLLMConfig(f, sinks=4)), bundle),
         Method("h2o", "H2O", "eviction", "H2O",
                f"heavy hitters + recent (half the budget each), {ratio:.3f} of fp16 bytes",
-               {"ratio": ratio, "recent": "half the budget"}, factory=lambda reserve: caches.H2OCache(**common)),
+               {"ratio": ratio, "fraction": f, "recent": "half the budget"}, store.with_(h2o=H2OConfig(f)), bundle),
         Method("snapkv", "SnapKV", "eviction", "SnapKV",
                f"observation window 32, avg-pool 7, prompt compressed once, {ratio:.3f} of fp16 bytes",
-               {"ratio": ratio, "window": 32, "kernel": 7},
-               factory=lambda reserve: caches.SnapKVCache(reserve=reserve, **common)),
+               {"ratio": ratio, "fraction": f, "window": 32, "kernel": 7},
+               store.with_(snapkv=SnapKVConfig(f, window=32, kernel=7)), bundle),
     ]
     d = adapter.head_dim
     rank = max(1, min(d, round(ratio * d)))

@@ -108,7 +108,7 @@ def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer,
     B, P = probe.prompt.shape
     steps = probe.continuation.shape[1] - 1
     cfg = method.config
-    if cfg is not None and (cfg.fastgen is None or (cfg.fastgen.r_local, cfg.fastgen.r_frequent)
+    if method.replays and (cfg.fastgen is None or (cfg.fastgen.r_local, cfg.fastgen.r_frequent)
                             == (probe.fastgen.r_local, probe.fastgen.r_frequent)):
         fid = probe.measure(cfg, method.bundle)
         mem = fid.memory
@@ -295,7 +295,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
             palu_state["factors"] = compute(model, adapter, calib)
         return palu_state["factors"]
 
-    everything = base + M.matched_methods(model, adapter, 1.0, palu_factors) + sweep
+    everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend) + sweep
     if s.methods:
         known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}
         unknown = [w for w in s.methods if w.lower() not in known]
@@ -345,7 +345,9 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     quality(next(m for m in base if m.key == "dense"))
     quality(joint)
     ratio = rows["kvcal-joint"]["memory"]["ratio_to_fp16"]
-    matched = M.matched_methods(model, adapter, ratio, palu_factors)
+    matched = M.matched_methods(model, adapter, ratio, palu_factors, bundle, s.backend)
+    for m in matched:               # the rows were made from placeholders budgeted at 1.0: say the real budget
+        rows[m.key].update(description=m.description, settings=m.settings)
     runnable = [m for m in base + matched + sweep if m.key in chosen and not m.unavailable]
     for m in runnable:
         if rows[m.key]["quality"] is None:
@@ -356,7 +358,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     if cases:
         say(f"passkey: {len(cases)} prompts ({', '.join(f'{n}@{d:g}' for n, d in cases)})")
         hits: dict[str, dict[str, bool]] = {m.key: {} for m in runnable}
-        store = [m for m in runnable if m.on_store]
+        store = [m for m in runnable if m.replays]
         for n, depth in cases:
             t0 = time.perf_counter()
             pk = PasskeyProbe(model, bundle, tok, filler, n, depth, s.seed, FastGenConfig())
@@ -370,7 +372,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
                 tick(f"{m.name}: passkey {pk.case}")
             del pk
         for m in runnable:
-            if m.on_store:
+            if m.replays:
                 continue
             if progress:
                 progress(f"{m.name}: passkey", done, total)

@@ -18,51 +18,59 @@ import typer
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, parse_max_memory, stderr, stdout
 from kvcal.cli._progress import SearchBar, pass_bars
 from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
-from kvcal.models import DEFAULT_MODEL
 from kvcal.profile.calibrate import QK_SOURCES, V_SOURCES, CalibrationConfig
+from kvcal.profile.quality import QualityTarget
 from kvcal.profile.report import held_out_met
-from kvcal.profile.rotation import DEFAULT_QK_WEIGHTING, QK_WEIGHTINGS
+from kvcal.profile.rotation import QK_WEIGHTINGS
 
 
 def calibrate(
-    model: ModelOpt = DEFAULT_MODEL,
+    model: ModelOpt = CalibrationConfig.model,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Bundle path; the report (.report.md, .json, .png) "
                                              "goes next to it.", show_default="./<model>.kvcal.safetensors")]
     = None,
-    seed: SeedOpt = 0,
-    random_tokens: Annotated[int, typer.Option(help="Random tokens for the rotation pass (FDC: >= 8192).")] = 8192,
-    text_tokens: Annotated[int, typer.Option(help="Calibration-text tokens.")] = 8192,
-    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
+    seed: SeedOpt = CalibrationConfig.seed,
+    random_tokens: Annotated[int, typer.Option(help="Random tokens for the rotation pass (FDC: >= 8192).")]
+    = CalibrationConfig.random_tokens,
+    text_tokens: Annotated[int, typer.Option(help="Calibration-text tokens.")] = CalibrationConfig.text_tokens,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = CalibrationConfig.seq_len,
     max_position: Annotated[int | None, typer.Option(help="Windows are spread over positions 0 to this.",
                                                      show_default="the model's maximum, at most 32768")] = None,
     dataset: Annotated[str, typer.Option(help="Packaged corpus (default, sharegpt, gsm8k, champ, pydoc) or a "
-                                              ".txt/.jsonl file or folder.", metavar="DATASET")] = "default",
+                                              ".txt/.jsonl file or folder.", metavar="DATASET")]
+    = CalibrationConfig.dataset,
     removal_rate: Annotated[float, typer.Option(help="FDC Eq. 1 singular-value removal rate for every head; 0 keeps "
                                                      "all dims. Only with --no-search (the search chooses ranks).")]
-    = 0.0,
+    = CalibrationConfig.removal_rate,
     qk_source: Annotated[str, typer.Option(help=f"Pass the rotation comes from: {', '.join(QK_SOURCES)}.",
                                            metavar="PASS")]
-    = "both",
+    = CalibrationConfig.qk_source,
     qk_weighting: Annotated[str, typer.Option(help=f"Q/K row weighting: {', '.join(QK_WEIGHTINGS)}.",
                                               metavar="WEIGHTING")]
-    = DEFAULT_QK_WEIGHTING,
+    = CalibrationConfig.qk_weighting,
     v_source: Annotated[str, typer.Option(help=f"V basis: {', '.join(V_SOURCES)}.", metavar="SOURCE")]
-    = "activations-text",
+    = CalibrationConfig.v_source,
     dtype: Annotated[str, typer.Option(help="Model dtype: bfloat16, float32 or float16.", metavar="DTYPE")]
-    = "bfloat16",
+    = CalibrationConfig.dtype,
     device_map: Annotated[str | None, typer.Option(help="Passed to transformers (e.g. auto) for big models.",
                                                    metavar="MAP")] = None,
     max_memory: Annotated[str | None, typer.Option(help="Per-device caps for --device-map, e.g. cpu=2GiB.",
                                                    metavar="CAPS")] = None,
     search: Annotated[bool, typer.Option("--search/--no-search", help="Choose tiers and ranks by measured quality "
-                                         "(writes a report); --no-search writes statistics only.")] = True,
-    target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")] = 0.97,
-    target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")] = 1.02,
+                                         "(writes a report); --no-search writes statistics only.")]
+    = CalibrationConfig.search,
+    target_top1: Annotated[float, typer.Option(help="Quality target: top-1 agreement with dense.")]
+    = QualityTarget.top1,
+    target_ppl_ratio: Annotated[float, typer.Option(help="Quality target: perplexity ratio to dense.")]
+    = QualityTarget.ppl_ratio,
     target_z: Annotated[float, typer.Option(help="Top-1 must hold at this many standard errors (0: as measured).")]
-    = 1.5,
-    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")] = 16,
-    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")] = 512,
-    search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")] = 32,
+    = QualityTarget.z,
+    search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")]
+    = CalibrationConfig.search_windows,
+    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")]
+    = CalibrationConfig.search_prompt,
+    search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")]
+    = CalibrationConfig.search_steps,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle (and its report) at "
                                             "--out.")] = False,
     json_out: JsonOpt = False,

@@ -1,4 +1,4 @@
-"""Loading models and describing their architecture (see `adapters` and `sources`)."""
+"""Loading models (`sources`) and describing their architecture (`kvcal.runtime.adapters`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvcal.models.adapters import (
+from kvcal.models.sources import DEFAULT_MODEL, PACKAGED_MODELS, ModelSource, resolve_model
+from kvcal.runtime.adapters import (
     FAMILIES,
     ModelAdapter,
     UnsupportedModelError,
@@ -18,7 +19,7 @@ from kvcal.models.adapters import (
     tokenizer_hash,
     weights_hash,
 )
-from kvcal.models.sources import DEFAULT_MODEL, PACKAGED_MODELS, ModelSource, resolve_model
+from kvcal.runtime.disk_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ def load_model(
         kwargs["max_memory"] = max_memory
     if device_map is not None:
         # layers that fit nowhere in `max_memory` go to disk (accelerate streams them in per forward)
-        from kvcal.models.sources import cache_dir
-
         kwargs["offload_folder"] = str(cache_dir() / "offload" / source.name)
     try:
         model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs).eval()

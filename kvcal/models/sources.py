@@ -20,12 +20,9 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+from kvcal.runtime.disk_cache import cache_dir
+
 logger = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    """Root of kvcal's on-disk cache (`$KVCAL_CACHE`, else `~/.cache/kvcal`)."""
-    return Path(os.environ.get("KVCAL_CACHE", Path.home() / ".cache" / "kvcal"))
 
 
 # ---------------------------------------------------------------------------------------------- packaged

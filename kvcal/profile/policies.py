@@ -20,6 +20,7 @@ import logging
 import torch
 
 from kvcal.models import ModelAdapter
+from kvcal.runtime.attention import prompt_probs
 from kvcal.runtime.fastgen import FastGenConfig, choose_policy, kept_sets, prompt_recovery, token_flags
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,11 @@ class PolicyCollector:
         self._tokens = token_ids.detach().to(torch.int64)
 
     def _probs(self, q: torch.Tensor, k: torch.Tensor, rows: slice, scale: float) -> torch.Tensor:
-        """q [B, H, g, n, d], k [B, H, n, d] -> causal probabilities of rows [B, H, g, c, n] (float32)."""
+        """q [B, H, g, n, d], k [B, H, n, d] -> causal probabilities of rows [B, H, g, c, n] (float32), by the
+        runtime's own prompt softmax."""
         n = k.shape[2]
-        logits = torch.einsum("bhgcd,bhnd->bhgcn", q[:, :, :, rows], k) * scale
-        i = torch.arange(n, device=k.device)[rows]
-        allowed = torch.arange(n, device=k.device)[None, :] <= i[:, None]                 # [c, n]
-        return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        causal = torch.ones(1, n, n, dtype=torch.bool, device=k.device).tril()                # [1, n, n]
+        return prompt_probs(q, k, causal, scale, rows)
 
     @torch.no_grad()
     def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
+from kvcal.runtime.policy import EVERY_TOKEN_LOW
 
 STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
                 "policies": "tab:green", "family": "tab:purple"}
@@ -37,34 +37,34 @@ def tier_in_words(spec: str) -> str:
 
 def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
                       v_rank_mean: float | None = None) -> str:
-    """What a search point (or a bundle's policy) stores, in one sentence: tiers and thresholds, FastGen, ranks."""
-    high = settings.get("high")
-    if not high:
+    """What a search point (or a bundle's policy) stores, in one sentence: tiers and thresholds, FastGen, ranks.
+    `settings` is a `policy` block, read by its one codec (`CompressionConfig.from_dict`)."""
+    from kvcal.runtime.config import CompressionConfig
+
+    if "high" not in settings:        # `to_dict(searched=False)`: the block records the window only
         return "the runtime's default settings (the bundle was made without a search)"
-    a_h, a_l = settings.get("alpha_high"), settings.get("alpha_low") or 0.0
-    window = settings.get("window", TokenPolicy.window)
-    if a_h is None:
+    config = CompressionConfig.from_dict(settings)
+    high, low, p = config.high.name, config.low.name, config.policy
+    if not p.tiered:
         parts = [f"every token as {high} ({tier_in_words(high)})"]
     else:
-        low = settings.get("low", "")
-        kept = "" if a_h >= EVERY_TOKEN_LOW else f" and those with mean attention >= {a_h:g}/N"
-        parts = [f"{high} ({tier_in_words(high)}) for the {window} newest tokens{kept}, {low} "
+        kept = "" if p.alpha_high >= EVERY_TOKEN_LOW else f" and those with mean attention >= {p.alpha_high:g}/N"
+        parts = [f"{high} ({tier_in_words(high)}) for the {p.window} newest tokens{kept}, {low} "
                  f"({tier_in_words(low)}) for the others"]
-        if settings.get("page_tokens"):
-            parts.append(f"low-tier pages of {settings['page_tokens']} tokens")
-        if a_l > 0:
-            parts.append(f"tokens below {a_l:g}/N dropped")
-    fast = settings.get("fastgen")
-    if fast:
-        parts.append(f"FastGen per-head policies chosen at prefill (recovery {fast.get('recovery', 0):g})")
+        if config.page_tokens:
+            parts.append(f"low-tier pages of {config.page_tokens} tokens")
+        if p.alpha_low > 0:
+            parts.append(f"tokens below {p.alpha_low:g}/N dropped")
+    if config.fastgen is not None:
+        parts.append(f"FastGen per-head policies chosen at prefill (recovery {config.fastgen.recovery:g})")
     if head_dim is not None and qk_rank_mean is not None and v_rank_mean is not None:
         if qk_rank_mean >= head_dim and v_rank_mean >= head_dim:
             parts.append(f"K and V at full rank ({head_dim} dims)")
         else:
             parts.append(f"K keeps {qk_rank_mean:.1f} and V {v_rank_mean:.1f} of {head_dim} dims per head on average")
-    elif settings.get("qk_removal_rate") or settings.get("v_removal_rate"):
-        parts.append(f"ranks cut at FDC removal rates {settings.get('qk_removal_rate', 0):g} (K) and "
-                     f"{settings.get('v_removal_rate', 0):g} (V)")
+    elif config.qk_removal_rate or config.v_removal_rate:
+        parts.append(f"ranks cut at FDC removal rates {config.qk_removal_rate:g} (K) and "
+                     f"{config.v_removal_rate:g} (V)")
     else:
         parts.append("K and V at full rank")
     return "; ".join(parts)

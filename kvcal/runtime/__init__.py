@@ -1,5 +1,5 @@
 """kvcal's runtime: serve a calibrated bundle as a compressed, paged KV cache. Depends on torch, safetensors and
-transformers (for `hf.py`), and optionally cuda-python; never on `kvcal.profile` or `kvcal.cli`.
+transformers (for `hf.py` and `offload/`), and optionally cuda-python; never on another part of kvcal.
 
     from kvcal.runtime import CompressionConfig, KvcalCache
     cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.from_dict(bundle.policy), tokenizer=tok)
@@ -16,6 +16,10 @@ _WHERE = {
     "CompressionConfig": "kvcal.runtime.config",
     "TokenPolicy": "kvcal.runtime.policy",
     "FastGenConfig": "kvcal.runtime.fastgen",
+    "H2OConfig": "kvcal.runtime.h2o",
+    "SnapKVConfig": "kvcal.runtime.snapkv",
+    "StreamingLLMConfig": "kvcal.runtime.streamingllm",
+    "CachePolicy": "kvcal.runtime.cache_policy",
     "TierFormat": "kvcal.runtime.layout",
     "PageLayout": "kvcal.runtime.layout",
     "CompressedStore": "kvcal.runtime.store",

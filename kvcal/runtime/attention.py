@@ -2,14 +2,17 @@
 
 Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key rank, r_v = stored value rank):
 
-    prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool, scale)
+    prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool, scale,
+            on_block=None)
         -> out [B, H, g, n, d], score [B, H, n]
     attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale,
            track_scores=True)
         -> out [B, H, g, n, r_v], new_score [B, H, n]
 
 `prefill` runs on uncompressed K/V (compression happens when the cache is written, as in DiffKV). `score` is each
-key's significance: the sum over queries of the attention probability it received, max over the g query heads.
+key's significance: the sum over queries of the attention probability it received, max over the g query heads. It
+computes the probabilities in row blocks (`prompt_rows`, `prompt_probs`) and hands each block to `on_block(rows,
+probs [B, H, g, c, n])` when given, so a token policy that reads them (FastGen's recovery) need not recompute them.
 `attend` runs one softmax over every token the store retains (both tiers) plus the n new tokens, which attend to
 each other causally. It adds the probabilities the stored tokens received to their scores in the store, and returns
 the new tokens' own scores (with `track_scores=False`, when no token policy reads them, it does neither). The
@@ -47,6 +50,21 @@ def prefill_rows(B: int, H: int, g: int, n: int) -> int:
     return max(16, min(n, _BLOCK_ELEMENTS // max(B * H * g * n, 1)))
 
 
+def prompt_rows(query: torch.Tensor) -> list[slice]:
+    """The query-row blocks of a prefill, in order: query [B, H, g, n, d]."""
+    B, H, g, n, _ = query.shape
+    step = prefill_rows(B, H, g, n)
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def prompt_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,
+                 rows: slice) -> torch.Tensor:
+    """Prompt attention probabilities of the query rows `rows`: query [B, H, g, n, d] float32, keys [B, H, n, d]
+    float32, mask bool [B, n, n] -> float32 [B, H, g, c, n] (a row with nothing allowed is all zero). The one blocked
+    softmax of a prompt: `prefill` computes it, a policy that must see a block again recomputes it here, bit for bit."""
+    return _probs(query[:, :, :, rows], keys, mask[:, None, None, rows, :], scale)
+
+
 class AttentionBackend(ABC):
     """A namespace of static methods, never instantiated (vLLM style)."""
 
@@ -69,20 +87,25 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def prefill(query, keys, values, mask, scale): ...
+    def prefill(query, keys, values, mask, scale, on_block=None): ...
 
     @staticmethod
     @abstractmethod
     def attend(store, layer, query, new_keys, new_values, scale, track_scores=True): ...
 
 
-def _softmax_attend(query, keys, values, allowed, scale):
-    """query [B, H, g, n, r]; keys [B, H, S, r]; values [B, H, S, r_v]; allowed bool broadcastable to [B, H, g, n, S].
-    Returns out [B, H, g, n, r_v] and probabilities max over g [B, H, n, S] (float32 softmax, like eager attention)."""
+def _probs(query, keys, allowed, scale):
+    """query [B, H, g, n, r]; keys [B, H, S, r]; allowed bool broadcastable to [B, H, g, n, S] -> probabilities
+    [B, H, g, n, S] (float32 softmax, like eager attention)."""
     logits = torch.einsum("bhgnr,bhsr->bhgns", query.float(), keys.float()) * scale
     logits = logits.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)        # a query with nothing allowed (padding rows) gets zeros
+    return torch.nan_to_num(probs, nan=0.0)         # a query with nothing allowed (padding rows) gets zeros
+
+
+def _softmax_attend(query, keys, values, allowed, scale):
+    """`_probs`, then out [B, H, g, n, r_v] (values [B, H, S, r_v]) and the probabilities max over g [B, H, n, S]."""
+    probs = _probs(query, keys, allowed, scale)
     out = torch.einsum("bhgns,bhsr->bhgnr", probs, values.float())
     return out, probs.amax(dim=2)
 
@@ -99,17 +122,16 @@ class TorchBackend(AttentionBackend):
         return []
 
     @staticmethod
-    def prefill(query, keys, values, mask, scale):
+    def prefill(query, keys, values, mask, scale, on_block=None):
         B, H, g, n, d = query.shape
         out = torch.empty(B, H, g, n, values.shape[-1], device=query.device)
         score = torch.zeros(B, H, n, device=query.device)
-        step = prefill_rows(B, H, g, n)
-        for start in range(0, n, step):
-            rows = slice(start, min(start + step, n))
-            allowed = mask[:, None, None, rows, :]                                  # [B, 1, 1, c, n]
-            o, p = _softmax_attend(query[:, :, :, rows], keys, values, allowed, scale)
-            out[:, :, :, rows] = o
-            score += p.sum(dim=2)
+        for rows in prompt_rows(query):
+            probs = prompt_probs(query, keys, mask, scale, rows)                    # [B, H, g, c, n]
+            out[:, :, :, rows] = torch.einsum("bhgns,bhsr->bhgnr", probs, values.float())
+            score += probs.amax(dim=2).sum(dim=2)
+            if on_block is not None:
+                on_block(rows, probs)
         return out, score
 
     @staticmethod

@@ -17,7 +17,7 @@ import torch
 
 from kvcal.runtime.attention import select_backend
 from kvcal.runtime.bases import served_bases
-from kvcal.runtime.cache_policy import CachePolicy, Prompt, cache_policies
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks, cache_policies
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
@@ -29,8 +29,9 @@ class CompressedKV:
 
     def __init__(self, rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                 raw16: torch.dtype = torch.float16):
-        """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int."""
+                 raw16: torch.dtype = torch.float16, token_classes: tuple | None = None):
+        """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
+        tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation."""
         L, H, d, _ = rotation.shape
         self.config, self.batch, self.device = config, batch, torch.device(device)
         self.layers = [i for i in range(L) if not sliding[i]]
@@ -47,13 +48,14 @@ class CompressedKV:
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
+        self.token_classes = token_classes
         self.policies: list[CachePolicy] = cache_policies(self)   # token policies, run in this order
 
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                    raw16: torch.dtype = torch.float16) -> CompressedKV:
+                    raw16: torch.dtype = torch.float16, token_classes: tuple | None = None) -> CompressedKV:
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
-                   sliding=sliding, device=device, raw16=raw16)
+                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
@@ -88,8 +90,11 @@ class CompressedKV:
         B, H, g, n, d = q.shape
         real = pad if pad is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]   # [B, n, n]
-        out, score = self.backend.prefill(q.float(), key.float(), value.float(), mask, scale)
-        statistics = {p.name: p.prompt_statistics(q, key, real, score, scale) for p in self.policies}
+        blocks = PromptBlocks(q.float(), key.float(), mask, scale)
+        reads = any(p.reads_prompt_probs for p in self.policies)
+        out, score = self.backend.prefill(blocks.query, blocks.keys, value.float(), mask, scale,
+                                          on_block=blocks.keep if reads else None)
+        statistics = {p.name: p.prompt_statistics(blocks, real, score) for p in self.policies}
         if self.recorder is not None:
             self.recorder[layer] = (key.float(), value.float(), score, real, statistics)
         self.write_prefill(layer, key, value, score, real, statistics)
@@ -165,7 +170,7 @@ class CompressedKV:
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
         out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
-                                               track_scores=self.config.policy.tiered)
+                                               track_scores=any(p.reads_scores for p in self.policies))
         start = self.length[layer]
         b, h = self.every_entry()
         for i in range(n):

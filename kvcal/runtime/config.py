@@ -10,6 +10,9 @@ The codec is the only reader and writer of a bundle's `policy` block (bundle for
     fastgen           {recovery, r_local, r_frequent} | absent (FastGen off)
     qk_removal_rate, v_removal_rate   float  FDC removal rates the bundle's ranks came from; written only when > 0
     page_tokens       int    low-tier tokens per page (the per-channel key group); written only when set
+    h2o               {fraction, recent} | absent (off)             token-budget eviction baselines
+    snapkv            {fraction, window, kernel, reserve} | absent (off)
+    streamingllm      {fraction, sinks} | absent (off)
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -20,11 +23,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.layout import TierFormat, default_page_bytes
 from kvcal.runtime.policy import TokenPolicy
+from kvcal.runtime.snapkv import SnapKVConfig
+from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 POLICY_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
-               "v_removal_rate", "page_tokens")
+               "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm")
+# policy blocks that are one settings dataclass each, None = that token policy is off (cache_policy.CACHE_POLICIES)
+_POLICY_SETTINGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
+                    "streamingllm": StreamingLLMConfig}
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,9 @@ class CompressionConfig:
     fastgen: FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
     qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
     v_removal_rate: float = 0.0
+    h2o: H2OConfig | None = None                     # token-budget eviction baselines (None: off)
+    snapkv: SnapKVConfig | None = None
+    streamingllm: StreamingLLMConfig | None = None
 
     def __post_init__(self):
         if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens < 1):
@@ -97,6 +109,9 @@ class CompressionConfig:
                 out[name] = getattr(self, name)
         if self.page_tokens is not None:
             out["page_tokens"] = self.page_tokens
+        for name in ("h2o", "snapkv", "streamingllm"):
+            if getattr(self, name) is not None:
+                out[name] = asdict(getattr(self, name))
         return out
 
     @classmethod
@@ -108,8 +123,8 @@ class CompressionConfig:
                              "written by a newer kvcal: upgrade kvcal")
         base = cls()
         tokens = {k: d[k] for k in ("window", "alpha_high", "alpha_low", "threshold_base") if k in d}
+        settings = {name: cls(**d[name]) if d.get(name) else None for name, cls in _POLICY_SETTINGS.items()}
         return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
                        low=TierFormat.parse(d["low"]) if "low" in d else base.low, policy=TokenPolicy(**tokens),
-                       fastgen=FastGenConfig(**d["fastgen"]) if d.get("fastgen") else None,
                        qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),
-                       page_tokens=d.get("page_tokens"))
+                       page_tokens=d.get("page_tokens"), **settings)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.runtime.cache_policy import CachePolicy, Prompt
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_PRUNED
 
@@ -281,9 +281,10 @@ def decode_evictions(policy: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor
 
 
 class FastGenEviction(CachePolicy):
-    """FastGen as a cache policy. It owns its state: the token ids of the cache by index (`observe_tokens`), the
-    tokenizer's special and punctuation ids (`token_classes`) and the policy each (layer, sequence, KV head) chose
-    at prefill (`choice`). At prefill, each head takes the cheapest policy whose recovery of the prompt's attention
+    """FastGen as a cache policy. It owns its state: the token ids of the cache by index (`observe_tokens`, fed by
+    whoever runs the model: `KvcalCache` through a decoder pre-hook), the tokenizer's special and punctuation ids
+    (`kv.token_classes`, fixed at construction) and the policy each (layer, sequence, KV head) chose at prefill
+    (`choice`). At prefill, each head takes the cheapest policy whose recovery of the prompt's attention
     reaches T and drops what it does not keep (pruned whatever its tier); each decode token re-applies that frozen
     policy at the new length (Alg. 2)."""
 
@@ -292,7 +293,9 @@ class FastGenEviction(CachePolicy):
     def __init__(self, kv):
         super().__init__(kv)
         self.token_ids = torch.zeros(kv.batch, 0, dtype=torch.int64, device=kv.device)
-        self.token_classes = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        none = torch.zeros(0, dtype=torch.int64)
+        special, punct = kv.token_classes if kv.token_classes is not None else (none, none)
+        self.special, self.punct = special.to(kv.device), punct.to(kv.device)
         self.choice: dict[int, torch.Tensor] = {}        # layer -> [B, H] index into POLICIES
 
     @classmethod
@@ -303,29 +306,24 @@ class FastGenEviction(CachePolicy):
         """Token ids [B, n] of the tokens this forward pass adds."""
         self.token_ids = torch.cat([self.token_ids, ids.to(self.kv.device)], dim=1)
 
-    def _flags(self) -> tuple[torch.Tensor, torch.Tensor]:
-        special, punct = self.token_classes
-        return token_flags(self.token_ids, special.to(self.kv.device), punct.to(self.kv.device))
-
-    def prompt_statistics(self, query, key, real, score, scale) -> torch.Tensor:
-        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy (prompt attention recomputed in
-        query blocks, because the ranking of frequent tokens needs the final column sums first)."""
-        from kvcal.runtime.attention import prefill_rows
-
-        B, H, g, n, d = query.shape
+    def _flags(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_special, is_punct) [B, >= n] by cache index, for a cache of n tokens."""
         if self.token_ids.shape[1] < n:
-            raise ValueError("FastGen needs the prompt's token ids: call the model with `input_ids` (not "
+            raise ValueError("FastGen needs the token ids of every cached token: call the model with `input_ids` (not "
                              "`inputs_embeds`) through a cache made by `KvcalCache.from_bundle(..., tokenizer=...)`")
-        is_special, is_punct = self._flags()
+        return token_flags(self.token_ids, self.special, self.punct)
+
+    reads_prompt_probs = True
+
+    def prompt_statistics(self, blocks: PromptBlocks, real, score) -> torch.Tensor:
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy. It needs the final column sums
+        (the ranking of frequent tokens) before it can read any block, so it reads the prefill's probability blocks
+        after the prefill: those the backend handed over, the rest recomputed (`PromptBlocks`)."""
+        B, H, g, n, d = blocks.query.shape
+        is_special, is_punct = self._flags(n)
         n_pad = (~real).sum(-1)
-        total = torch.zeros(4, B, H, device=query.device)
-        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()[None] & real[:, None, :]
-        step = prefill_rows(B, H, g, n)
-        for start in range(0, n, step):
-            rows = torch.arange(start, min(start + step, n), device=query.device)
-            logits = torch.einsum("bhgnd,bhsd->bhgns", query[:, :, :, rows].float(), key.float()) * scale
-            probs = torch.softmax(logits + torch.where(causal[:, None, None, rows], 0.0, float("-inf")), dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)
+        total = torch.zeros(4, B, H, device=blocks.query.device)
+        for rows, probs in blocks:
             total += prompt_recovery(probs, rows, is_special[:, :n], is_punct[:, :n], score, self.kv.config.fastgen,
                                      n_pad)
         return total / (n - n_pad).clamp(min=1).to(total.dtype)[None, :, None]
@@ -336,7 +334,7 @@ class FastGenEviction(CachePolicy):
             raise ValueError("FastGen is on but this prefill has no recovery statistics (record with FastGen on)")
         cfg, n = self.kv.config.fastgen, prompt.pos.shape[-1]
         self.choice[layer] = choose_policy(recovery, cfg)                                 # [B, H]
-        is_special, is_punct = self._flags()
+        is_special, is_punct = self._flags(n)
         kept = kept_sets(is_special[:, :n], is_punct[:, :n], prompt.score, prompt.pos, prompt.length, cfg,
                          self.kv.n_pad)
         drop = decode_evictions(self.choice[layer], kept, prompt.pos)
@@ -347,7 +345,7 @@ class FastGenEviction(CachePolicy):
         B, H = kv.batch, kv.store.num_kv_heads
         b, h = kv.every_entry()
         length = torch.full((B,), kv.length[layer], device=kv.device)
-        is_special, is_punct = self._flags()
+        is_special, is_punct = self._flags(kv.length[layer])
         for side in (HIGH, LOW):
             score, pos = (t.view(B, H, -1) for t in kv.store.section_meta(layer, side, b, h))
             if pos.shape[-1] == 0:

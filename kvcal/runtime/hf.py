@@ -8,7 +8,9 @@ How the two halves meet: transformers calls `cache.update(k, v, layer_idx)` righ
 passes the layer's attention module to that function. `KvcalLayer.update` records the new post-RoPE K/V as pending
 for its layer; the `kvcal` attention function picks them up and runs the compressed path (`CompressedKV.forward`).
 Any call without a pending kvcal layer (another cache, a sliding layer) runs transformers' SDPA attention unchanged,
-so a model with `kvcal` attention installed still works with `DynamicCache`.
+so a model with `kvcal` attention installed still works with `DynamicCache`. Token ids, which attention functions
+never see, reach the cache through a pre-hook on the model's decoder that hands each call's `input_ids` to the
+`KvcalCache` of that call (FastGen keeps them).
 
 Sliding-window layers (Gemma3) keep transformers' own `DynamicSlidingWindowLayer`, uncompressed: they hold at most
 `sliding_window` tokens by design, so they behave exactly as they do densely; the compressed layers are the global
@@ -22,16 +24,20 @@ from contextvars import ContextVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvcal.runtime.adapters import adapter_for, fingerprint, weights_hash
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 
 KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
-_INPUT_IDS: ContextVar[torch.Tensor | None] = ContextVar("kvcal_input_ids", default=None)
 
 
-def _remember_input_ids(module, args) -> None:
-    """Forward pre-hook on the input embedding: FastGen needs the ids of the tokens each step adds."""
-    _INPUT_IDS.set(args[0] if args else None)
+def _hand_token_ids(module, args, kwargs) -> None:
+    """Forward pre-hook on the decoder: a KvcalCache in this call gets the ids of the tokens the call adds (FastGen
+    classifies tokens by id; attention functions see only K/V). The ids go to the cache of this very call, so any
+    number of caches can take turns on one model."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, KvcalCache):
+        cache.observe_tokens(kwargs.get("input_ids", args[0] if args else None))
 
 
 def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -68,10 +74,10 @@ def install(model) -> None:
 
     AttentionInterface.register(KVCAL_IMPL, kvcal_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(KVCAL_IMPL, sdpa_mask)
-    embed = model.get_input_embeddings()
-    if not getattr(embed, "_kvcal_ids_hook", False):
-        embed.register_forward_pre_hook(_remember_input_ids)
-        embed._kvcal_ids_hook = True
+    decoder = model.get_decoder()
+    if not getattr(decoder, "_kvcal_ids_hook", False):
+        decoder.register_forward_pre_hook(_hand_token_ids, with_kwargs=True)
+        decoder._kvcal_ids_hook = True
     if model.config._attn_implementation != KVCAL_IMPL:
         model.set_attn_implementation(KVCAL_IMPL)
 
@@ -95,13 +101,6 @@ class KvcalLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        kv = self.owner.kv
-        fastgen = kv.policy("fastgen")
-        if fastgen is not None and self.layer_idx == kv.layers[0]:
-            ids = _INPUT_IDS.get()
-            if ids is None or ids.shape[-1] != key_states.shape[-2]:
-                raise ValueError("FastGen needs token ids: run the model with `input_ids`, not `inputs_embeds`")
-            fastgen.observe_tokens(ids)
         self.seen += key_states.shape[-2]
         _PENDING.set((self, key_states, value_states))
         return key_states, value_states
@@ -128,6 +127,7 @@ class KvcalCache(Cache):
     def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None, tokenizer=None):
         self.bundle, self.config = bundle, config
         self.token_classes = None
+        self._new_ids: list[torch.Tensor] = []     # token ids seen before the compressed state exists (FastGen)
         if config.fastgen is not None:
             if tokenizer is None:
                 raise ValueError("FastGen policies need the tokenizer (special and punctuation tokens): pass "
@@ -146,8 +146,6 @@ class KvcalCache(Cache):
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
         """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
         attention function on the model, and return an empty cache. `config` defaults to the bundle's policy."""
-        from kvcal.models import adapter_for, fingerprint, weights_hash
-
         adapter = adapter_for(model.config)
         bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
                            shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
@@ -169,11 +167,10 @@ class KvcalCache(Cache):
                 layer.cumulative_length = seen
             else:
                 key, value, score, real, statistics = records[i]
-                layer.lazy_initialization(key, value)
-                fastgen = self.kv.policy("fastgen")
-                if first and token_ids is not None and fastgen is not None:
-                    fastgen.observe_tokens(token_ids)
+                if first and token_ids is not None:
+                    self.observe_tokens(token_ids)
                 first = False
+                layer.lazy_initialization(key, value)
                 layer.seen = key.shape[-2]
                 self.kv.write_prefill(i, key, value, score, real, statistics)
 
@@ -181,12 +178,25 @@ class KvcalCache(Cache):
         if self.kv is None:
             raw16 = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
             self.kv = CompressedKV.from_bundle(self.bundle, self.config, batch=key_states.shape[0],
-                                               sliding=self.sliding, device=key_states.device, raw16=raw16)
+                                               sliding=self.sliding, device=key_states.device, raw16=raw16,
+                                               token_classes=self.token_classes)
             if self.record:
                 self.kv.recorder = {}
-            fastgen = self.kv.policy("fastgen")
-            if fastgen is not None and self.token_classes is not None:
-                fastgen.token_classes = self.token_classes
+            for ids in self._new_ids:
+                self.kv.policy("fastgen").observe_tokens(ids)
+            self._new_ids = []
+
+    def observe_tokens(self, ids: torch.Tensor | None) -> None:
+        """ids [B, n]: the tokens the next forward call adds. Only FastGen reads them (its own state); they wait
+        here until the first layer of the first call has made the compressed state."""
+        if self.config.fastgen is None:
+            return
+        if ids is None:
+            raise ValueError("FastGen needs token ids: run the model with `input_ids`, not `inputs_embeds`")
+        if self.kv is None:
+            self._new_ids.append(ids)
+        else:
+            self.kv.policy("fastgen").observe_tokens(ids)
 
     # --------------------------------------------------------------------------------------------- accounting
 
@@ -217,7 +227,7 @@ class KvcalCache(Cache):
         # inside it; entering it is harmless for tensors made under no_grad
         with torch.inference_mode():
             freed = self.kv.release()
-        self.kv = None
+        self.kv, self._new_ids = None, []
         for i, layer in enumerate(self.layers):
             self.layers[i] = (DynamicSlidingWindowLayer(layer.sliding_window) if self.sliding[i]
                               else KvcalLayer(self, i))

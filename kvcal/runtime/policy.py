@@ -171,6 +171,10 @@ class DiffKVTiers(CachePolicy):
 
     name = "diffkv"
 
+    @property
+    def reads_scores(self) -> bool:
+        return self.kv.config.policy.tiered
+
     def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
         return classify_prompt(self.kv.config.policy, prompt.score, prompt.pos, self.kv.n_pad, prompt.length)
 

@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvcal.runtime.disk_cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -34,8 +36,6 @@ class CpuBuildError(RuntimeError):
 
 def cache_folder() -> Path:
     """`$KVCAL_CACHE/cpu`, else `~/.cache/kvcal/cpu`."""
-    from kvcal.models.sources import cache_dir
-
     return cache_dir() / "cpu"
 
 

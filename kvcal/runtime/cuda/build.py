@@ -24,6 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvcal.runtime.disk_cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1  # bump when the cache layout or the meaning of the key changes
@@ -154,8 +156,6 @@ def _module(cubin: bytes, arch: str, log: str, symbols: dict[str, str], hit: boo
 
 def default_cache_dir() -> Path:
     """`$KVCAL_CACHE/cuda`, else `~/.cache/kvcal/cuda`."""
-    from kvcal.models.sources import cache_dir
-
     return cache_dir() / "cuda"
 
 

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvcal.runtime.adapters import adapter_for
 from kvcal.runtime.offload import kvpr
 
 logger = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class OffloadedCache(Cache):
     Parameters
     ----------
     model:
-        A Llama / Qwen2 / Gemma3 causal LM (``kvcal.models`` adapters). Attention pre-hooks are registered now and
+        A Llama / Qwen2 / Gemma3 causal LM (``kvcal.runtime.adapters``). Attention pre-hooks are registered now and
         removed by ``close()`` (or leaving the ``with`` block).
     split:
         ``"auto"`` (``kvpr.solve_split`` per layer and step from ``hardware``), ``"none"`` (l = 0: plain offloading),
@@ -270,8 +271,6 @@ class OffloadedCache(Cache):
 
     def __init__(self, model: nn.Module, *, split: SplitPolicy = "auto", hardware: kvpr.Hardware | None = None,
                  mode: kvpr.Schedule | str = kvpr.Schedule.PIPELINED):
-        from kvcal.models import adapter_for
-
         if isinstance(split, str) and split not in ("auto", "none", "full"):
             raise ValueError(f"`split={split!r}` must be 'auto', 'none', 'full', an int or a callable (layer, s) -> l")
         self.model, self.adapter = model, adapter_for(model.config)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kvcal.runtime.adapters import adapter_for
+from kvcal.runtime.disk_cache import cache_dir
 from kvcal.runtime.offload.kvpr import Hardware
 
 logger = logging.getLogger(__name__)
@@ -147,8 +149,6 @@ def measure_matmul(rows: list[int], hidden: int, kv_dim: int, dtype: torch.dtype
 
 
 def _cache_path(identity: dict, workload: dict) -> Path:
-    from kvcal.models.sources import cache_dir
-
     key = hashlib.sha256(json.dumps([identity, workload], sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "hardware" / f"{identity['device']}-{key}.json"
 
@@ -204,8 +204,6 @@ def profile_hardware(*, batch: int, tokens: int, hidden: int, kv_dim: int, dtype
 def profile_for_model(model, *, batch: int = 1, tokens: int = 4096, device: str | torch.device | None = None,
                       **kwargs) -> Profile:
     """``profile_hardware`` at a model's shapes (hidden size, H_kv·d, parameter dtype)."""
-    from kvcal.models import adapter_for
-
     a = adapter_for(model.config)
     param = next(model.parameters())
     return profile_hardware(batch=batch, tokens=tokens, hidden=a.hidden_size, kv_dim=a.num_kv_heads * a.head_dim,

@@ -1,5 +1,8 @@
 """One adapter per architecture family: where attention lives, how query heads group onto KV heads, and the per-KV-head
-slices of W_V and W_O.
+slices of W_V and W_O; and the identity hashes a bundle records (architecture fingerprint, weights, tokenizer).
+
+It lives in the runtime because serving checks a bundle against the model it is given (`KvcalCache.from_bundle`) and
+the offload cache reads the same facts; `kvcal.models` re-exports it for the offline half. Torch only.
 
 Post-RoPE Q and K are not read from here: every supported family calls transformers' attention interface with
 post-RoPE (and, for Gemma3, post-QK-norm) query and key states, so kvcal captures them by registering an attention
