@@ -125,8 +125,8 @@ class MeasuredQuantizedCache(QuantizedCache):
 def _dims(layer) -> tuple[int, int, int]:
     """(batch, KV heads, head dim) of a quantized layer, from whichever of its tensors is still 4-D."""
     for t in (layer.keys, getattr(layer, "_quantized_keys", None)):
-        t = t[0] if isinstance(t, tuple) else t
-        shape = tuple(getattr(t, "shape", ()))
+        # HQQ keeps its codes 2-D and the original shape in its metadata (empty residual right after prefill)
+        shape = tuple(t[1].get("shape", ())) if isinstance(t, tuple) else tuple(getattr(t, "shape", ()))
         if len(shape) == 4:
             return shape[0], shape[1], shape[3]
     return 0, 0, 0
@@ -146,7 +146,7 @@ def install(model) -> None:
         model.set_attn_implementation(BENCH_IMPL)
 
 
-def bench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def bench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: a pending eviction layer's attention (then its eviction step); anything
     else goes to kvcal's attention function (compressed path for a KvcalCache layer, SDPA otherwise)."""
     pending = _PENDING.get()

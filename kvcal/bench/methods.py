@@ -224,6 +224,32 @@ def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any]) -> li
                          factory=lambda reserve: PaluCache(model, palu(), rank, list(adapter.layer_types)),
                          unavailable=unsupported_reason(adapter))
     out.append(palu_method)
+    return out + press_methods(model, ratio)
+
+
+def press_methods(model, ratio: float) -> list[Method]:
+    """kvpress's own presses (kvcal.press, the opt-in `[bench]` extra) at `ratio` of fp16 bytes: each compresses the
+    prompt once so that the bytes held after the run's decode steps match; unavailable rows say why."""
+    from kvcal import press as P
+
+    why = P.unavailable()
+    out = []
+    for key, (name, _) in P.PRESSES.items():
+        def factory(reserve, key=key):
+            from transformers import AttentionInterface
+
+            press = P.make_press(key)    # importing kvpress patches every registered attention function (AdaKV masks)
+            P.install_press_hook(model, press)
+            # only AdaKV masks keys; the others get the bench's attention unwrapped
+            AttentionInterface.register(caches.BENCH_IMPL, P.masked_attention(caches.bench_attention)
+                                        if key == "kvpress-adakv" else caches.bench_attention)
+            return P.PressedCache(press, ratio=ratio, reserve=reserve, config=model.config)
+
+        note = ("kvpress's AdaKV masks pruned keys instead of freeing them: its bytes are the dense cache's plus the "
+                "mask" if key == "kvpress-adakv" else None)
+        out.append(Method(key, name, "eviction", name, f"kvpress {P.PRESSES[key][0].split(' ', 1)[1]} press, prompt "
+                          f"compressed once, {ratio:.3f} of fp16 bytes at the end of the run",
+                          {"ratio": ratio, "library": "kvpress"}, factory=factory, unavailable=why, note=note))
     return out
 
 

@@ -34,8 +34,9 @@ def _remember_input_ids(module, args) -> None:
     _INPUT_IDS.set(args[0] if args else None)
 
 
-def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise."""
+def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise. Parameters in
+    transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by position."""
     pending = _PENDING.get()
     if pending is None or pending[0].layer_idx != module.layer_idx or pending[1] is not key:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
