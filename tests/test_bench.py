@@ -276,7 +276,10 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
     assert sweep and all(m.family == "kvcal" and m.config.policy != joint.config.policy for m in sweep)
     lm = load_model(str(tiny_dir), dtype="float32")
     matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None, b)
-    assert {m.key for m in matched} == {"streamingllm", "h2o", "snapkv", "palu"}
+    from kvcal.press import PRESSES, unavailable
+
+    assert {m.key for m in matched} == {"streamingllm", "h2o", "snapkv", "palu", *PRESSES}   # kvpress: opt-in extra
+    assert all(m.unavailable == unavailable() for m in matched if m.key in PRESSES)
     assert next(m for m in matched if m.key == "palu").settings["rank"] == round(0.4 * lm.adapter.head_dim)
 
 

@@ -429,3 +429,28 @@ def test_grow_keeps_pages_and_fifo_order():
     assert more.tolist() == [3, int(first[2]), 4, 5, 6]
     assert (arena.arena[first[:2].long()] == 7).all()
     arena.check_invariants()
+
+
+def test_select_slots_shares_pages_and_unshare_copies_on_write():
+    """Beam search re-indexes page tables: repeated rows share pages (refs), unselected rows' pages are freed, and
+    `unshare` gives a writer its own copy while the other holder keeps the original bytes."""
+    a = PageArena(16, 8, slots=2, layers=1, kv_heads=1, max_pages_per_entry=4)
+    ids = a.allocate(*req((0, 0, 0, HIGH, 2), (1, 0, 0, HIGH, 1), (1, 0, 0, LOW, 1)))
+    a.arena[ids.long()] = torch.arange(4, dtype=torch.uint8)[:, None] + 1          # page i holds byte i + 1
+    assert a.select_slots(t([1, 1, 1])) == 2                                       # slot 0's two pages freed
+    a.check_invariants()
+    assert a.slots == 3 and a.shared and a.num_used == 2
+    assert a.refs[ids[2].long()] == 3 and a.refs[ids[3].long()] == 3
+    before = a.arena[ids[2].long()].clone()
+    assert a.unshare(t([0, 2]), t([0, 0]), t([0, 0]), t([HIGH, HIGH]), t([0, 0])) == 2   # slot 1 keeps the page
+    a.check_invariants()
+    assert a.page_table[1, 0, 0, 0] == ids[2] and a.refs[ids[2].long()] == 1
+    for s in (0, 2):
+        own = a.page_table[s, 0, 0, 0].long()
+        assert own != ids[2] and torch.equal(a.arena[own], before)                # a byte copy of the shared page
+    assert a.shared                                                                # the LOW page is still shared
+    assert a.unshare(t([1]), t([0]), t([0]), t([HIGH]), t([0])) == 0               # already its own: no copy
+    assert a.free_slots(t([0, 1, 2])) == 4 and a.num_free == 16
+    a.check_invariants()
+    with pytest.raises(ValueError, match="index out of range"):
+        a.select_slots(t([3]))

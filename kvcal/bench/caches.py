@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, QuantizedCache
 
-
 # --------------------------------------------------------------------------------------------- accounting
 
 
@@ -78,8 +77,10 @@ class MeasuredQuantizedCache(QuantizedCache):
 def _dims(layer) -> tuple[int, int, int]:
     """(batch, KV heads, head dim) of a quantized layer, from whichever of its tensors is still 4-D."""
     for t in (layer.keys, getattr(layer, "_quantized_keys", None)):
-        t = t[0] if isinstance(t, tuple) else t
-        shape = tuple(getattr(t, "shape", ()))
+        # HQQ keeps its codes 2-D and the original shape in its metadata (empty residual right after prefill)
+        if isinstance(t, tuple):
+            t = t[1].get("shape", ()) if isinstance(t[1], dict) else t[0]                # hqq: (codes, meta)
+        shape = tuple(getattr(t, "shape", t) if t is not None else ())
         if len(shape) == 4:
             return shape[0], shape[1], shape[3]
     return 0, 0, 0

@@ -251,6 +251,35 @@ def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundl
                          factory=lambda reserve: PaluCache(model, palu(), rank, list(adapter.layer_types)),
                          unavailable=unsupported_reason(adapter))
     out.append(palu_method)
+    return out + press_methods(model, ratio)
+
+
+def press_methods(model, ratio: float) -> list[Method]:
+    """kvpress's own presses (kvcal.press, the opt-in `[bench]` extra) at `ratio` of fp16 bytes: each compresses the
+    prompt once so that the bytes held after the run's decode steps match; unavailable rows say why."""
+    from kvcal import press as P
+
+    why = P.unavailable()
+    out = []
+    for key, (name, _) in P.PRESSES.items():
+        def factory(reserve, key=key):
+            from transformers import AttentionInterface
+
+            from kvcal.runtime.hf import KVCAL_IMPL, install, kvcal_attention
+
+            press = P.make_press(key)    # importing kvpress patches every registered attention function (AdaKV masks)
+            P.install_press_hook(model, press)
+            install(model)
+            # only AdaKV masks keys; the others get kvcal's attention function (SDPA for a plain cache) unwrapped
+            AttentionInterface.register(KVCAL_IMPL, P.masked_attention(kvcal_attention)
+                                        if key == "kvpress-adakv" else kvcal_attention)
+            return P.PressedCache(press, ratio=ratio, reserve=reserve, config=model.config)
+
+        note = ("kvpress's AdaKV masks pruned keys instead of freeing them: its bytes are the dense cache's plus the "
+                "mask" if key == "kvpress-adakv" else None)
+        out.append(Method(key, name, "eviction", name, f"kvpress {P.PRESSES[key][0].split(' ', 1)[1]} press, prompt "
+                          f"compressed once, {ratio:.3f} of fp16 bytes at the end of the run",
+                          {"ratio": ratio, "library": "kvpress"}, factory=factory, unavailable=why, note=note))
     return out
 
 

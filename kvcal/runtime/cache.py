@@ -169,6 +169,8 @@ class CompressedKV:
         R = self.rotation[layer]
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
+        if self.config.policy.tiered:
+            self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score
         out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
                                                track_scores=any(p.reads_scores for p in self.policies))
         start = self.length[layer]
@@ -181,6 +183,44 @@ class CompressedKV:
             for policy in self.policies:
                 policy.decode(layer)
         return torch.einsum("bhgnr,hdr->bhgnd", out_r, self.basis[layer])
+
+    # --------------------------------------------------------------------------------------------- beams, crop
+
+    def select(self, index: torch.Tensor) -> int:
+        """Sequence i becomes old sequence index[i] (int [k], repeats allowed; k may differ from the batch): page
+        tables are re-indexed and pages shared, not copied (CompressedStore.select). Returns pages freed."""
+        index = torch.as_tensor(index, device=self.device).long()
+        if index.dim() != 1 or index.numel() == 0 or bool(((index < 0) | (index >= self.batch)).any()):
+            raise ValueError(f"batch index must be a non-empty 1-D tensor of rows in [0, {self.batch}), got "
+                             f"{index.tolist() if index.numel() <= 16 else tuple(index.shape)}")
+        freed = self.store.select(index)
+        self.batch = len(index)
+        self.n_pad = self.n_pad[index]
+        for policy in self.policies:
+            policy.select_rows(index)
+        return freed
+
+    def crop(self, keep: int) -> int:
+        """Cut every compressed layer back to its first `keep` cache positions (padding included), exactly: the
+        removed tokens must all still be at the high tier, else ValueError and nothing changes. Significance scores
+        that the removed tokens added to older ones stay (tiered policies only). Returns the pages freed."""
+        length = self.length[self.layers[0]] if self.layers else 0
+        if not 0 <= keep <= length:
+            raise ValueError(f"crop to {keep} tokens: the cache holds {length}; give a length in [0, {length}]")
+        if keep == length:
+            return 0
+        for layer in self.layers:
+            why = self.store.crop_check(layer, keep, self.n_pad, self.length[layer])
+            if why is not None:
+                raise ValueError(f"cannot crop the cache to {keep} tokens: {why}; crop fewer tokens, or serve "
+                                 "without tiers and eviction (e.g. CompressionConfig.none())")
+        freed = 0
+        for layer in self.layers:
+            freed += self.store.crop(layer, keep)
+            self.length[layer] = keep
+        for policy in self.policies:
+            policy.crop(keep)
+        return freed
 
     # --------------------------------------------------------------------------------------------- accounting
 

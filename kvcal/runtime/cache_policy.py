@@ -109,6 +109,16 @@ class CachePolicy(ABC):
     @abstractmethod
     def decode(self, layer: int) -> None: ...
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Sequence i is now old sequence index[i] (beam search, batch selection): re-index per-sequence state.
+        A policy with none keeps this default."""
+        return
+
+    def crop(self, length: int) -> None:
+        """The cache was cut back to `length` tokens (CompressedKV.crop): forget state of the removed tokens.
+        A policy with none keeps this default."""
+        return
+
 
 def cache_policies(kv) -> list[CachePolicy]:
     """The policies `kv.config` enables, built for `kv`, in `CACHE_POLICIES` order."""

@@ -302,6 +302,13 @@ class FastGenEviction(CachePolicy):
     def enabled(cls, config) -> bool:
         return config.fastgen is not None
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.token_ids = self.token_ids[index]
+        self.choice = {layer: c[index] for layer, c in self.choice.items()}
+
+    def crop(self, length: int) -> None:
+        self.token_ids = self.token_ids[:, :length]
+
     def observe_tokens(self, ids: torch.Tensor) -> None:
         """Token ids [B, n] of the tokens this forward pass adds."""
         self.token_ids = torch.cat([self.token_ids, ids.to(self.kv.device)], dim=1)

@@ -40,8 +40,9 @@ def _hand_token_ids(module, args, kwargs) -> None:
         cache.observe_tokens(kwargs.get("input_ids", args[0] if args else None))
 
 
-def kvcal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise."""
+def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise. Parameters in
+    transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by position."""
     pending = _PENDING.get()
     if pending is None or pending[0].layer_idx != module.layer_idx or pending[1] is not key:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -117,8 +118,7 @@ class KvcalLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.seen = 0
 
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("KvcalCache does not support beam search reordering; use greedy or sampling")
+    # batch re-indexing and crop act on the owner's CompressedKV once for all layers (KvcalCache overrides them)
 
 
 class KvcalCache(Cache):
@@ -233,11 +233,48 @@ class KvcalCache(Cache):
                               else KvcalLayer(self, i))
         return freed
 
+    # --------------------------------------------------------------------------------------------- generate's edits
+    # Beam search, batch selection and repetition re-index the page tables (pages become shared, copied on write);
+    # crop removes the newest tokens if they are all still at the high tier. Costs: docs/runtime.md.
+
+    def _select(self, index: torch.Tensor) -> None:
+        for i, layer in enumerate(self.layers):
+            if self.sliding[i] and layer.is_initialized:
+                layer.batch_select_indices(index)
+        if self.kv is not None:
+            self.kv.select(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence i continues old sequence beam_idx[i]."""
+        self._select(beam_idx.long())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences `indices` (int rows or a bool mask [B])."""
+        indices = torch.as_tensor(indices)
+        self._select(indices.nonzero().flatten() if indices.dtype == torch.bool else indices.long())
+
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("KvcalCache does not support expanding the batch; build one cache per batch")
+        """Repeat each sequence `repeats` times in place (num_beams / num_return_sequences on a filled cache)."""
+        if self.kv is not None or any(layer.is_initialized for layer in self.layers):
+            B = self.kv.batch if self.kv is not None else next(l.keys.shape[0] for l in self.layers
+                                                              if l.is_initialized)
+            self._select(torch.arange(B).repeat_interleave(repeats))
 
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("KvcalCache does not support selecting batch rows")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("KvcalCache cannot be cropped (compressed tokens cannot be un-written)")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest `-tokens_to_remove` tokens (transformers 5: a negative count; 0 does nothing). Exact
+        for tokens still at the high tier; ValueError (nothing changed) if one was moved low or pruned."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number, the count of newest tokens to "
+                             f"remove (transformers 5 semantics), e.g. crop(-{tokens_to_remove})")
+        if tokens_to_remove == 0 or self.kv is None:
+            return
+        seen = max(layer.seen for layer, s in zip(self.layers, self.sliding) if not s)
+        keep = seen + tokens_to_remove
+        if keep < 0:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds {seen} tokens; remove at most {seen}")
+        self.kv.crop(keep)          # checks every compressed layer first; raises before any change
+        for i, layer in enumerate(self.layers):
+            if self.sliding[i]:
+                layer.crop(tokens_to_remove)
+            else:
+                layer.seen = keep

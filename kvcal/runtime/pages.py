@@ -10,6 +10,10 @@ Layout
   ``P-1-k``). The two sides share the P cells, so a head that keeps many high-precision tokens and one that keeps
   mostly low-precision tokens both fit in the same fixed row width; only ``n_high + n_low <= P`` is required.
 * ``num_pages_used``: int32 ``[slots, layers, kv_heads, 2]`` -- (n_high, n_low) of every entry.
+* ``refs``: int32 ``[num_pages]`` -- how many page-table cells point at each page. A page is normally owned by one
+  cell; `select_slots` (beam search, batch selection) copies page-table rows, so beams that share a prefix share its
+  pages (refs > 1) and no byte is copied. A writer must call `unshare` on a page before changing it (copy on write);
+  a page returns to the free list when its last cell lets go of it.
 * ``free_list``: int32 ``[num_pages]``, a circular buffer. The free ids occupy positions ``start, start+1, ...,
   start+num_free-1`` (mod ``num_pages``). Allocation pops from ``start``; freeing pushes at the end pointer
   ``(start + num_free) % num_pages``. Pages are therefore reused in FIFO order.
@@ -52,6 +56,9 @@ class PageArena:
         shape = (self.slots, self.layers, self.kv_heads)
         self.page_table = torch.full((*shape, self.max_pages_per_entry), -1, dtype=torch.int32, device=self.device)
         self.num_pages_used = torch.zeros((*shape, 2), dtype=torch.int32, device=self.device)
+        self.refs = torch.zeros(self.num_pages, dtype=torch.int32, device=self.device)
+        self.shared = False      # some page may have refs > 1 (cleared by `unshare` once none has)
+        self.copied = 0          # pages copied on write so far (benchmarks/beams_crop.py reports it)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -114,6 +121,31 @@ class PageArena:
         """Page-table column of the k-th page (allocation order) of a side: HIGH -> k, LOW -> P-1-k."""
         return torch.where(side == HIGH, k, self.max_pages_per_entry - 1 - k)
 
+    def _release(self, ids: torch.Tensor) -> int:
+        """Drop one reference per id (int [m], repeats allowed); pages left with none join the free list, in the
+        order of their first occurrence in `ids`. Returns the number of pages freed."""
+        if ids.numel() == 0:
+            return 0
+        ids = ids.to(torch.int64)
+        self.refs.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        assert bool((self.refs[ids] >= 0).all()), "freeing more pages than exist: double free"
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        first = torch.full((uniq.numel(),), ids.numel(), dtype=torch.int64, device=self.device)
+        first.scatter_reduce_(0, inv, torch.arange(ids.numel(), device=self.device), "amin")
+        ids = ids[first.sort().values]                      # distinct, in order of first occurrence
+        ids = ids[self.refs[ids] == 0]
+        self._push_free(ids)
+        return ids.numel()
+
+    def _pop_free(self, total: int) -> torch.Tensor:
+        """Take `total` ids (int32) from the start of the free list, with one reference each."""
+        pos = (self.start + torch.arange(total, device=self.device)) % self.num_pages
+        ids = self.free_list[pos]
+        self.refs[ids.long()] = 1
+        self.start = (self.start + total) % self.num_pages
+        self.num_free -= total
+        return ids
+
     def _push_free(self, ids: torch.Tensor) -> None:
         """Append ids (int32 [m]) to the free list at the end pointer."""
         m = ids.numel()
@@ -131,6 +163,7 @@ class PageArena:
         new_ids = torch.arange(self.num_pages, self.num_pages + extra_pages, dtype=torch.int32, device=self.device)
         self.arena = torch.cat([self.arena, torch.zeros(extra_pages, self.page_bytes, dtype=torch.uint8,
                                                         device=self.device)])
+        self.refs = torch.cat([self.refs, torch.zeros(extra_pages, dtype=torch.int32, device=self.device)])
         self.num_pages += extra_pages
         self.free_list = torch.zeros(self.num_pages, dtype=torch.int32, device=self.device)
         self.free_list[:self.num_free + extra_pages] = torch.cat([free_ids, new_ids])
@@ -176,13 +209,10 @@ class PageArena:
 
         req, j = self._expand(count, total)
         # Request i's j-th page is free-list slot start + offsets[i] + j == start + (global page index).
-        pos = (self.start + torch.arange(total, device=self.device)) % self.num_pages
-        ids = self.free_list[pos]
+        ids = self._pop_free(total)
         k = used[entry, side][req] + j  # rank of the new page on its side
         self.page_table[slot[req], layer[req], head[req], self._column(side[req], k)] = ids
         self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)  # entries are unique: no collisions
-        self.start = (self.start + total) % self.num_pages
-        self.num_free -= total
         return ids
 
     def free_last(self, slot, layer, head, side, count) -> None:
@@ -204,21 +234,73 @@ class PageArena:
         ids = self.page_table[idx]
         self.page_table[idx] = -1
         self.num_pages_used[slot, layer, head, side] -= count.to(torch.int32)
-        self._push_free(ids)
+        self._release(ids)
 
     def free_slots(self, slots) -> int:
         """Return every page of the given sequence slots (int tensor [k]; duplicates ignored) to the free list.
 
         Freed ids are appended in (slot ascending, layer, head, column) order: per entry the HIGH pages oldest first,
-        then the LOW pages newest first. Page-table rows become -1 and counts 0. Returns the number of pages freed.
+        then the LOW pages newest first (a page another slot still shares stays). Page-table rows become -1 and counts
+        0. Returns the number of pages freed.
         """
         s = self._slot_ids(slots)
         rows = self.page_table[s]  # [k, layers, kv_heads, P]
         ids = rows[rows >= 0]
         self.page_table[s] = -1
         self.num_pages_used[s] = 0
-        self._push_free(ids)
-        return ids.numel()
+        return self._release(ids)
+
+    def select_slots(self, index) -> int:
+        """New slot i takes old slot index[i]'s page-table rows (int [k], repeats allowed, k may differ from the
+        slot count): beam-search reordering, batch selection and repetition. No page byte moves: pages used by
+        several new slots are shared (`refs`), pages no new slot uses are freed. Returns the number freed."""
+        index = torch.as_tensor(index, device=self.device)
+        if index.dtype not in _INT_DTYPES or index.dim() != 1 or index.numel() == 0:
+            raise ValueError(f"index must be a non-empty 1-D integer tensor, got dtype {index.dtype} shape "
+                             f"{tuple(index.shape)}")
+        index = index.to(torch.int64)
+        if bool(((index < 0) | (index >= self.slots)).any()):
+            raise ValueError(f"index out of range [0, {self.slots})")
+        old = self.page_table[self.page_table >= 0]
+        self.page_table, self.num_pages_used = self.page_table[index], self.num_pages_used[index]
+        self.slots = index.numel()
+        new = self.page_table[self.page_table >= 0].long()
+        self.refs.index_add_(0, new, torch.ones_like(new, dtype=torch.int32))   # take the new references first,
+        freed = self._release(old)                                              # so kept pages never reach 0
+        self.shared = bool((self.refs > 1).any())
+        return freed
+
+    def unshare(self, slot, layer, head, side, k) -> torch.Tensor:
+        """Copy on write: make the k-th page (allocation order) on `side` of each entry (slot, layer, head) its own
+        before the caller changes it. All arguments int [n] (repeats allowed). A page shared by m cells is copied
+        for all but one of them, only for writers that share it; returns the number of pages copied."""
+        if not self.shared:
+            return 0
+        slot, layer, head, side, k = (torch.as_tensor(t, device=self.device).to(torch.int64)
+                                      for t in (slot, layer, head, side, k))
+        col = self._column(side, k)
+        cell = ((slot * self.layers + layer) * self.kv_heads + head) * self.max_pages_per_entry + col
+        cell = torch.unique(cell)
+        ids = self.page_table.view(-1)[cell].long()
+        assert bool((ids >= 0).all()), "unshare of a cell without a page"
+        ids, order = ids.sort(stable=True)
+        cell = cell[order]
+        uniq, inv, counts = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
+        rank = torch.arange(ids.numel(), device=self.device) - (torch.cumsum(counts, 0) - counts)[inv]
+        # the j-th writer of a page with r references copies it if j < r - 1: one holder (writer or not) keeps it
+        copy = rank < (self.refs[ids] - 1)
+        n = int(copy.sum())
+        if n:
+            if n > self.num_free:         # grow as the store does for new tokens (CompressedStore.reserve_pages)
+                self.grow(max(n - self.num_free, self.num_pages // 2, 16))
+            fresh = self._pop_free(n)
+            self.arena[fresh.long()] = self.arena[ids[copy]]
+            self.refs.index_add_(0, ids[copy], torch.full((n,), -1, dtype=torch.int32, device=self.device))
+            self.page_table.view(-1)[cell[copy]] = fresh
+            self.copied += n
+        if not bool((self.refs > 1).any()):
+            self.shared = False
+        return n
 
     # ------------------------------------------------------------------ queries
     def pages_of(self, slot, layer, head, side) -> torch.Tensor:
@@ -248,10 +330,13 @@ class PageArena:
         assert 0 <= self.start < n and 0 <= self.num_free <= n, (self.start, self.num_free)
         free = self.free_list[(self.start + torch.arange(self.num_free, device=self.device)) % n].to(torch.int64)
         owned = self.page_table[self.page_table >= 0].to(torch.int64)
-        every = torch.cat([free, owned])
-        assert every.numel() == n, f"{free.numel()} free + {owned.numel()} in tables != {n} pages"
-        assert bool(((every >= 0) & (every < n)).all()), "page id out of range"
-        assert bool((torch.bincount(every, minlength=n) == 1).all()), "a page is owned twice or lost"
+        assert bool(((owned >= 0) & (owned < n)).all()) and bool(((free >= 0) & (free < n)).all()), "page id range"
+        cells = torch.bincount(owned, minlength=n)
+        assert torch.equal(cells, self.refs.to(torch.int64)), "refs do not count the page-table cells"
+        assert self.shared or bool((cells <= 1).all()), "a page is shared but `shared` is off"
+        every = torch.cat([free, torch.unique(owned)])
+        assert every.numel() == n, f"{free.numel()} free + {torch.unique(owned).numel()} in tables != {n} pages"
+        assert bool((torch.bincount(every, minlength=n) == 1).all()), "a page is both free and owned, or lost"
         n_high, n_low = self.num_pages_used[..., HIGH, None], self.num_pages_used[..., LOW, None]
         assert bool((self.num_pages_used >= 0).all()) and bool((n_high + n_low <= P).all()), "bad page counts"
         col = torch.arange(P, device=self.device)

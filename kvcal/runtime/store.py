@@ -178,6 +178,7 @@ class CompressedStore:
               values: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Write tokens one by one (per-token formats): b, h, slot, pos [n]; keys [n, >= r_k]; values [n, >= r_v];
         score [n]. Pages must exist (`append`). Tokens of different groups may be mixed."""
+        self._own(layer, side, b, h, slot)
         if self.writer is not None:
             self.writer.write(self, layer, side, b, h, slot, keys, values, pos, score)
             return
@@ -302,6 +303,7 @@ class CompressedStore:
 
     def drop(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
         """Mark slots [n] empty (position -1): the token is pruned or has moved. Slots must hold a token, each once."""
+        self._own(layer, side, b, h, slot)
         n = len(b)
         self.holes.index_put_((torch.full((n,), layer, device=self.device), b, h,
                                torch.full((n,), side, device=self.device)),
@@ -318,6 +320,8 @@ class CompressedStore:
             return
         b, h, _ = torch.nonzero(valid, as_tuple=True)
         side, slot, new = gathered.side[valid], gathered.slot[valid], (gathered.score + delta)[valid]
+        if self.arena.shared:
+            self.own_layer(layer)
         for s in (HIGH, LOW):
             for g in self.groups[layer]:
                 sel = (side == s) & torch.isin(h, g.heads)
@@ -474,6 +478,94 @@ class CompressedStore:
         slot = torch.cat([p.slot.expand(B, H, -1) for p in parts], dim=2)
         return Gathered(keys=cat("keys"), values=cat("values"), pos=cat("pos"), score=cat("score"), side=side,
                         slot=slot)
+
+    # ------------------------------------------------------------------------------------------------- beams, crop
+
+    def _own(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
+        """Copy on write before slots [n] of entries (b, h) change: pages that `select` left shared by several
+        sequences are copied for the writer (PageArena.unshare). Nothing to do, and no sync, when none is shared."""
+        if not self.arena.shared:
+            return
+        t0 = time.perf_counter()
+        for g, sel in self.group_rows(layer, h):
+            n = int(sel.sum())
+            self.arena.unshare(b[sel], torch.full((n,), layer, device=self.device), h[sel],
+                               torch.full((n,), side, device=self.device), slot[sel] // g.layouts[side].tokens)
+        self.page_seconds += time.perf_counter() - t0
+
+    def own_layer(self, layer: int) -> None:
+        """Copy on write for every page of `layer`: before a backend that writes scores into all of them
+        (score tracking of the tiered policies)."""
+        if not self.arena.shared:
+            return
+        for side in (HIGH, LOW):
+            used = self.arena.num_pages_used[:, layer, :, side].reshape(-1).long()         # [B * H]
+            if int(used.sum()) == 0:
+                continue
+            entry = torch.repeat_interleave(torch.arange(len(used), device=self.device), used)
+            k = torch.arange(len(entry), device=self.device) - torch.repeat_interleave(
+                torch.cumsum(used, 0) - used, used)
+            n = len(entry)
+            self.arena.unshare(entry // self.num_kv_heads, torch.full((n,), layer, device=self.device),
+                               entry % self.num_kv_heads, torch.full((n,), side, device=self.device), k)
+
+    def select(self, index: torch.Tensor) -> int:
+        """Sequence i becomes old sequence index[i] (int [k], repeats allowed): beam-search reordering and batch
+        selection/repetition by re-indexing the page tables and the fill counts; pages become shared instead of
+        copied (copy on write, `_own`). Returns the number of pages freed (sequences no longer selected)."""
+        index = torch.as_tensor(index, device=self.device).long()
+        freed = self.arena.select_slots(index)
+        self.fill, self.holes = self.fill[:, index].contiguous(), self.holes[:, index].contiguous()
+        self.batch = len(index)
+        self._room.clear()
+        return freed
+
+    def crop_check(self, layer: int, keep: int, n_pad: torch.Tensor, length: int) -> str | None:
+        """Why the tokens at cache index >= keep of `layer` cannot all be removed exactly, or None: each must
+        still sit in the high section (not moved low, not pruned). n_pad [B]: left padding of each sequence."""
+        B, H = self.batch, self.num_kv_heads
+        b = torch.arange(B, device=self.device).repeat_interleave(H)
+        h = torch.arange(H, device=self.device).repeat(B)
+        hi = self.section_meta(layer, HIGH, b, h)[1]
+        lo = self.section_meta(layer, LOW, b, h)[1]
+        expected = (length - torch.maximum(torch.full_like(n_pad, keep), n_pad)).clamp(min=0)   # real tokens [B]
+        found = (hi >= keep).sum(-1).view(B, H)
+        if bool((lo >= keep).any()) or bool((found < expected[:, None]).any()):
+            return (f"layer {layer} holds a token at cache index >= {keep} that is no longer at the high tier (moved "
+                    f"to the low tier or pruned)")
+        return None
+
+    def crop(self, layer: int, keep: int) -> int:
+        """Remove the tokens at cache index >= keep of `layer` (all in the high sections: `crop_check`), trim the
+        sections' fill and free their emptied tail pages. Returns the number of pages freed."""
+        B, H = self.batch, self.num_kv_heads
+        b = torch.arange(B, device=self.device).repeat_interleave(H)
+        h = torch.arange(H, device=self.device).repeat(B)
+        pos = self.section_meta(layer, HIGH, b, h)[1]                                    # [B * H, S]
+        eb, slot = torch.nonzero(pos >= keep, as_tuple=True)
+        if len(eb):
+            self.drop(layer, HIGH, b[eb], h[eb], slot)
+        pos = torch.where(pos >= keep, -1, pos)
+        S = pos.shape[1]
+        live = torch.where(pos >= 0, torch.arange(S, device=self.device), -1).max(-1).values + 1 if S else \
+            torch.zeros(len(b), dtype=torch.int64, device=self.device)                     # new fill [B * H]
+        old = self.fill[layer, b, h, HIGH]
+        self.fill[layer, b, h, HIGH] = live
+        self.holes[layer, b, h, HIGH] -= old - live                                     # trimmed slots were holes
+        freed = 0
+        for g, sel in self.group_rows(layer, h):
+            T = g.layouts[HIGH].tokens
+            gb, gh = b[sel], h[sel]
+            extra = self.arena.num_pages_used[gb, layer, gh, HIGH].long() - (-(-live[sel] // T))
+            nz = extra > 0
+            if bool(nz.any()):
+                n = int(nz.sum())
+                before = self.arena.num_free
+                self.arena.free_last(gb[nz], torch.full((n,), layer, device=self.device), gh[nz],
+                                     torch.full((n,), HIGH, device=self.device), extra[nz])
+                freed += self.arena.num_free - before
+        self._room.clear()
+        return freed
 
     # ------------------------------------------------------------------------------------------------- accounting
 
