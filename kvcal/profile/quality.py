@@ -77,14 +77,87 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-def teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Feed continuation[:, :-1] one token per step through `cache`: logits [B, M, vocab] float32, seconds."""
+def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1) -> tuple[torch.Tensor, float]:
+    """Feed continuation[:, :-1] through `cache`, `chunk` tokens per forward pass: logits [B, M, vocab] float32,
+    seconds. chunk = 1 is the stepwise decode users run. A larger chunk is the batched probe: the runtime's `attend`
+    lets a chunk's tokens attend causally to each other and to the store, then the decode-phase policy steps
+    (Algorithm 1, FastGen) run once per token of the chunk, so they see the same lengths as stepwise decode. What
+    differs: a token attends to the earlier tokens of its own chunk unquantized, and to the store before their
+    downgrades; docs/calibration.md measures what that changes."""
+    if chunk < 1:
+        raise ValueError(f"`chunk={chunk}` must be at least 1")
     steps = []
+    M = continuation.shape[1] - 1
     t0 = time.perf_counter()
-    for t in range(continuation.shape[1] - 1):
-        out = model(input_ids=continuation[:, t:t + 1], past_key_values=cache, use_cache=True)
-        steps.append(out.logits[:, -1].float())
-    return torch.stack(steps, dim=1), time.perf_counter() - t0
+    for t in range(0, M, chunk):
+        out = model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True)
+        steps.append(out.logits.float())
+    return torch.cat(steps, dim=1), time.perf_counter() - t0
+
+
+class ChunkProbeAttention:
+    """The attention a batched probe runs over a chunk of n new tokens, in place of the cache's backend `attend`.
+
+    Stepwise decode writes each token into the high tier before the next token reads it, so a later token of a chunk
+    should see the earlier ones as the store will hold them, quantized, and only itself unquantized. The runtime's
+    `attend` lets a chunk see its own tokens unquantized (right for prefill-like use, optimistic for a probe:
+    docs/calibration.md). This attend rounds each new token through its head group's high-tier format first, and
+    keeps the raw key and value on the diagonal. Scores and the store's score updates are as `TorchBackend.attend`.
+    Writes still go through the cache's own backend."""
+
+    def __init__(self, writer):
+        self.writes_cache = writer.writes_cache      # the store keeps its own writer; nothing here writes
+
+    @staticmethod
+    def _round_trip(x: torch.Tensor, bits: int, group: int | None, raw16: torch.dtype) -> torch.Tensor:
+        """x float32 [..., r] as a per-token high-tier slot holds it (CompressedStore._put_vectors / _dequantize)."""
+        from kvcal.runtime import quant
+        from kvcal.runtime.layout import RAW_BITS
+
+        if bits in RAW_BITS:
+            return x.to(torch.float32 if bits == 32 else raw16).float()
+        codes, scale, zero = quant.quantize_per_token(x, bits, group)
+        return quant.dequantize_per_token(codes, scale, zero, group)
+
+    def stored_like(self, store, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """keys [B, H, n, r_k max], values [B, H, n, r_v max] -> both as the high tier stores them."""
+        from kvcal.runtime.pages import HIGH
+
+        kq, vq = torch.zeros_like(keys), torch.zeros_like(values)
+        for g in store.groups[layer]:
+            fmt = g.layouts[HIGH].fmt
+            if fmt.k_mode != "token":       # a high tier this probe cannot mirror: leave those tokens unquantized
+                kq[:, g.heads], vq[:, g.heads] = keys[:, g.heads], values[:, g.heads]
+                continue
+            kq[:, g.heads, :, :g.r_k] = self._round_trip(keys[:, g.heads, :, :g.r_k], fmt.k_bits, fmt.k_group,
+                                                         store.raw16)
+            vq[:, g.heads, :, :g.r_v] = self._round_trip(values[:, g.heads, :, :g.r_v], fmt.v_bits, fmt.v_group,
+                                                         store.raw16)
+        return kq, vq
+
+    def attend(self, store, layer, query, new_keys, new_values, scale, track_scores=True):
+        """As AttentionBackend.attend: query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, r_v]."""
+        stored = store.gather(layer)
+        B, H, g, n, _ = query.shape
+        S = stored.pos.shape[-1]
+        new_keys, new_values = new_keys.float(), new_values.float()
+        kq, vq = self.stored_like(store, layer, new_keys, new_values)
+        q = query.float()
+        logits = torch.einsum("bhgnr,bhsr->bhgns", q, torch.cat([stored.keys, kq], dim=2)) * scale
+        own = torch.einsum("bhgnr,bhnr->bhgn", q, new_keys) * scale                # each token on itself, raw
+        eye = torch.eye(n, dtype=torch.bool, device=q.device)
+        logits[..., S:] = torch.where(eye, own[..., None], logits[..., S:])
+        allowed = torch.cat([(stored.pos >= 0)[:, :, None, None, :].expand(B, H, 1, n, S),
+                             torch.ones(n, n, dtype=torch.bool, device=q.device).tril().expand(B, H, 1, n, n)], -1)
+        probs = torch.nan_to_num(torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+        out = torch.einsum("bhgns,bhsr->bhgnr", probs, torch.cat([stored.values, vq], dim=2))
+        diag = torch.diagonal(probs[..., S:], dim1=-2, dim2=-1)                      # [B, H, g, n]
+        out = out + diag[..., None] * (new_values - vq)[:, :, None]                   # the raw value on the diagonal
+        if not track_scores:
+            return out, torch.zeros(B, H, n, device=q.device)
+        top = probs.amax(dim=2)
+        store.add_scores(layer, stored, top[..., :S].sum(dim=2))
+        return out, top[..., S:].sum(dim=2)
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
@@ -128,8 +201,9 @@ class DecodeProbe:
 
     The dense reference logits and the prefill attention do not depend on the settings, so both run once here; each
     `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
-    write_prefill`) and teacher-forces the continuation through it. Results equal `decode_fidelity` with the same
-    cache settings.
+    write_prefill`) and teacher-forces the continuation through it. With `chunk=1` results equal `decode_fidelity`
+    with the same cache settings; with a larger chunk it is the batched probe the search uses (docs/calibration.md
+    compares the two on real models).
     """
 
     @torch.inference_mode()
@@ -155,8 +229,20 @@ class DecodeProbe:
         recording.release()
 
     @torch.inference_mode()
-    def measure(self, config, bundle=None) -> Fidelity:
-        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle)."""
+    def measure(self, config, bundle=None, chunk: int = 1) -> Fidelity:
+        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle).
+        `chunk`: continuation tokens per forward pass (1: stepwise decode; more: the batched probe, see
+        `teacher_force` and `ChunkProbeAttention`)."""
+        cache = self.replay(config, bundle, chunk)
+        page_s0 = cache.kv.store.page_seconds
+        got, seconds = teacher_force(self.model, cache, self.continuation, chunk)
+        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
+        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
+        cache.release()
+        return result
+
+    def replay(self, config, bundle=None, chunk: int = 1):
+        """A fresh KvcalCache of `config` holding the recorded prompt, ready for the continuation."""
         from kvcal.runtime.hf import KvcalCache
 
         if config.fastgen is not None and (self.fastgen is None or (config.fastgen.r_local, config.fastgen.r_frequent)
@@ -165,12 +251,9 @@ class DecodeProbe:
                              "`fastgen=`")
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
         cache.prime(self.records, token_ids=self.prompt)
-        page_s0 = cache.kv.store.page_seconds
-        got, seconds = teacher_force(self.model, cache, self.continuation)
-        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
-        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
-        cache.release()
-        return result
+        if chunk > 1:
+            cache.kv.backend = ChunkProbeAttention(cache.kv.backend)
+        return cache
 
 
 def tier_fractions(cache) -> dict[str, float]:
