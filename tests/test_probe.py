@@ -53,6 +53,22 @@ def test_batched_probe_equals_stepwise_without_token_policies(model_type, high):
         assert (plain - step).abs().max().item() > 10 * (got - step).abs().max().item()
 
 
+def test_batched_probe_tracks_stepwise_with_tiers_and_fastgen():
+    """With DiffKV tiers and FastGen the policy steps still run per token, so the batched probe lands near the
+    stepwise one (exact agreement is not expected: a chunk's queries read the store before the steps of its earlier tokens)."""
+    fast = FastGenConfig(recovery=0.5)
+    probe = _probe("llama", fastgen=fast, words=150)
+    tiers = CompressionConfig(low=TierFormat(4, 2, "channel"), policy=TokenPolicy(window=16, alpha_high=1.6,
+                                                                                  alpha_low=0.5))
+    for cfg in (tiers, tiers.with_(fastgen=fast)):
+        step, batched = probe.measure(cfg, chunk=1), probe.measure(cfg, chunk=8)
+        assert step.predictions == batched.predictions == 2 * (probe.continuation.shape[1] - 1)
+        assert abs(step.top1 - batched.top1) <= 0.05
+        for tier in ("high", "low", "pruned"):
+            assert abs(step.tiers[tier] - batched.tiers[tier]) <= 0.05, (tier, step.tiers, batched.tiers)
+        assert step.tiers["high"] < 0.9           # the policies moved tokens: the comparison has teeth
+
+
 def test_chunk_must_be_positive():
     probe = _probe("llama")
     with pytest.raises(ValueError, match="chunk"):

@@ -96,17 +96,23 @@ def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1) -> t
 
 
 class ChunkProbeAttention:
-    """The attention a batched probe runs over a chunk of n new tokens, in place of the cache's backend `attend`.
+    """The attention a batched probe runs over a chunk of n new tokens, in place of the cache's backend `attend`,
+    so that a chunk sees what stepwise decode would have shown it (docs/calibration.md measures the rest):
 
-    Stepwise decode writes each token into the high tier before the next token reads it, so a later token of a chunk
-    should see the earlier ones as the store will hold them, quantized, and only itself unquantized. The runtime's
-    `attend` lets a chunk see its own tokens unquantized (right for prefill-like use, optimistic for a probe:
-    docs/calibration.md). This attend rounds each new token through its head group's high-tier format first, and
-    keeps the raw key and value on the diagonal. Scores and the store's score updates are as `TorchBackend.attend`.
-    Writes still go through the cache's own backend."""
+    - stepwise decode writes each token into the high tier before the next one reads it, so a later token of a chunk
+      sees the earlier ones rounded through their head group's high-tier format, and only itself raw (the runtime's
+      `attend` shows a chunk its own tokens raw: right for serving a prompt, optimistic for a probe);
+    - the policy steps after token i of the chunk must see significance from queries up to i only, not from the
+      whole chunk (a token just leaving the window has been seen by ~W queries; a 32-token chunk would inflate its
+      mean by half). `attend` adds query 0's probabilities; `ScoreCatchUp`, run first at each step, adds query i's.
 
-    def __init__(self, writer):
-        self.writes_cache = writer.writes_cache      # the store keeps its own writer; nothing here writes
+    What remains different: query i attends to the store before the policy steps of tokens < i moved or dropped
+    anything. Writes still go through the cache's own backend (the store keeps it)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.writes_cache = kv.backend.writes_cache
+        self.pending: dict[int, tuple] = {}   # layer -> (probabilities [B, H, n, S + n], stored pos [B, H, S], start)
 
     @staticmethod
     def _round_trip(x: torch.Tensor, bits: int, group: int | None, raw16: torch.dtype) -> torch.Tensor:
@@ -155,9 +161,47 @@ class ChunkProbeAttention:
         out = out + diag[..., None] * (new_values - vq)[:, :, None]                   # the raw value on the diagonal
         if not track_scores:
             return out, torch.zeros(B, H, n, device=q.device)
-        top = probs.amax(dim=2)
-        store.add_scores(layer, stored, top[..., :S].sum(dim=2))
-        return out, top[..., S:].sum(dim=2)
+        top = probs.amax(dim=2)                                                          # [B, H, n, S + n]
+        store.add_scores(layer, stored, top[:, :, 0, :S])
+        self.pending[layer] = (top, stored.pos, self.kv.length[layer])
+        return out, torch.diagonal(top[..., S:], dim1=-2, dim2=-1)                      # each token's own query
+
+
+class ScoreCatchUp:
+    """A token policy the batched probe runs before the real ones: at step i of a chunk it adds query i's attention
+    probabilities (kept by `ChunkProbeAttention`) to the tokens still held, found by cache index, so Algorithm 1
+    and FastGen see the significance stepwise decode would have given them."""
+
+    name = "probe-scores"
+
+    def __init__(self, kv, attention: ChunkProbeAttention):
+        self.kv, self.attention = kv, attention
+
+    def decode(self, layer: int) -> None:
+        from kvcal.runtime.pages import HIGH, LOW
+        from kvcal.runtime.store import Gathered
+
+        if layer not in self.attention.pending:
+            return
+        top, stored_pos, start = self.attention.pending[layer]
+        B, H, n, width = top.shape
+        S = width - n
+        i = self.kv.length[layer] - start - 1            # the token just stored; query 0 was added by attend
+        if i < 1:
+            return
+        N = start + n                                    # delta by cache index; index N collects empty slots
+        delta = torch.zeros(B, H, N + 1, device=top.device)
+        delta.scatter_add_(-1, torch.where(stored_pos >= 0, stored_pos, N), top[:, :, i, :S])
+        delta[:, :, start:start + i] += top[:, :, i, S:S + i]
+        store = self.kv.store
+        b, h = self.kv.every_entry()
+        for side in (HIGH, LOW):
+            score, pos = (t.view(B, H, -1) for t in store.section_meta(layer, side, b, h))
+            if pos.shape[-1] == 0:
+                continue
+            slot = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+            held = Gathered(keys=None, values=None, pos=pos, score=score, side=torch.full_like(pos, side), slot=slot)
+            store.add_scores(layer, held, delta.gather(-1, torch.where(pos >= 0, pos, N)))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
@@ -252,7 +296,9 @@ class DecodeProbe:
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
         cache.prime(self.records, token_ids=self.prompt)
         if chunk > 1:
-            cache.kv.backend = ChunkProbeAttention(cache.kv.backend)
+            kv = cache.kv
+            kv.backend = ChunkProbeAttention(kv)
+            kv.policies.insert(0, ScoreCatchUp(kv, kv.backend))
         return cache
 
 
