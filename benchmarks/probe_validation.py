@@ -105,17 +105,16 @@ def main() -> None:
         print(f"{name:40} {s['bytes_ratio']:6.3f} {s['top1']:10.4f} {bt['top1']:8.4f} {s['kl']:8.4f} {bt['kl']:8.4f} "
               f"{s['ppl_ratio']:8.4f} {bt['ppl_ratio']:8.4f} {s['seconds']:7.1f} {bt['seconds']:7.1f} "
               f"{'yes' if row['agrees'] else 'NO'}", flush=True)
+        if args.json:          # after every row: a run cut short still leaves its rows
+            with open(args.json, "w") as fh:
+                json.dump({"model": args.model, "bundle": args.bundle, "windows": args.windows, "prompt":
+                           args.prompt, "steps": args.steps, "chunk": args.chunk, "window": args.window, "threads":
+                           torch.get_num_threads(), "machine": platform.machine(), "prefill_seconds":
+                           round(prefill_seconds, 2), "rows": rows}, fh, indent=2)
     step_s = sum(r["stepwise"]["seconds"] for r in rows)
     batch_s = sum(r["batched"]["seconds"] for r in rows)
     print(f"{sum(r['agrees'] for r in rows)}/{len(rows)} agree; stepwise {step_s:.0f} s, batched {batch_s:.0f} s "
           f"({step_s / max(batch_s, 1e-9):.1f}x); shared prefill {prefill_seconds:.0f} s")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "bundle": args.bundle, "windows": args.windows, "prompt": args.prompt,
-                       "steps": args.steps, "chunk": args.chunk, "window": args.window, "threads":
-                       torch.get_num_threads(), "machine": platform.machine(), "prefill_seconds":
-                       round(prefill_seconds, 2), "rows": rows}, fh, indent=2)
-
 
 if __name__ == "__main__":
     main()

@@ -73,3 +73,41 @@ def test_chunk_must_be_positive():
     probe = _probe("llama")
     with pytest.raises(ValueError, match="chunk"):
         probe.measure(CompressionConfig(), chunk=0)
+
+
+def test_target_bound_covers_variation_between_windows():
+    """Two point sets with the same pooled top-1 and count: the one whose windows disagree has the lower bound and
+    misses the target; with one window only Wilson applies."""
+    from types import SimpleNamespace
+
+    from kvcal.profile.quality import QualityTarget, window_lower, wilson_lower
+
+    target = QualityTarget(top1=0.97, ppl_ratio=1.02, z=1.5)
+    steady = SimpleNamespace(top1=0.985, predictions=1024, ppl_ratio=1.0, top1_windows=[0.98, 0.99, 0.98, 0.99])
+    spread = SimpleNamespace(top1=0.985, predictions=1024, ppl_ratio=1.0, top1_windows=[1.0, 1.0, 1.0, 0.94])
+    assert target.met(steady) and not target.met(spread)
+    assert target.top1_bound(spread) == window_lower(spread.top1_windows, 1.5) < wilson_lower(0.985, 1024, 1.5)
+    single = SimpleNamespace(top1=0.985, predictions=1024, ppl_ratio=1.0, top1_windows=[0.985])
+    assert target.top1_bound(single) == wilson_lower(0.985, 1024, 1.5)
+
+
+def test_probe_reports_top1_per_window():
+    probe = _probe("llama")
+    f = probe.measure(CompressionConfig(), chunk=16)
+    assert len(f.top1_windows) == 2 and abs(sum(f.top1_windows) / 2 - f.top1) < 1e-6
+
+
+def test_long_first_windows_come_from_single_long_documents():
+    from conftest import make_tokenizer
+
+    from kvcal.data.corpora import Corpus, token_windows
+
+    tok = make_tokenizer()
+    short = [random_text(5, seed=s) for s in range(40)]
+    long = [random_text(80, seed=100 + s) for s in range(3)]
+    corpus = Corpus("mixed", tuple(short[:20] + long + short[20:]), "x")
+    w = token_windows(tok, corpus, 4, 50, seed=0, long_first=True)
+    starts = {tuple(tok(d).input_ids[:50]) for d in long}
+    assert sum(tuple(row.tolist()) in starts for row in w) == 3      # one window per long document
+    plain = token_windows(tok, corpus, 4, 50, seed=0)
+    assert sum(tuple(row.tolist()) in starts for row in plain) < 3
