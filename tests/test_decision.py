@@ -38,3 +38,16 @@ def test_nothing_passes_keeps_the_best_checked():
     point, fid, checks = decide(path[0], path, lambda p: _fid(quality[p.label]), TARGET, max_checks=2)
     assert len(checks) == 2 and not any(c["met"] for c in checks)
     assert point.label == "K8V4g32"                      # the better of the two checked; K8V8 was beyond max_checks
+
+
+def test_context_beyond_the_model_is_a_one_line_error(tiny_dir, text_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    out = tmp_path / "c.kvcal.safetensors"
+    r = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_dir), "--out", str(out), "--dataset",
+                                 str(text_file), "--context", "100000", "--quiet"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "`--context 100000` is beyond the model's 512 positions; pass at most 512" in r.stderr
+    assert not out.exists()

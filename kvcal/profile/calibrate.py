@@ -353,7 +353,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     fixes = {"calib": "lower `--text-tokens`", "search": "lower `--context`, `--search-windows` or "
              "`--search-steps`", "eval": "lower `--context`"}
     a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
-    P, context = search_shape(cfg, a.max_positions)
+    P, _ = search_shape(cfg, a.max_positions) if cfg.search else (0, 0)
     needs = {"calib": cfg.text_tokens, "search": cfg.search_windows * (P + cfg.search_steps + 1),
              "eval": cfg.eval_windows * (P + cfg.eval_steps + 1)}
     for name, c in {"calib": corpus, **splits}.items():       # a quick count first, before transformers loads
