@@ -55,7 +55,8 @@ def test_batched_probe_equals_stepwise_without_token_policies(model_type, high):
 
 def test_batched_probe_tracks_stepwise_with_tiers_and_fastgen():
     """With DiffKV tiers and FastGen the policy steps still run per token, so the batched probe lands near the
-    stepwise one (exact agreement is not expected: a chunk's queries read the store before the steps of its earlier tokens)."""
+    stepwise one (exact agreement is not expected: a chunk's queries read the store before the steps of its earlier
+    tokens)."""
     fast = FastGenConfig(recovery=0.5)
     probe = _probe("llama", fastgen=fast, words=150)
     tiers = CompressionConfig(low=TierFormat(4, 2, "channel"), policy=TokenPolicy(window=16, alpha_high=1.6,
@@ -80,7 +81,7 @@ def test_target_bound_covers_variation_between_windows():
     misses the target; with one window only Wilson applies."""
     from types import SimpleNamespace
 
-    from kvcal.profile.quality import QualityTarget, window_lower, wilson_lower
+    from kvcal.profile.quality import QualityTarget, wilson_lower, window_lower
 
     target = QualityTarget(top1=0.97, ppl_ratio=1.02, z=1.5)
     steady = SimpleNamespace(top1=0.985, predictions=1024, ppl_ratio=1.0, top1_windows=[0.98, 0.99, 0.98, 0.99])

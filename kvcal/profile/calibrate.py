@@ -94,7 +94,7 @@ class CalibrationConfig:
                                         # enough that Algorithm 1's downgrades during decode are represented
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
     eval_windows: int = 2               # final, stepwise check of the chosen configuration on evaluation text
-    eval_steps: int = 256               # scored continuation tokens per evaluation window (same prompt length)
+    eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int = TokenPolicy.window    # recent tokens always at high precision (DiffKV W)
@@ -319,7 +319,7 @@ def search_shape(cfg: CalibrationConfig, max_positions: int) -> tuple[int, int]:
         raise ValueError(f"`--context {cfg.context}` is beyond the model's {max_positions} positions; pass at most "
                          f"{max_positions}")
     context = cfg.context or min(4096, max_positions)
-    prompt = cfg.search_prompt or context - max(cfg.search_steps, cfg.eval_steps) - 1
+    prompt = cfg.search_prompt or context - max(cfg.search_steps, cfg.eval_steps or 0) - 1
     if prompt < 1:
         raise ValueError(f"`--context {context}` leaves no prompt before {cfg.search_steps} continuation tokens; "
                          "raise `--context` or lower `--search-steps`")
@@ -355,7 +355,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
     P, _ = search_shape(cfg, a.max_positions) if cfg.search else (0, 0)
     needs = {"calib": cfg.text_tokens, "search": cfg.search_windows * (P + cfg.search_steps + 1),
-             "eval": cfg.eval_windows * (P + cfg.eval_steps + 1)}
+             "eval": cfg.eval_windows * (P + (cfg.eval_steps or cfg.search_steps) + 1)}
     for name, c in {"calib": corpus, **splits}.items():       # a quick count first, before transformers loads
         check_enough_tokens(Path(source.folder) / "tokenizer.json", c, needs[name], fixes[name])
     tokenizer = lm.tokenizer if lm is not None else load_tokenizer(source.folder)
@@ -369,7 +369,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     if cfg.search:       # the search and the held-out check need their own splits: check them now too
         token_windows(tokenizer, splits["search"], cfg.search_windows, P + cfg.search_steps + 1, cfg.seed + 1,
                       fix=fixes["search"])
-        token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + cfg.eval_steps + 1,
+        token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + (cfg.eval_steps or cfg.search_steps) + 1,
                       cfg.seed + 2, fix=fixes["eval"])
 
     if lm is None:
@@ -625,7 +625,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     release_memory()
     say("checking the chosen configuration on evaluation text")
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
-                                 P + cfg.eval_steps + 1, cfg.seed + 2, long_first=True)
+                                 P + (cfg.eval_steps or cfg.search_steps) + 1, cfg.seed + 2, long_first=True)
     eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer,
                              fastgen=FastGenConfig())
 
