@@ -192,15 +192,19 @@ def test_calibrate_shows_the_search_bar_and_the_summary_in_words(tiny_dir, text_
                             "--text-tokens", "128", "--seq-len", "64", "--dataset", str(text_file), "--dtype",
                             "float32", "--search-windows", "1", "--search-prompt", "32", "--search-steps", "4",
                             "--target-top1", "0.999"], env={"COLUMNS": "100"})
-    assert r.exit_code == 0, r.output
+    assert r.exit_code in (0, 3), r.output      # 3: nothing met the target on evaluation text
     err = r.stderr
     assert re.search(r"search 8/8 evaluation text\s+━+\s+\d+ points \d:\d\d:\d\d", err), err
     text = " ".join(r.stdout.split())
     assert "stored every token as K8V" in text and "bytes per token against 256 in fp16" in text
     assert "search text: top-1" in text and "evaluation text: top-1" in text
-    assert "TARGET NOT MET on evaluation text" in text
     report = json.loads(out.with_name("s.kvcal.report.json").read_text())
-    assert report["held_out"]["met"] is False
+    decision = report["search"]["decision"]
+    assert 1 <= len(decision["checks"]) <= 3 and decision["met"] == report["held_out"]["met"]
+    if decision["met"]:
+        assert r.exit_code == 0 and "TARGET MET on evaluation text" in text
+    else:
+        assert r.exit_code == 3 and "--accept-best" in err and "TARGET NOT MET on evaluation text" in text
 
 
 def test_summary_in_words_of_the_shipped_bundle():

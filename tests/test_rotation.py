@@ -111,3 +111,24 @@ def test_token_independence_metric():
     other, _ = eig_basis(h @ h.transpose(-1, -2))
     diff = token_independence(other, R)
     assert diff["ratio"] > 0.1 and diff["overlap_half"] < 1.0
+
+
+def test_eig_basis_is_canonical_inside_near_degenerate_clusters():
+    """Two Grams that differ in their last bits have near-degenerate eigenpairs (as RoPE makes them): LAPACK's raw
+    eigenvectors inside a cluster differ by O(1) between them, the canonical basis by O(perturbation)."""
+    torch.manual_seed(0)
+    d = 16
+    q, _ = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))
+    lam = torch.tensor([9.0, 5.0, 5.0, 5.0, 3.0, 2.0, 2.0] + [1.0 / (i + 2) for i in range(d - 7)],
+                       dtype=torch.float64)
+    gram = q @ torch.diag(lam) @ q.T
+    noise = torch.randn(d, d, dtype=torch.float64) * 1e-13
+    other = gram + (noise + noise.T)
+    raw = [torch.linalg.eigh(g)[1].flip(-1) for g in (gram, other)]
+    raw_gap = min((raw[0][:, 1:4] - s * raw[1][:, 1:4]).abs().max() for s in (1, -1))
+    assert raw_gap > 1e-3          # LAPACK picks another basis of the 3-dim cluster: the test has teeth
+    (a, sa), (b, sb) = eig_basis(gram), eig_basis(other)
+    assert (a - b).abs().max() < 1e-9 and torch.allclose(sa, sb)
+    torch.testing.assert_close(a.T @ a, torch.eye(d, dtype=torch.float64))
+    # the canonical basis spans the same eigenspaces: it still diagonalises the Gram
+    torch.testing.assert_close(a.T @ gram @ a, torch.diag(lam), atol=1e-9, rtol=0)

@@ -65,12 +65,22 @@ def calibrate(
     = QualityTarget.ppl_ratio,
     target_z: Annotated[float, typer.Option(help="Top-1 must hold at this many standard errors (0: as measured).")]
     = QualityTarget.z,
+    context: Annotated[int | None, typer.Option(help="Deployment context the search measures at (prompt + "
+                                                "continuation tokens per window).",
+                                                show_default="min(4096, the model's maximum)")]
+    = CalibrationConfig.context,
     search_windows: Annotated[int, typer.Option(help="Held-out calibration windows per measured point.")]
     = CalibrationConfig.search_windows,
-    search_prompt: Annotated[int, typer.Option(help="Prompt tokens per search window.")]
+    search_prompt: Annotated[int | None, typer.Option(help="Prompt tokens per search window.",
+                                                      show_default="context - search steps - 1")]
     = CalibrationConfig.search_prompt,
-    search_steps: Annotated[int, typer.Option(help="Teacher-forced steps per search window.")]
+    search_steps: Annotated[int, typer.Option(help="Scored continuation tokens per search window.")]
     = CalibrationConfig.search_steps,
+    search_chunk: Annotated[int, typer.Option(help="Continuation tokens per forward pass of the search's batched "
+                                                   "probe (1: stepwise).")] = CalibrationConfig.search_chunk,
+    accept_best: Annotated[bool, typer.Option("--accept-best", help="If no point checked on evaluation text meets "
+                                              "the target, keep the best one and exit 0.")]
+    = CalibrationConfig.accept_best,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle (and its report) at "
                                             "--out.")] = False,
     json_out: JsonOpt = False,
@@ -88,6 +98,7 @@ def calibrate(
                                 max_memory=parse_max_memory(max_memory), search=search, target_top1=target_top1,
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
+                                context=context, search_chunk=search_chunk, accept_best=accept_best,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
         passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, quiet)
         tasks: dict[str, int] = {}
@@ -132,7 +143,11 @@ def calibrate(
     if search and s.get("search", {}).get("held_out"):
         s["search"]["held_out"]["met"] = held_out_met(search["held_out"], search["target"])
         s["search"]["bytes_per_token"] = round(search["chosen"]["bytes_ratio"] * fp16_bytes_per_token(result.bundle))
+    missed = bool(search) and not search["decision"]["met"] and not accept_best
     if json_out:
         print(json.dumps(s, indent=2))
-        return
-    stdout.print(calibration_summary(s, result.bundle))
+    else:
+        stdout.print(calibration_summary(s, result.bundle))
+    if missed:
+        raise fail(f"no point checked on evaluation text meets the target; {result.path} holds the best one checked: "
+                   "pass `--accept-best` to accept it, or relax `--target-top1` / `--target-ppl-ratio`", code=3)

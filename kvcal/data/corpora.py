@@ -221,19 +221,29 @@ def check_enough_tokens(tokenizer_file: Path, corpus: Corpus, need: int, fix: st
 
 
 def token_windows(tokenizer, corpus: Corpus, n_windows: int, seq_len: int, seed: int, *,
-                  fix: str | None = None) -> torch.Tensor:
+                  fix: str | None = None, long_first: bool = False) -> torch.Tensor:
     """int64 [n_windows, seq_len]: documents in a seeded order, each opened by the tokenizer's usual prefix (BOS when
     it adds one) and closed by EOS, concatenated and cut into windows. Raises if the corpus is too small; `fix` names
-    the option that asks for fewer tokens (e.g. "lower `--text-tokens`")."""
+    the option that asks for fewer tokens (e.g. "lower `--text-tokens`").
+
+    `long_first`: windows are first cut from single documents of at least `seq_len` tokens (the opening `seq_len`
+    tokens of each, in the seeded order), so a long-context window holds one long text, as a long prompt does; only
+    the windows no long document covers come from concatenated shorter ones."""
     order = list(range(len(corpus)))
     random.Random(seed).shuffle(order)
     need = n_windows * seq_len
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    windows: list[list[int]] = []
     ids: list[int] = []
-    for i in order:
-        ids.extend(tokenizer(corpus.documents[i]).input_ids + eos)
-        if len(ids) >= need:
+    for i in order:      # with long_first, every document may be read to find the long ones (seconds at most)
+        doc = tokenizer(corpus.documents[i]).input_ids + eos
+        if long_first and len(doc) >= seq_len:
+            windows.append(doc[:seq_len])
+        elif len(ids) < need:
+            ids.extend(doc)
+        if len(windows) == n_windows or (not long_first and len(ids) >= need):
             break
+    ids = [t for w in windows for t in w] + ids
     if len(ids) < need:
         raise ValueError(f"corpus `{corpus.name}` has {len(ids)} tokens, {need} needed for {n_windows} windows of "
                          f"{seq_len}; {fix or 'use fewer windows'}, or pass a bigger `--dataset`")

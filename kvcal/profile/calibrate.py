@@ -7,6 +7,7 @@ stopped, and a finished run deletes its checkpoints. The bundle is written atomi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import functools
 import hashlib
@@ -85,12 +86,17 @@ class CalibrationConfig:
     target_top1: float = QualityTarget.top1          # quality target of the searches (see QualityTarget)
     target_ppl_ratio: float = QualityTarget.ppl_ratio
     target_z: float = QualityTarget.z
-    search_windows: int = 16            # windows of held-out calibration text per measured point (docs/calibration.md)
-    search_prompt: int = 512            # prompt tokens per window
+    context: int | None = None          # deployment context the search measures at; default min(4096, model max)
+    search_windows: int = 4             # windows of held-out calibration text per measured point (docs/calibration.md)
+    search_prompt: int | None = None    # prompt tokens per window; default context - search_steps - 1
     search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
-    search_steps: int = 32              # teacher-forced decode steps per window (windows x steps predictions)
-    eval_windows: int = 8               # final check of the chosen configuration on evaluation text
-    eval_steps: int = 64
+    search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
+                                        # enough that Algorithm 1's downgrades during decode are represented
+    search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
+    eval_windows: int = 2               # final, stepwise check of the chosen configuration on evaluation text
+    eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
+    max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
+    accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int = TokenPolicy.window    # recent tokens always at high precision (DiffKV W)
     policy_windows: int = 2             # calibration windows profiled for FastGen statistics
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
@@ -108,14 +114,17 @@ class CalibrationConfig:
             raise ValueError(f"`--seq-len {self.seq_len}` must be at least 2")
         if self.max_position is not None and self.max_position < 2:
             raise ValueError(f"`--max-position {self.max_position}` must be at least 2")
-        for name in ("search_windows", "search_prompt", "search_steps"):
-            if getattr(self, name) < 1:
+        for name in ("search_windows", "search_prompt", "search_steps", "search_chunk", "eval_windows", "eval_steps",
+                     "max_checks"):  # search_prompt None: derived from the context
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
         if self.search and self.removal_rate > 0:
             raise ValueError(f"`--removal-rate {self.removal_rate}` fixes the ranks, but the search chooses them by "
                              "measured quality: add `--no-search` to use a fixed rate, or drop `--removal-rate`")
         if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
             raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
+        if self.context is not None and self.context < 2:
+            raise ValueError(f"`--context {self.context}` must be at least 2")
         if self.search_dtype not in DTYPES:
             raise ValueError(f"`search_dtype={self.search_dtype}` is not one of {', '.join(DTYPES)}")
         if not (0 < self.target_top1 <= 1 and self.target_ppl_ratio >= 1):
@@ -303,6 +312,20 @@ def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: d
 # ---------------------------------------------------------------------------------------------- main
 
 
+def search_shape(cfg: CalibrationConfig, max_positions: int) -> tuple[int, int]:
+    """(prompt tokens per search window, the context it measures at): a window is prompt + continuation + 1 tokens
+    long, the deployment context, by default min(4096, the model's maximum)."""
+    if cfg.context is not None and cfg.context > max_positions:
+        raise ValueError(f"`--context {cfg.context}` is beyond the model's {max_positions} positions; pass at most "
+                         f"{max_positions}")
+    context = cfg.context or min(4096, max_positions)
+    prompt = cfg.search_prompt or context - max(cfg.search_steps, cfg.eval_steps or 0) - 1
+    if prompt < 1:
+        raise ValueError(f"`--context {context}` leaves no prompt before {cfg.search_steps} continuation tokens; "
+                         "raise `--context` or lower `--search-steps`")
+    return prompt, prompt + cfg.search_steps + 1
+
+
 def _normalised(g: torch.Tensor) -> torch.Tensor:
     return g / torch.diagonal(g, dim1=-2, dim2=-1).sum(-1)[..., None, None].clamp(min=1e-300)
 
@@ -327,15 +350,15 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     remove_stale_temps(out)
     corpus = load_corpus(cfg.dataset, "calib")      # the dataset's files: readable, decodable, with text
     splits = {name: load_corpus(cfg.dataset, name) for name in ("search", "eval")} if cfg.search else {}
-    fixes = {"calib": "lower `--text-tokens`", "search": "lower `--search-windows`, `--search-prompt` or "
-             "`--search-steps`", "eval": "lower `--search-prompt`"}
-    P = cfg.search_prompt
+    fixes = {"calib": "lower `--text-tokens`", "search": "lower `--context`, `--search-windows` or "
+             "`--search-steps`", "eval": "lower `--context`"}
+    a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
+    P, _ = search_shape(cfg, a.max_positions) if cfg.search else (0, 0)
     needs = {"calib": cfg.text_tokens, "search": cfg.search_windows * (P + cfg.search_steps + 1),
-             "eval": cfg.eval_windows * (P + cfg.eval_steps + 1)}
+             "eval": cfg.eval_windows * (P + (cfg.eval_steps or cfg.search_steps) + 1)}
     for name, c in {"calib": corpus, **splits}.items():       # a quick count first, before transformers loads
         check_enough_tokens(Path(source.folder) / "tokenizer.json", c, needs[name], fixes[name])
     tokenizer = lm.tokenizer if lm is not None else load_tokenizer(source.folder)
-    a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
     if cfg.max_position is not None and cfg.max_position > a.max_positions:
         raise ValueError(f"`--max-position {cfg.max_position}` is beyond the model's {a.max_positions} positions; "
                          f"pass at most {a.max_positions}")
@@ -346,8 +369,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     if cfg.search:       # the search and the held-out check need their own splits: check them now too
         token_windows(tokenizer, splits["search"], cfg.search_windows, P + cfg.search_steps + 1, cfg.seed + 1,
                       fix=fixes["search"])
-        token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + cfg.eval_steps + 1, cfg.seed + 2,
-                      fix=fixes["eval"])
+        token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + (cfg.eval_steps or cfg.search_steps) + 1,
+                      cfg.seed + 2, fix=fixes["eval"])
 
     if lm is None:
         say(f"loading {cfg.model}")
@@ -422,10 +445,10 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     report = None
     t_search = time.perf_counter()
     if cfg.search:
-        search_key = key + json.dumps([cfg.search_windows, cfg.search_prompt, cfg.search_steps, cfg.window,
-                                       cfg.search_dtype])
+        search_key = key + json.dumps([cfg.search_windows, P, cfg.search_steps, cfg.window, cfg.search_dtype,
+                                       cfg.search_chunk])
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
-        report = run_search(lm, bundle, cfg, search_checkpoint, say, search_progress)
+        report = run_search(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
         checkpoint.resumed.update(search_checkpoint.resumed)
         qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
     search_seconds = time.perf_counter() - t_search
@@ -447,7 +470,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     }
     if report is not None:
         summary["search"] = {"chosen": report["search"]["chosen"], "families": report["search"]["families"],
-                             "held_out": _brief(report.get("held_out")), "points": len(report["search"]["path"])}
+                             "held_out": _brief(report.get("held_out")), "points": len(report["search"]["path"]),
+                             "context": report["search"]["probe"]["context"],
+                             "decision": report["search"]["decision"]}
     bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
                                                              "search_seconds", "peak_rss_mib")}
     save_bundle(bundle, out)
@@ -508,19 +533,60 @@ def _malloc_trim():
     return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
+def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -> tuple:
+    """The decision that has to hold on evaluation text: `check(point)` measures a point there (a Fidelity dict).
+    The search's `chosen` point is checked first; if it misses, the next safer feasible point of `path` (more bytes,
+    each settings once) is checked, up to `max_checks` points. Returns (point, its check, every check as a row): the
+    first point that meets `target`, or, if none does, the one checked with the best top-1."""
+    from kvcal.profile.report import held_out_met
+    from kvcal.profile.search import settings_key
+
+    seen, order = set(), []
+    safer = sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
+                   key=lambda p: p.bytes_ratio)
+    for point in [chosen, *safer]:
+        if settings_key(point.settings) not in seen:
+            seen.add(settings_key(point.settings))
+            order.append(point)
+    checks, best = [], None
+    for point in order[:max_checks]:
+        fid = check(point)
+        met = held_out_met(fid, target)
+        checks.append({"label": point.label, "settings": point.settings, "met": met, **_brief(fid)})
+        if met:
+            return point, fid, checks
+        if best is None or fid["top1"] > best[1]["top1"]:
+            best = (point, fid)
+    return (*best, checks)
+
+
+class _Batched:
+    """A DecodeProbe whose `measure` scores the continuation `chunk` tokens per forward pass (the search's probe)."""
+
+    def __init__(self, probe, chunk: int):
+        self.probe, self.chunk = probe, chunk
+
+    def measure(self, config, bundle=None):
+        return self.probe.measure(config, bundle, chunk=self.chunk)
+
+
 def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
-               say: Callable[[str], None], progress: SearchProgress | None = None) -> dict:
-    """Quality searches (kvcal.profile.search) on held-out calibration text; updates the bundle's ranks, policy and
-    calibration metadata in place and returns the report (all points, families, held-out check)."""
+               say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
+    """Quality searches (kvcal.profile.search) on held-out calibration text with the batched probe, then the
+    decision: the chosen point is checked stepwise on evaluation text; if it misses, the next safer feasible point
+    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, policy and calibration
+    metadata in place and returns the report (all points, families, checks, held-out result)."""
     from dataclasses import asdict as as_dict
 
     from kvcal.profile.quality import DecodeProbe
+    from kvcal.profile.ranks import ranks_of
+    from kvcal.profile.report import held_out_met
     from kvcal.profile.search import Search, cheapest
 
     target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
-    P, M = cfg.search_prompt, cfg.search_steps
+    P, M = prompt, cfg.search_steps
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
-                            cfg.seed + 1)
+                            cfg.seed + 1, long_first=True)
     model_dtype = lm.model.dtype
     if getattr(lm.model, "hf_device_map", None) is None:      # an offloaded model stays as accelerate placed it
         lm.model.to(DTYPES[cfg.search_dtype])
@@ -538,7 +604,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
             f"ppl {point.ppl_ratio:.3f}  {'meets' if point.feasible else 'misses'} ({point.seconds:.0f} s)")
         step(point.stage, point.label, point)
 
-    search = Search(probe, bundle, target, report=report_point, memo=memo,
+    search = Search(_Batched(probe, cfg.search_chunk), bundle, target, report=report_point, memo=memo,
                     started=lambda stage, label: step(stage, label, None))
     base = CompressionConfig().with_policy(window=cfg.window)
     result = search.run(base)
@@ -554,29 +620,46 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
     families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only,
                 "policies-only (FastGen)": policies_only, "joint (kvcal)": result.chosen}
 
-    bundle.qk_rank, bundle.v_rank = result.qk_rank, result.v_rank
-    bundle.policy = result.config.to_dict()
-    say("checking the chosen configuration on evaluation text")
-    step("held-out", "the chosen configuration on evaluation text", None)
-    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
-                                 P + cfg.eval_steps + 1, cfg.seed + 2)
     del probe
     search.probe = None                # the search windows' recorded prefill is done with: free it before the next
     release_memory()
-    held_out = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer,
-                           fastgen=FastGenConfig()).measure(result.config)
+    say("checking the chosen configuration on evaluation text")
+    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
+                                 P + (cfg.eval_steps or cfg.search_steps) + 1, cfg.seed + 2, long_first=True)
+    eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer,
+                             fastgen=FastGenConfig())
+
+    def check(point) -> dict:
+        step("held-out", f"{point.label} on evaluation text", None)
+        qk_rank, v_rank = ranks_of(bundle, point.config)
+        fid = as_dict(eval_probe.measure(point.config, dataclasses.replace(bundle, qk_rank=qk_rank, v_rank=v_rank)))
+        met = held_out_met(fid, as_dict(target))
+        say(f"  held-out  {point.label:34} bytes {fid['memory']['ratio_to_fp16']:.3f}  top-1 {fid['top1']:.3f}  "
+            f"ppl {fid['ppl_ratio']:.3f}  {'meets' if met else 'misses'}")
+        release_memory()
+        return fid
+
+    chosen, held_out, checks = decide(result.chosen, search.path, check, as_dict(target), cfg.max_checks)
+    met = held_out_met(held_out, as_dict(target))
+    if not met:
+        logger.warning("no point checked on evaluation text meets the target (%s); keeping the best one checked",
+                       target)
+    bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen.config)
+    bundle.policy = chosen.config.to_dict()
     search_meta = {
         "target": as_dict(target),
-        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "split": "search",
-                  "dtype": cfg.search_dtype},
-        "chosen": as_dict(result.chosen),
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,
+                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype},
+        "chosen": as_dict(chosen),
         "families": {k: as_dict(v) if v else None for k, v in families.items()},
         "path": [as_dict(p) for p in search.path],
+        "decision": {"checks": checks, "met": met, "accepted_anyway": not met and cfg.accept_best},
     }
-    bundle.calibration["search"] = {**search_meta, "held_out": _brief(as_dict(held_out))}
+    bundle.calibration["context"] = P + M + 1
+    bundle.calibration["search"] = {**search_meta, "held_out": _brief(held_out)}
     if getattr(lm.model, "hf_device_map", None) is None:
         lm.model.to(model_dtype)
-    return {"search": search_meta, "held_out": as_dict(held_out)}
+    return {"search": search_meta, "held_out": held_out}
 
 
 def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:

@@ -35,13 +35,29 @@ class QualityTarget:
 
     def met(self, measured) -> bool:
         """`measured` (a `Fidelity`, a search `Point`: anything with top1, predictions and ppl_ratio) meets the
-        target: top-1's Wilson lower bound at `z` reaches it, and so does the perplexity ratio.
+        target: top-1's lower bound at `z` reaches it, and so does the perplexity ratio.
 
         The search keeps the cheapest point that passes, so a point that passes by luck is exactly what it would
         pick; the bound asks for more evidence the closer a point sits to the target (docs/calibration.md).
         """
-        return (wilson_lower(measured.top1, measured.predictions, self.z) >= self.top1
-                and measured.ppl_ratio <= self.ppl_ratio)
+        return self.top1_bound(measured) >= self.top1 and measured.ppl_ratio <= self.ppl_ratio
+
+    def top1_bound(self, measured) -> float:
+        """The lower of two bounds on top-1: Wilson over all predictions (binomial noise), and, with two or more
+        windows, the mean of per-window top-1 less z standard errors of that mean (variation between documents,
+        which the binomial bound does not see: a point can pass on one set of windows and miss on another)."""
+        bound = wilson_lower(measured.top1, measured.predictions, self.z)
+        return min(bound, window_lower(getattr(measured, "top1_windows", None) or [], self.z))
+
+
+def window_lower(per_window: list[float], z: float) -> float:
+    """Mean of per-window values less z standard errors of the mean (sample sd); 1.0 with fewer than two windows."""
+    n = len(per_window)
+    if n < 2 or z <= 0:
+        return 1.0
+    mean = sum(per_window) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in per_window) / (n - 1))
+    return mean - z * sd / math.sqrt(n)
 
 
 def wilson_lower(p: float, n: int, z: float) -> float:
@@ -66,6 +82,7 @@ class Fidelity:
     tiers: dict = field(default_factory=dict)    # token-head fractions high / low / pruned (compressed layers)
     decode_ms_per_step: float = 0.0
     page_ms_per_step: float = 0.0                # time in page allocation per step (page-management share)
+    top1_windows: list = field(default_factory=list)   # top-1 of each window (sequence): variation between documents
 
 
 @torch.inference_mode()
@@ -77,14 +94,131 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-def teacher_force(model, cache, continuation: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Feed continuation[:, :-1] one token per step through `cache`: logits [B, M, vocab] float32, seconds."""
+def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1) -> tuple[torch.Tensor, float]:
+    """Feed continuation[:, :-1] through `cache`, `chunk` tokens per forward pass: logits [B, M, vocab] float32,
+    seconds. chunk = 1 is the stepwise decode users run. A larger chunk is the batched probe: the runtime's `attend`
+    lets a chunk's tokens attend causally to each other and to the store, then the decode-phase policy steps
+    (Algorithm 1, FastGen) run once per token of the chunk, so they see the same lengths as stepwise decode. What
+    differs: a token attends to the earlier tokens of its own chunk unquantized, and to the store before their
+    downgrades; docs/calibration.md measures what that changes."""
+    if chunk < 1:
+        raise ValueError(f"`chunk={chunk}` must be at least 1")
     steps = []
+    M = continuation.shape[1] - 1
     t0 = time.perf_counter()
-    for t in range(continuation.shape[1] - 1):
-        out = model(input_ids=continuation[:, t:t + 1], past_key_values=cache, use_cache=True)
-        steps.append(out.logits[:, -1].float())
-    return torch.stack(steps, dim=1), time.perf_counter() - t0
+    for t in range(0, M, chunk):
+        out = model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True)
+        steps.append(out.logits.float())
+    return torch.cat(steps, dim=1), time.perf_counter() - t0
+
+
+class ChunkProbeAttention:
+    """The attention a batched probe runs over a chunk of n new tokens, in place of the cache's backend `attend`,
+    so that a chunk sees what stepwise decode would have shown it (docs/calibration.md measures the rest):
+
+    - stepwise decode writes each token into the high tier before the next one reads it, so a later token of a chunk
+      sees the earlier ones rounded through their head group's high-tier format, and only itself raw (the runtime's
+      `attend` shows a chunk its own tokens raw: right for serving a prompt, optimistic for a probe);
+    - the policy steps after token i of the chunk must see significance from queries up to i only, not from the
+      whole chunk (a token just leaving the window has been seen by ~W queries; a 32-token chunk would inflate its
+      mean by half). `attend` adds query 0's probabilities; `ScoreCatchUp`, run first at each step, adds query i's.
+
+    What remains different: query i attends to the store before the policy steps of tokens < i moved or dropped
+    anything. Writes still go through the cache's own backend (the store keeps it)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.writes_cache = kv.backend.writes_cache
+        self.pending: dict[int, tuple] = {}   # layer -> (probabilities [B, H, n, S + n], stored pos [B, H, S], start)
+
+    @staticmethod
+    def _round_trip(x: torch.Tensor, bits: int, group: int | None, raw16: torch.dtype) -> torch.Tensor:
+        """x float32 [..., r] as a per-token high-tier slot holds it (CompressedStore._put_vectors / _dequantize)."""
+        from kvcal.runtime import quant
+        from kvcal.runtime.layout import RAW_BITS
+
+        if bits in RAW_BITS:
+            return x.to(torch.float32 if bits == 32 else raw16).float()
+        codes, scale, zero = quant.quantize_per_token(x, bits, group)
+        return quant.dequantize_per_token(codes, scale, zero, group)
+
+    def stored_like(self, store, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """keys [B, H, n, r_k max], values [B, H, n, r_v max] -> both as the high tier stores them."""
+        from kvcal.runtime.pages import HIGH
+
+        kq, vq = torch.zeros_like(keys), torch.zeros_like(values)
+        for g in store.groups[layer]:
+            fmt = g.layouts[HIGH].fmt
+            if fmt.k_mode != "token":       # a high tier this probe cannot mirror: leave those tokens unquantized
+                kq[:, g.heads], vq[:, g.heads] = keys[:, g.heads], values[:, g.heads]
+                continue
+            kq[:, g.heads, :, :g.r_k] = self._round_trip(keys[:, g.heads, :, :g.r_k], fmt.k_bits, fmt.k_group,
+                                                         store.raw16)
+            vq[:, g.heads, :, :g.r_v] = self._round_trip(values[:, g.heads, :, :g.r_v], fmt.v_bits, fmt.v_group,
+                                                         store.raw16)
+        return kq, vq
+
+    def attend(self, store, layer, query, new_keys, new_values, scale, track_scores=True):
+        """As AttentionBackend.attend: query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, r_v]."""
+        stored = store.gather(layer)
+        B, H, g, n, _ = query.shape
+        S = stored.pos.shape[-1]
+        new_keys, new_values = new_keys.float(), new_values.float()
+        kq, vq = self.stored_like(store, layer, new_keys, new_values)
+        q = query.float()
+        logits = torch.einsum("bhgnr,bhsr->bhgns", q, torch.cat([stored.keys, kq], dim=2)) * scale
+        own = torch.einsum("bhgnr,bhnr->bhgn", q, new_keys) * scale                # each token on itself, raw
+        eye = torch.eye(n, dtype=torch.bool, device=q.device)
+        logits[..., S:] = torch.where(eye, own[..., None], logits[..., S:])
+        allowed = torch.cat([(stored.pos >= 0)[:, :, None, None, :].expand(B, H, 1, n, S),
+                             torch.ones(n, n, dtype=torch.bool, device=q.device).tril().expand(B, H, 1, n, n)], -1)
+        probs = torch.nan_to_num(torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+        out = torch.einsum("bhgns,bhsr->bhgnr", probs, torch.cat([stored.values, vq], dim=2))
+        diag = torch.diagonal(probs[..., S:], dim1=-2, dim2=-1)                      # [B, H, g, n]
+        out = out + diag[..., None] * (new_values - vq)[:, :, None]                   # the raw value on the diagonal
+        if not track_scores:
+            return out, torch.zeros(B, H, n, device=q.device)
+        top = probs.amax(dim=2)                                                          # [B, H, n, S + n]
+        store.add_scores(layer, stored, top[:, :, 0, :S])
+        self.pending[layer] = (top, stored.pos, self.kv.length[layer])
+        return out, torch.diagonal(top[..., S:], dim1=-2, dim2=-1)                      # each token's own query
+
+
+class ScoreCatchUp:
+    """A token policy the batched probe runs before the real ones: at step i of a chunk it adds query i's attention
+    probabilities (kept by `ChunkProbeAttention`) to the tokens still held, found by cache index, so Algorithm 1
+    and FastGen see the significance stepwise decode would have given them."""
+
+    name = "probe-scores"
+
+    def __init__(self, kv, attention: ChunkProbeAttention):
+        self.kv, self.attention = kv, attention
+
+    def decode(self, layer: int) -> None:
+        from kvcal.runtime.pages import HIGH, LOW
+        from kvcal.runtime.store import Gathered
+
+        if layer not in self.attention.pending:
+            return
+        top, stored_pos, start = self.attention.pending[layer]
+        B, H, n, width = top.shape
+        S = width - n
+        i = self.kv.length[layer] - start - 1            # the token just stored; query 0 was added by attend
+        if i < 1:
+            return
+        N = start + n                                    # delta by cache index; index N collects empty slots
+        delta = torch.zeros(B, H, N + 1, device=top.device)
+        delta.scatter_add_(-1, torch.where(stored_pos >= 0, stored_pos, N), top[:, :, i, :S])
+        delta[:, :, start:start + i] += top[:, :, i, S:S + i]
+        store = self.kv.store
+        b, h = self.kv.every_entry()
+        for side in (HIGH, LOW):
+            score, pos = (t.view(B, H, -1) for t in store.section_meta(layer, side, b, h))
+            if pos.shape[-1] == 0:
+                continue
+            slot = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+            held = Gathered(keys=None, values=None, pos=pos, score=score, side=torch.full_like(pos, side), slot=slot)
+            store.add_scores(layer, held, delta.gather(-1, torch.where(pos >= 0, pos, N)))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
@@ -97,7 +231,8 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, p
     nll = -logp.gather(-1, target[..., None]).mean().item()
     result = Fidelity(kl=kl, top1=(ref.argmax(-1) == got.argmax(-1)).float().mean().item(), ppl=math.exp(nll),
                       ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
-                      prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1))
+                      prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1),
+                      top1_windows=(ref.argmax(-1) == got.argmax(-1)).float().mean(-1).tolist())
     if getattr(cache, "kv", None) is not None:
         result.memory = cache.memory()
         result.tiers = tier_fractions(cache)
@@ -128,8 +263,9 @@ class DecodeProbe:
 
     The dense reference logits and the prefill attention do not depend on the settings, so both run once here; each
     `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
-    write_prefill`) and teacher-forces the continuation through it. Results equal `decode_fidelity` with the same
-    cache settings.
+    write_prefill`) and teacher-forces the continuation through it. With `chunk=1` results equal `decode_fidelity`
+    with the same cache settings; with a larger chunk it is the batched probe the search uses (docs/calibration.md
+    compares the two on real models).
     """
 
     @torch.inference_mode()
@@ -155,8 +291,20 @@ class DecodeProbe:
         recording.release()
 
     @torch.inference_mode()
-    def measure(self, config, bundle=None) -> Fidelity:
-        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle)."""
+    def measure(self, config, bundle=None, chunk: int = 1) -> Fidelity:
+        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle).
+        `chunk`: continuation tokens per forward pass (1: stepwise decode; more: the batched probe, see
+        `teacher_force` and `ChunkProbeAttention`)."""
+        cache = self.replay(config, bundle, chunk)
+        page_s0 = cache.kv.store.page_seconds
+        got, seconds = teacher_force(self.model, cache, self.continuation, chunk)
+        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
+        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
+        cache.release()
+        return result
+
+    def replay(self, config, bundle=None, chunk: int = 1):
+        """A fresh KvcalCache of `config` holding the recorded prompt, ready for the continuation."""
         from kvcal.runtime.hf import KvcalCache
 
         if config.fastgen is not None and (self.fastgen is None or (config.fastgen.r_local, config.fastgen.r_frequent)
@@ -165,12 +313,11 @@ class DecodeProbe:
                              "`fastgen=`")
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
         cache.prime(self.records, token_ids=self.prompt)
-        page_s0 = cache.kv.store.page_seconds
-        got, seconds = teacher_force(self.model, cache, self.continuation)
-        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
-        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
-        cache.release()
-        return result
+        if chunk > 1:
+            kv = cache.kv
+            kv.backend = ChunkProbeAttention(kv)
+            kv.policies.insert(0, ScoreCatchUp(kv, kv.backend))
+        return cache
 
 
 def tier_fractions(cache) -> dict[str, float]:

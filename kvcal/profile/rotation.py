@@ -41,19 +41,55 @@ def qk_gram(stats: GramCollector, weighting: str) -> torch.Tensor:
     return kk / trace(kk) + qq / trace(qq)
 
 
-def eig_basis(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+CLUSTER_RTOL = 1e-3   # eigenvalues closer than this (relative) form one near-degenerate cluster, see eig_basis
+
+
+def eig_basis(gram: torch.Tensor, rtol: float = CLUSTER_RTOL) -> tuple[torch.Tensor, torch.Tensor]:
     """gram [..., d, d] symmetric PSD (float64) -> basis [..., d, d] (orthonormal columns by descending eigenvalue)
     and spectrum [..., d] = sqrt(eigenvalues), descending.
 
-    Eigenvectors are unique only up to sign; each column is flipped so its largest-magnitude entry is positive, which
-    makes bundles reproducible bit for bit from the same statistics.
+    The basis is canonical, so that the same statistics give the same bundle bytes wherever they are decomposed:
+    - inside a cluster of near-degenerate eigenvalues (adjacent ones within `rtol` of each other: RoPE pairs) only
+      the cluster's subspace is determined; LAPACK returns an arbitrary orthonormal basis of it, which changes with
+      the last bits of the Gram. The cluster's basis is rotated to the eigenvectors of a fixed tie-breaking matrix
+      (diag(1, ..., d)) restricted to the subspace, which depend on the subspace alone;
+    - each column is then flipped so its largest-magnitude entry is positive.
+    The decomposition runs on one thread: LAPACK's batched paths may split work by thread count.
     """
-    evals, evecs = torch.linalg.eigh(gram.double())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        evals, evecs = torch.linalg.eigh(gram.double())
+    finally:
+        torch.set_num_threads(threads)
     evals, evecs = evals.flip(-1), evecs.flip(-1)
+    evecs = _canonical_clusters(evals, evecs, rtol)
     idx = evecs.abs().argmax(dim=-2, keepdim=True)
     sign = torch.sign(torch.gather(evecs, -2, idx))
     sign[sign == 0] = 1
     return evecs * sign, evals.clamp(min=0).sqrt()
+
+
+def _canonical_clusters(evals: torch.Tensor, evecs: torch.Tensor, rtol: float) -> torch.Tensor:
+    """evals [..., d] descending, evecs [..., d, d]: each near-degenerate cluster's columns replaced by the canonical
+    basis of their span (see eig_basis). Cheap: a loop over the few matrices that have clusters."""
+    d = evals.shape[-1]
+    flat_vals, flat_vecs = evals.reshape(-1, d), evecs.reshape(-1, d, d).clone()
+    top = flat_vals[:, :1].abs().clamp(min=1e-300)
+    # adjacent eigenvalues tie when their gap is below rtol of the larger one (or negligible against the largest)
+    close = (flat_vals[:, :-1] - flat_vals[:, 1:]) <= rtol * torch.maximum(flat_vals[:, :-1].abs(), 1e-12 * top)
+    tie = torch.arange(1, d + 1, dtype=torch.float64)
+    for m in torch.nonzero(close.any(-1)).flatten().tolist():
+        start = 0
+        for i in range(d):          # a cluster is a maximal run of ties: columns start..i
+            if i < d - 1 and bool(close[m, i]):
+                continue
+            if i > start:
+                v = flat_vecs[m, :, start:i + 1]                              # [d, k]
+                w, u = torch.linalg.eigh(v.T @ (tie[:, None] * v))          # [k], [k, k] ascending
+                flat_vecs[m, :, start:i + 1] = v @ u
+            start = i + 1
+    return flat_vecs.view_as(evecs)
 
 
 @torch.no_grad()

@@ -81,6 +81,7 @@ class Point:
     feasible: bool
     seconds: float
     predictions: int = 0       # scored predictions behind top-1 and the perplexity ratio
+    top1_windows: list = field(default_factory=list)   # top-1 per window (QualityTarget.top1_bound)
 
     @property
     def config(self) -> CompressionConfig:
@@ -165,7 +166,8 @@ class Search:
         fid = self.probe.measure(candidate, bundle)
         point = Point(stage=stage, label=label, settings=settings, bytes_ratio=fid.memory["ratio_to_fp16"],
                       top1=fid.top1, kl=fid.kl, ppl_ratio=fid.ppl_ratio, tiers=fid.tiers, feasible=False,
-                      seconds=round(time.perf_counter() - t0, 2), predictions=fid.predictions)
+                      seconds=round(time.perf_counter() - t0, 2), predictions=fid.predictions,
+                      top1_windows=fid.top1_windows)
         point.feasible = self.target.met(point)
         self.path.append(point)
         self.memo[key] = point
