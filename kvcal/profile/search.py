@@ -243,18 +243,18 @@ class Search:
             chosen = found
         if chosen is None:
             return None
-        for window in (w for w in RESIDUAL_WINDOWS if w < base.policy.window):
-            c = chosen.config
-            p = self.measure("residual", f"fp16 W={window} / {c.low.name} a=({c.policy.alpha_high:g},0)",
-                             c.with_policy(window=window))
-            if not p.feasible:
-                break
-            chosen = p
+        chosen = self._walk(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.policy.window])
         a_h = chosen.config.policy.alpha_high
-        for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
-            c = chosen.config
-            p = self.measure("residual", f"fp16 W={c.policy.window} / {c.low.name} a=({a_h:g},{a_l:g})",
-                             c.with_policy(alpha_low=a_l))
+        return self._walk(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
+
+    def _walk(self, start: Point, changes: list[dict]) -> Point:
+        """Token-policy `changes` to `start`, each more aggressive than the last, measured in turn until the first
+        miss: the last feasible point (`start` if the first change misses)."""
+        chosen = start
+        for change in changes:
+            c = start.config.with_policy(**change)
+            p = self.measure("residual", f"fp16 W={c.policy.window} / {c.low.name} "
+                             f"a=({c.policy.alpha_high:g},{c.policy.alpha_low:g})", c)
             if not p.feasible:
                 break
             chosen = p
