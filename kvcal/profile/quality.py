@@ -190,6 +190,7 @@ class ScoreCatchUp:
     and FastGen see the significance stepwise decode would have given them."""
 
     name = "probe-scores"
+    reads_scores = False     # it adds the scores itself; the real policies say whether the backend must track them
 
     def __init__(self, kv, attention: ChunkProbeAttention):
         self.kv, self.attention = kv, attention
