@@ -68,6 +68,16 @@ def random_text(n_words: int, seed: int = 0) -> str:
     return " ".join(WORDS[i] for i in idx)
 
 
+def smollm2_or_skip():
+    """The packaged smollm2-135m in float32 (a LoadedModel), or a skip naming why it cannot load."""
+    from kvcal.models import load_model
+
+    try:
+        return load_model("smollm2-135m", dtype="float32")
+    except ValueError as e:
+        pytest.skip(f"smollm2-135m unavailable: {e}")
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny Llama-family model folder (2 layers, 4 query / 2 KV heads, head dim 16)."""

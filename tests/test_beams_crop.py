@@ -4,6 +4,7 @@ shared and copied on write) and `crop` (assisted decoding's rollback). On the re
 
 import pytest
 import torch
+from conftest import smollm2_or_skip
 from transformers import DynamicCache
 
 from kvcal.runtime.cache import CompressionConfig
@@ -19,14 +20,11 @@ K8V8 = CompressionConfig(high=TierFormat(8, 8), use_ranks=False)         # per-t
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvcal import load_bundle
-    from kvcal.models import load_model
-
-    try:
-        lm = load_model("smollm2-135m", dtype="float32")
-    except ValueError as e:
-        pytest.skip(f"smollm2-135m unavailable: {e}")
     from pathlib import Path
+
+    from kvcal import load_bundle
+
+    lm = smollm2_or_skip()
 
     path = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m.kvcal.safetensors"
     lm.tokenizer.padding_side = "left"

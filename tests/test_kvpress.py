@@ -5,19 +5,14 @@ pipeline. Each test skips with the reason when its package (or the model) is not
 
 import pytest
 import torch
+from conftest import smollm2_or_skip
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvcal.models import load_model
-
-    try:
-        lm = load_model("smollm2-135m", dtype="float32")
-    except ValueError as e:
-        pytest.skip(f"smollm2-135m unavailable: {e}")
-    return lm
+    return smollm2_or_skip()
 
 
 def _ids(lm, n: int) -> torch.Tensor:
