@@ -376,12 +376,12 @@ def test_policy_collector_requires_tokens_and_skips_sliding_layers():
         model(input_ids=torch.tensor([[1, 5, 6, 7]]), use_cache=False)
 
 
-def test_fastgen_reads_the_prefills_probabilities_instead_of_recomputing(monkeypatch):
-    """FastGen's prompt recovery reads the probability blocks the backend's prefill computed (no softmax of its own);
-    blocks beyond the kept budget are recomputed by the same function, so the statistics are bit-identical."""
+def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(monkeypatch):
+    """Beyond PROFILE_ROWS tokens, a prompt's recovery is the mean over evenly spaced real query rows (the last one
+    included), computed from the same probabilities the prefill ran, in several row blocks."""
     from conftest import make_model, random_bundle, random_text
 
-    import kvcal.runtime.cache_policy as cache_policy
+    import kvcal.runtime.fastgen as fastgen
     from kvcal.runtime import attention
     from kvcal.runtime.config import CompressionConfig
     from kvcal.runtime.hf import KvcalCache
@@ -390,25 +390,30 @@ def test_fastgen_reads_the_prefills_probabilities_instead_of_recomputing(monkeyp
     bundle = random_bundle(model, tok)
     tok.padding_side = "left"
     inputs = tok([random_text(120, seed=1), random_text(70, seed=2)], return_tensors="pt", padding=True)
-    monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", 1 << 14)          # several row blocks per prompt
-    calls = []
-    real_probs = cache_policy.prompt_probs
-    monkeypatch.setattr(cache_policy, "prompt_probs", lambda *a: calls.append(a[-1]) or real_probs(*a))
-
-    def recovery(kept_elements):
-        monkeypatch.setattr(cache_policy, "PROMPT_PROBS_KEPT", kept_elements)
-        calls.clear()
-        cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=FastGenConfig(0.9)), tokenizer=tok)
-        cache.record = True
-        with torch.no_grad():
-            model(**inputs, past_key_values=cache, use_cache=True)
-        return {layer: r[4]["fastgen"] for layer, r in cache.kv.recorder.items()}, len(calls)
-
-    reused, recomputed = recovery(1 << 26)
-    assert recomputed == 0
     n = inputs.input_ids.shape[1]
-    blocks = len(attention.prompt_rows(torch.empty(2, 2, 2, n, 0)))
-    assert blocks > 2
-    partly, recomputed = recovery(1 << 16)                               # the first block or so kept, the rest not
-    assert 0 < recomputed < blocks * len(reused)
-    assert all(torch.equal(reused[layer], partly[layer]) for layer in reused)
+    monkeypatch.setattr(fastgen, "PROFILE_ROWS", 24)
+    monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", 1 << 12)          # several row blocks
+    rows = fastgen.profile_rows(n)
+    assert len(rows) == 24 and rows[0] == 0 and rows[-1] == n - 1 and (rows.diff() >= 1).all()
+    assert torch.equal(fastgen.profile_rows(20), torch.arange(20))
+    cfg = FastGenConfig(0.9)
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=cfg), tokenizer=tok)
+    cache.record = True
+    captured = {}
+    real_prefill = attention.TorchBackend.prefill
+
+    def prefill(query, keys, values, mask, scale):
+        captured.setdefault("args", (query, keys, mask, scale))
+        return real_prefill(query, keys, values, mask, scale)
+
+    monkeypatch.setattr(attention.TorchBackend, "prefill", staticmethod(prefill))
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache, use_cache=True)
+    key, value, score, real, statistics = cache.kv.recorder[0]
+    query, keys, mask, scale = captured["args"]
+    full = attention.prompt_probs(query, keys, mask, scale, slice(0, n))            # every row, every key
+    is_special, is_punct = fastgen.token_flags(inputs.input_ids, *cache.token_classes)
+    n_pad = (~real).sum(-1)
+    want = fastgen.prompt_recovery(full[:, :, :, rows], rows, is_special, is_punct, score, cfg, n_pad)
+    want = want / (rows[None, :] >= n_pad[:, None]).sum(-1)[None, :, None]
+    torch.testing.assert_close(statistics["fastgen"], want, atol=1e-5, rtol=1e-5)

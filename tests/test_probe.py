@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_model, random_bundle, random_text
 
-from kvcal.profile.quality import DecodeProbe, teacher_force
+from kvcal.profile.quality import DecodeProbe, dense_logits, teacher_force
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
@@ -68,6 +68,18 @@ def test_batched_probe_tracks_stepwise_with_tiers_and_fastgen():
         for tier in ("high", "low", "pruned"):
             assert abs(step.tiers[tier] - batched.tiers[tier]) <= 0.05, (tier, step.tiers, batched.tiers)
         assert step.tiers["high"] < 0.9           # the policies moved tokens: the comparison has teeth
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_reference_from_the_recorded_prompt_equals_one_dense_forward(model_type):
+    """The probe's dense reference continues from the recorded prompt's K/V (sliding layers from their kept window)
+    instead of running the prompt again: the logits of one dense forward over prompt + continuation, to float error."""
+    probe = _probe(model_type)
+    P, M = probe.prompt.shape[1], probe.continuation.shape[1] - 1
+    want = dense_logits(probe.model, torch.cat([probe.prompt, probe.continuation], dim=1)[:, :P + M], start=P)
+    assert probe.ref.shape == want.shape
+    assert (probe.ref - want).abs().max().item() < 1e-4
+    assert torch.equal(probe.ref.argmax(-1), want.argmax(-1))
 
 
 def test_chunk_must_be_positive():

@@ -63,8 +63,8 @@ class PolicyCollector:
         self._tokens = token_ids.detach().to(torch.int64)
 
     def _probs(self, q: torch.Tensor, k: torch.Tensor, rows: slice, scale: float) -> torch.Tensor:
-        """q [B, H, g, n, d], k [B, H, n, d] -> causal probabilities of rows [B, H, g, c, n] (float32), by the
-        runtime's own prompt softmax."""
+        """q [B, H, g, n, d], k [B, H, n, d] -> causal probabilities of rows [B, H, g, c, w] (float32) over the
+        first w = rows.stop keys, by the runtime's own prompt softmax."""
         n = k.shape[2]
         causal = torch.ones(1, n, n, dtype=torch.bool, device=k.device).tril()                # [1, n, n]
         return prompt_probs(q, k, causal, scale, rows)
@@ -85,7 +85,7 @@ class PolicyCollector:
         # pass 1: final column sums (max over the group's query heads), the frequent ranking
         score = torch.zeros(B, H, n, device=k.device)
         for rows in chunks:
-            score += self._probs(q, k, rows, scale).amax(dim=2).sum(dim=2)
+            score[..., :rows.stop] += self._probs(q, k, rows, scale).amax(dim=2).sum(dim=2)
         # pass 2: retained mass per policy, recomputing each chunk's probabilities (memory stays one chunk)
         rec = torch.zeros(4, B, H, device=k.device)
         for rows in chunks:

@@ -94,6 +94,30 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
+@torch.inference_mode()
+def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Dense logits [B, M, vocab] (float32) of continuation[:, :M] (continuation [B, M + 1]) after a recorded prompt:
+    a transformers `DynamicCache` filled with the prompt's exact K/V from `records` (`DecodeProbe`'s, taken from the
+    recording prefill), then `chunk` tokens per forward pass. Equal to one dense forward over prompt + continuation
+    up to float rounding, at the cost of the continuation alone: the prompt is not run a second time."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):    # records: its kept window and the tokens it has seen
+            keys, values, seen = records[i]
+            layer.update(keys, values)
+            layer.cumulative_length = seen
+        else:                                               # records: the whole prompt's K/V (and more)
+            layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
+    M = continuation.shape[1] - 1
+    logits = [model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True).logits
+              .float() for t in range(0, M, chunk)]
+    return torch.cat(logits, dim=1)
+
+
 def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1) -> tuple[torch.Tensor, float]:
     """Feed continuation[:, :-1] through `cache`, `chunk` tokens per forward pass: logits [B, M, vocab] float32,
     seconds. chunk = 1 is the stepwise decode users run. A larger chunk is the batched probe: the runtime's `attend`
@@ -279,8 +303,6 @@ class DecodeProbe:
 
         self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation
         self.tokenizer, self.fastgen = tokenizer, fastgen
-        P, M = prompt.shape[1], continuation.shape[1] - 1
-        self.ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M], start=P)
         recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
                                            tokenizer=tokenizer)
         recording.record = True
@@ -290,6 +312,7 @@ class DecodeProbe:
             if recording.sliding[i]:
                 self.records[i] = (layer.keys, layer.values, layer.cumulative_length)
         recording.release()
+        self.ref = reference_logits(model, self.records, continuation)
 
     @torch.inference_mode()
     def measure(self, config, bundle=None, chunk: int = 1) -> Fidelity:

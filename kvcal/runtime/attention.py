@@ -2,8 +2,7 @@
 
 Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key rank, r_v = stored value rank):
 
-    prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool, scale,
-            on_block=None)
+    prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool causal, scale)
         -> out [B, H, g, n, d], score [B, H, n]
     attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale,
            track_scores=True)
@@ -11,8 +10,8 @@ Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key ra
 
 `prefill` runs on uncompressed K/V (compression happens when the cache is written, as in DiffKV). `score` is each
 key's significance: the sum over queries of the attention probability it received, max over the g query heads. It
-computes the probabilities in row blocks (`prompt_rows`, `prompt_probs`) and hands each block to `on_block(rows,
-probs [B, H, g, c, n])` when given, so a token policy that reads them (FastGen's recovery) need not recompute them.
+computes the probabilities in row blocks (`prompt_rows`, `prompt_probs`), each only as wide as its rows can see: the
+mask is causal, so the keys after a block's last row get nothing.
 `attend` runs one softmax over every token the store retains (both tiers) plus the n new tokens, which attend to
 each other causally. It adds the probabilities the stored tokens received to their scores in the store, and returns
 the new tokens' own scores (with `track_scores=False`, when no token policy reads them, it does neither). The
@@ -58,11 +57,13 @@ def prompt_rows(query: torch.Tensor) -> list[slice]:
 
 
 def prompt_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,
-                 rows: slice) -> torch.Tensor:
-    """Prompt attention probabilities of the query rows `rows`: query [B, H, g, n, d] float32, keys [B, H, n, d]
-    float32, mask bool [B, n, n] -> float32 [B, H, g, c, n] (a row with nothing allowed is all zero). The one blocked
-    softmax of a prompt: `prefill` computes it, a policy that must see a block again recomputes it here, bit for bit."""
-    return _probs(query[:, :, :, rows], keys, mask[:, None, None, rows, :], scale)
+                 rows: slice | torch.Tensor) -> torch.Tensor:
+    """Prompt attention probabilities of the query rows `rows` (a slice, or increasing int64 indices [c]): query
+    [B, H, g, n, d] float32, keys [B, H, n, d] float32, mask bool [B, n, n] causal -> float32 [B, H, g, c, w] over the
+    first w = last row + 1 keys, the only ones these rows can see (a row with nothing allowed is all zero). The one
+    blocked softmax of a prompt: `prefill` computes it, a policy that must see rows again recomputes them here."""
+    w = rows.stop if isinstance(rows, slice) else int(rows[-1]) + 1
+    return _probs(query[:, :, :, rows], keys[:, :, :w], mask[:, None, None, rows, :w], scale)
 
 
 class AttentionBackend(ABC):
@@ -87,7 +88,7 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def prefill(query, keys, values, mask, scale, on_block=None): ...
+    def prefill(query, keys, values, mask, scale): ...
 
     @staticmethod
     @abstractmethod
@@ -122,16 +123,15 @@ class TorchBackend(AttentionBackend):
         return []
 
     @staticmethod
-    def prefill(query, keys, values, mask, scale, on_block=None):
+    def prefill(query, keys, values, mask, scale):
         B, H, g, n, d = query.shape
         out = torch.empty(B, H, g, n, values.shape[-1], device=query.device)
         score = torch.zeros(B, H, n, device=query.device)
         for rows in prompt_rows(query):
-            probs = prompt_probs(query, keys, mask, scale, rows)                    # [B, H, g, c, n]
-            out[:, :, :, rows] = torch.einsum("bhgns,bhsr->bhgnr", probs, values.float())
-            score += probs.amax(dim=2).sum(dim=2)
-            if on_block is not None:
-                on_block(rows, probs)
+            probs = prompt_probs(query, keys, mask, scale, rows)                    # [B, H, g, c, w]
+            w = probs.shape[-1]
+            out[:, :, :, rows] = torch.einsum("bhgns,bhsr->bhgnr", probs, values[:, :, :w].float())
+            score[:, :, :w] += probs.amax(dim=2).sum(dim=2)
         return out, score
 
     @staticmethod

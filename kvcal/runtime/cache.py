@@ -17,7 +17,7 @@ import torch
 
 from kvcal.runtime.attention import select_backend
 from kvcal.runtime.bases import served_bases
-from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks, cache_policies
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention, cache_policies
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
@@ -90,11 +90,9 @@ class CompressedKV:
         B, H, g, n, d = q.shape
         real = pad if pad is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None] & real[:, None, :]   # [B, n, n]
-        blocks = PromptBlocks(q.float(), key.float(), mask, scale)
-        reads = any(p.reads_prompt_probs for p in self.policies)
-        out, score = self.backend.prefill(blocks.query, blocks.keys, value.float(), mask, scale,
-                                          on_block=blocks.keep if reads else None)
-        statistics = {p.name: p.prompt_statistics(blocks, real, score) for p in self.policies}
+        attention = PromptAttention(q.float(), key.float(), mask, scale)
+        out, score = self.backend.prefill(attention.query, attention.keys, value.float(), mask, scale)
+        statistics = {p.name: p.prompt_statistics(attention, real, score) for p in self.policies}
         if self.recorder is not None:
             self.recorder[layer] = (key.float(), value.float(), score, real, statistics)
         self.write_prefill(layer, key, value, score, real, statistics)

@@ -10,7 +10,7 @@ the prompt and one for each decode token. `CompressedKV` builds the policies its
 
 A policy that needs more of the prompt than its significance (FastGen's recovery of each head, SnapKV's window
 votes) computes it in `prompt_statistics`, from the uncompressed prompt and the prefill's attention probabilities
-(`PromptBlocks`); the result is recorded with the prefill (`CompressedKV.recorder`), so a search can replay the
+(`PromptAttention`); the result is recorded with the prefill (`CompressedKV.recorder`), so a search can replay the
 prompt into caches with other settings without running the model again.
 """
 
@@ -23,11 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcal.runtime.attention import prompt_probs, prompt_rows
-
-# probability elements of a prefill kept for the policies that read them (256 MB of float32 at most; blocks beyond it
-# are recomputed): the calibration search's prompts (16 x 512 tokens, 9 or 12 query heads) fit whole
-PROMPT_PROBS_KEPT = 1 << 26
+from kvcal.runtime.attention import prompt_probs
 
 # name -> "module:Class", in the order the policies run (DiffKV tiers first: the others prune what they drop from them)
 CACHE_POLICIES = {
@@ -49,32 +45,17 @@ class Prompt:
     statistics: dict = field(default_factory=dict)   # policy name -> its `prompt_statistics` (None: not recorded)
 
 
-class PromptBlocks:
-    """The prefill's attention probabilities, block by block: iterating gives (rows slice, probs float32 [B, H, g, c,
-    n]) in row order. The backend hands each block it computes to `keep` (`AttentionBackend.prefill(on_block=)`);
-    blocks kept within `PROMPT_PROBS_KEPT` elements are reused, the others recomputed by `attention.prompt_probs`,
-    the same function, so a policy reads the same numbers either way.
-
-    query [B, H, g, n, d] and keys [B, H, n, d] float32, mask bool [B, n, n]: what the prefill attended with.
-    """
+class PromptAttention:
+    """What a prefill attended with, for a policy that needs the prompt's attention probabilities again:
+    query [B, H, g, n, d] and keys [B, H, n, d] float32, mask bool [B, n, n] causal, the softmax scale."""
 
     def __init__(self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float):
         self.query, self.keys, self.mask, self.scale = query, keys, mask, scale
-        self.kept: dict[int, torch.Tensor] = {}        # rows.start -> probs, a prefix of the blocks
-        self._room, self._closed = PROMPT_PROBS_KEPT, False
 
-    def keep(self, rows: slice, probs: torch.Tensor) -> None:
-        if self._closed or probs.numel() > self._room:
-            self._closed = True                        # keep a prefix only: later blocks are recomputed in order
-            return
-        self.kept[rows.start] = probs
-        self._room -= probs.numel()
-
-    def __iter__(self):
-        for rows in prompt_rows(self.query):
-            probs = self.kept.get(rows.start)
-            yield rows, (probs if probs is not None else
-                         prompt_probs(self.query, self.keys, self.mask, self.scale, rows))
+    def probs(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """float32 [B, H, g, c, w] probabilities of query rows `rows` (`attention.prompt_probs`: the same function
+        the prefill ran, so the same numbers)."""
+        return prompt_probs(self.query, self.keys, self.mask, self.scale, rows)
 
 
 class CachePolicy(ABC):
@@ -96,11 +77,10 @@ class CachePolicy(ABC):
         (tracking costs a second pass over the probabilities on every backend)."""
         return False
 
-    reads_prompt_probs: ClassVar[bool] = False     # True: `prompt_statistics` iterates all of `blocks`
-
-    def prompt_statistics(self, blocks: PromptBlocks, real: torch.Tensor, score: torch.Tensor) -> torch.Tensor | None:
-        """Statistics of the uncompressed prompt this policy needs at prefill: blocks (the prefill's query, keys,
-        mask, scale and probabilities), real bool [B, n], score [B, H, n]. None: it needs none."""
+    def prompt_statistics(self, attention: PromptAttention, real: torch.Tensor,
+                          score: torch.Tensor) -> torch.Tensor | None:
+        """Statistics of the uncompressed prompt this policy needs at prefill: attention (what the prefill attended
+        with), real bool [B, n], score [B, H, n]. None: it needs none."""
         return None
 
     @abstractmethod

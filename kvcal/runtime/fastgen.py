@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks
+from kvcal.runtime.attention import prefill_rows
+from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.policy import TIER_PRUNED
 
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 POLICIES = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full")
 FULL = 4                  # index of the full-cache fallback in POLICIES
 _COMPRESSED = FULL        # the first 4 policies are the compressed candidates
+# query rows a prompt's recovery averages over: every row of a prompt up to this length, evenly spaced rows (the last
+# included) beyond it. Eq. 1 is a mean over rows; all of them would make FastGen's prefill cost grow with n^2 times
+# the policies' masks (minutes per sequence at 4k on a CPU) for a mean that 512 rows already estimate.
+PROFILE_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -192,10 +197,12 @@ def prompt_recovery(probs: torch.Tensor, rows: torch.Tensor | slice, is_special:
 
     Args:
         probs: [B, H, g, c, n] causal prompt attention probabilities (softmax over keys, scaled, masked) of the
-            chunk's query rows; rows of padding queries are all zero.
+            chunk's query rows over the first n keys (n > every row: later keys get nothing); rows of padding queries
+            are all zero.
         rows: [c] cache indices of the chunk's query rows (a slice is accepted).
-        is_special, is_punct: [B, n] bool per key.
-        final_score: [B, H, n] final prompt column sums (max over the g query heads), the frequent ranking.
+        is_special, is_punct: [B, >= n] bool per key.
+        final_score: [B, H, >= n] final prompt column sums (max over the g query heads), the frequent ranking
+            (restricted to the first n keys it orders every row's prefix the same).
         n_pad: [B] left padding (default 0): keys j < n_pad are not tokens; budgets use real row lengths.
 
     The caller sums the result over all chunks and divides by the number of real query rows per sequence to get the
@@ -212,6 +219,7 @@ def prompt_recovery(probs: torch.Tensor, rows: torch.Tensor | slice, is_special:
     """
     B, H, g, c, n = probs.shape
     dev = probs.device
+    is_special, is_punct, final_score = is_special[:, :n], is_punct[:, :n], final_score[..., :n]
     if isinstance(rows, slice):
         rows = torch.arange(n, device=dev)[rows]
     rows = rows.to(dev, torch.int64)
@@ -249,6 +257,14 @@ def prompt_recovery(probs: torch.Tensor, rows: torch.Tensor | slice, is_special:
         mass = mass + torch.einsum("bhgcn,bhcn->bhgc", p, add.to(p.dtype))
         out[i] = mass.amin(dim=2).sum(-1)                                           # min over g, sum over rows
     return out
+
+
+def profile_rows(n: int, device=None) -> torch.Tensor:
+    """The query rows (int64, increasing) whose recovery FastGen averages for a prompt of n tokens: all of them up to
+    `PROFILE_ROWS`, else `PROFILE_ROWS` evenly spaced ones ending at the last row."""
+    if n <= PROFILE_ROWS:
+        return torch.arange(n, device=device)
+    return torch.linspace(0, n - 1, PROFILE_ROWS, device=device, dtype=torch.float64).round().to(torch.int64)
 
 
 def choose_policy(recovery: torch.Tensor, cfg: FastGenConfig) -> torch.Tensor:
@@ -320,20 +336,22 @@ class FastGenEviction(CachePolicy):
                              "`inputs_embeds`) through a cache made by `KvcalCache.from_bundle(..., tokenizer=...)`")
         return token_flags(self.token_ids, self.special, self.punct)
 
-    reads_prompt_probs = True
-
-    def prompt_statistics(self, blocks: PromptBlocks, real, score) -> torch.Tensor:
-        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy. It needs the final column sums
-        (the ranking of frequent tokens) before it can read any block, so it reads the prefill's probability blocks
-        after the prefill: those the backend handed over, the rest recomputed (`PromptBlocks`)."""
-        B, H, g, n, d = blocks.query.shape
+    def prompt_statistics(self, attention: PromptAttention, real, score) -> torch.Tensor:
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy, the mean over `profile_rows`
+        of the real query rows. It needs the final column sums (the ranking of frequent tokens) before it can read
+        any row, so it recomputes the rows' probabilities after the prefill, a block of rows at a time."""
+        B, H, g, n, d = attention.query.shape
         is_special, is_punct = self._flags(n)
         n_pad = (~real).sum(-1)
-        total = torch.zeros(4, B, H, device=blocks.query.device)
-        for rows, probs in blocks:
-            total += prompt_recovery(probs, rows, is_special[:, :n], is_punct[:, :n], score, self.kv.config.fastgen,
-                                     n_pad)
-        return total / (n - n_pad).clamp(min=1).to(total.dtype)[None, :, None]
+        rows = profile_rows(n, attention.query.device)
+        total = torch.zeros(4, B, H, device=attention.query.device)
+        step = prefill_rows(B, H, g, n)
+        for start in range(0, len(rows), step):
+            block = rows[start:start + step]
+            total += prompt_recovery(attention.probs(block), block, is_special, is_punct, score,
+                                     self.kv.config.fastgen, n_pad)
+        real_rows = (rows[None, :] >= n_pad[:, None]).sum(-1)                              # [B]
+        return total / real_rows.clamp(min=1).to(total.dtype)[None, :, None]
 
     def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
         recovery = prompt.statistics.get(self.name)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcal.runtime.attention import prompt_probs
-from kvcal.runtime.cache_policy import Prompt, PromptBlocks
+from kvcal.runtime.cache_policy import Prompt, PromptAttention
 from kvcal.runtime.eviction import BudgetEviction, TokenBudget, rank_by_score
 
 
@@ -46,12 +45,12 @@ class SnapKVEviction(BudgetEviction):
     name = "snapkv"
     evicts_in_decode = False
 
-    def prompt_statistics(self, blocks: PromptBlocks, real, score) -> torch.Tensor:
+    def prompt_statistics(self, attention: PromptAttention, real, score) -> torch.Tensor:
         """Window votes float32 [B, H, n]: the probability the last `window` queries give each key, summed over them
         and over the g query heads (one small extra block: the prefill's blocks do not end at the window)."""
-        n = blocks.query.shape[3]
+        n = attention.query.shape[3]
         w = min(self.settings.window, n)
-        return prompt_probs(blocks.query, blocks.keys, blocks.mask, blocks.scale, slice(n - w, n)).sum(dim=(2, 3))
+        return attention.probs(slice(n - w, n)).sum(dim=(2, 3))
 
     def budget(self, real: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self.settings.prompt_tokens(int(n)) for n in real.tolist()], device=real.device)
