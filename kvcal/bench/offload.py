@@ -55,7 +55,7 @@ def bundle_kv_bytes(bundle, head_dim: int) -> list[float]:
     from kvcal.runtime.cache import CompressionConfig
     from kvcal.runtime.layout import PageLayout
 
-    cfg = CompressionConfig.from_dict(bundle.policy)
+    cfg = CompressionConfig.from_dict(bundle.settings)
     page = cfg.page_size(head_dim)
     L, H, _ = bundle.shape
     return [sum(PageLayout.build(cfg.high, int(bundle.qk_rank[i, h]), int(bundle.v_rank[i, h]), page).bytes_per_token
@@ -134,7 +134,7 @@ def run_offload(lm: LoadedModel, settings: OffloadSettings, bundle=None, status=
     if bundle is not None:
         from kvcal.runtime.cache import CompressionConfig
 
-        tier = CompressionConfig.from_dict(bundle.policy).high.name
+        tier = CompressionConfig.from_dict(bundle.settings).high.name
         formats.append((f"kvcal bundle ({tier} at its ranks)", bundle_kv_bytes(bundle, a.head_dim)))
     rows = []
     for label, hw, p in hardware:

@@ -53,9 +53,9 @@ from kvcal.profile.rotation import (
     weight_svd_basis,
 )
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 from kvcal.safe_paths import check_bundle_out, remove_stale_temps
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class CalibrationConfig:
     device_map: str | None = None
     max_memory: dict | None = None
     command: str | None = None          # the command line, recorded in the report
-    search: bool = True                 # False: statistics only (full ranks, default runtime policy)
+    search: bool = True                 # False: statistics only (full ranks, the runtime's default settings)
     target_top1: float = QualityTarget.top1          # quality target of the searches (see QualityTarget)
     target_ppl_ratio: float = QualityTarget.ppl_ratio
     target_z: float = QualityTarget.z
@@ -97,7 +97,7 @@ class CalibrationConfig:
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
-    window: int = TokenPolicy.window    # recent tokens always at high precision (DiffKV W)
+    window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
     policy_windows: int = 2             # calibration windows profiled for FastGen statistics
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
@@ -408,7 +408,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = eig_basis(random_stats.vv)
     else:
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
-    unsearched = CompressionConfig().with_policy(window=cfg.window)
+    unsearched = CompressionConfig().with_tiering(window=cfg.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
     v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
     independence = token_independence(r_random, r_text)
@@ -440,7 +440,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
                 "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
                 "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
-        policy=unsearched.to_dict(searched=False),
+        settings=unsearched.to_dict(searched=False),
     )
     report = None
     t_search = time.perf_counter()
@@ -465,7 +465,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "energy_kept": {"qk": energy_kept(qk_spectrum, qk_rank).mean().item(),
                         "v": energy_kept(v_spectrum, v_rank).mean().item()},
         "token_independence": independence,
-        "policy": bundle.policy,
+        "policy": bundle.settings,
         "resumed": checkpoint.resumed,
     }
     if report is not None:
@@ -606,13 +606,13 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
 
     search = Search(_Batched(probe, cfg.search_chunk), bundle, target, report=report_point, memo=memo,
                     started=lambda stage, label: step(stage, label, None))
-    base = CompressionConfig().with_policy(window=cfg.window)
+    base = CompressionConfig().with_tiering(window=cfg.window)
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
     tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers", "residual")])
     step("family", "each family alone", None)
     rank_start = search.measure("family", "K16V16 (fp16 store), full rank",
-                                base.with_(high=TierFormat(16, 16)).with_policy(alpha_high=None))
+                                base.with_(high=TierFormat(16, 16)).with_tiering(alpha_high=None))
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
     rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
     policies_only = search.policies(rank_start) if rank_start.feasible else None
@@ -645,7 +645,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
         logger.warning("no point checked on evaluation text meets the target (%s); keeping the best one checked",
                        target)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen.config)
-    bundle.policy = chosen.config.to_dict()
+    bundle.settings = chosen.config.to_dict()
     search_meta = {
         "target": as_dict(target),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,

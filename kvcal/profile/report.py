@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcal.runtime.policy import EVERY_TOKEN_LOW
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 
 STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
                 "policies": "tab:green", "family": "tab:purple"}
@@ -37,14 +37,14 @@ def tier_in_words(spec: str) -> str:
 
 def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
                       v_rank_mean: float | None = None) -> str:
-    """What a search point (or a bundle's policy) stores, in one sentence: tiers and thresholds, FastGen, ranks.
-    `settings` is a `policy` block, read by its one codec (`CompressionConfig.from_dict`)."""
+    """What a search point (or a bundle's settings block) stores, in one sentence: tiers and thresholds, FastGen, ranks.
+    `settings` is a settings block (`Bundle.settings`), read by its one codec (`CompressionConfig.from_dict`)."""
     from kvcal.runtime.config import CompressionConfig
 
     if "high" not in settings:        # `to_dict(searched=False)`: the block records the window only
         return "the runtime's default settings (the bundle was made without a search)"
     config = CompressionConfig.from_dict(settings)
-    high, low, p = config.high.name, config.low.name, config.policy
+    high, low, p = config.high.name, config.low.name, config.tiering
     if not p.tiered:
         parts = [f"every token as {high} ({tier_in_words(high)})"]
     else:

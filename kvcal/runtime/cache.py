@@ -19,8 +19,8 @@ from kvcal.runtime.attention import select_backend
 from kvcal.runtime.bases import served_bases
 from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks, cache_policies
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.store import CompressedStore
 
 
@@ -123,7 +123,7 @@ class CompressedKV:
 
     def _write_prompt(self, layer, tier, k_rot, v_proj, pos, score, length):
         store = self.store
-        if self.config.low.k_mode == "channel" and self.config.policy.tiered:
+        if self.config.low.k_mode == "channel" and self.config.tiering.tiered:
             tier = self._seal_low_pages(layer, tier, k_rot, v_proj, pos, score, length)
         for t, side in ((TIER_HIGH, HIGH), (TIER_LOW, LOW)):
             b, h, i = torch.nonzero(tier == t, as_tuple=True)
@@ -169,7 +169,7 @@ class CompressedKV:
         R = self.rotation[layer]
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
-        if self.config.policy.tiered:
+        if self.config.tiering.tiered:
             self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score
         out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
                                                track_scores=any(p.reads_scores for p in self.policies))

@@ -26,7 +26,7 @@ GQA (the paper handles MHA only, §6b / §7 item 15): one KV head serves g query
   Max-aggregated probabilities are not used for recovery: they do not sum to 1 per row, so "retained mass ≥ T" would
   lose its meaning.
 
-Everything here is pure tensor logic on flags, scores and cache indices (like `policy.py`); the cache moves bytes.
+Everything here is pure tensor logic on flags, scores and cache indices (like `diffkv.py`); the cache moves bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptBlocks
+from kvcal.runtime.diffkv import TIER_PRUNED
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_PRUNED
 
 logger = logging.getLogger(__name__)
 
