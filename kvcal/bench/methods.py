@@ -13,7 +13,7 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 * each seed method alone, as the bundle's calibration search measured it (`bundle.calibration["search"]
   ["families"]`, rebuilt with `CompressionConfig.from_dict`): FDC ranks only (a `K16V16` store with the
   searched removal rates), DiffKV tiers only (full rank; the runtime's rotation and mixing are on, as in the
-  search), FastGen policies only (a `K16V16` store). Where the search kept no point for a family, a stated default;
+  search), FastGen's patterns only (a `K16V16` store). Where the search kept no point for a family, a stated default;
 * kvcal joint: `CompressionConfig.from_dict(bundle.settings)` with the bundle's ranks; and a sweep of alpha_high x
   {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
 

@@ -40,7 +40,7 @@ from kvcal.models import (
     weights_hash,
 )
 from kvcal.profile.capture import GramCollector, capturing
-from kvcal.profile.policies import PolicyCollector
+from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.quality import QualityTarget
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
@@ -98,7 +98,7 @@ class CalibrationConfig:
     max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
-    policy_windows: int = 2             # calibration windows profiled for FastGen statistics
+    fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
     def __post_init__(self):
@@ -388,8 +388,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
     text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
     # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
-    policy_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.policy_windows], [0] * cfg.policy_windows,
-                            PolicyCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
+    # the pass keeps its older name "policy-statistics": it names the checkpoint file that an interrupted run resumes
+    fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
+                             FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
     pass_seconds = time.perf_counter() - t_pass
 
     say("eigendecomposing Gram matrices")
@@ -438,8 +439,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         calibration=calibration,
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
-                "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
-                "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
+                "fastgen.recovery": fastgen_stats.recovery.float().nan_to_num(-1.0),
+                "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0)},
         settings=unsearched.to_dict(searched=False),
     )
     report = None

@@ -19,7 +19,7 @@ Stages, each starting from the previous stage's choice; every measured point is 
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
    "every token leaves the window to the low tier" down to keeping more heavy hitters, then shorter windows over
    `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
-3. policies: FastGen per-head policies (chosen per prompt at prefill) on top of the tiers, recovery threshold T
+3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
 4. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by

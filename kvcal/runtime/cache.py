@@ -8,7 +8,7 @@ Per layer, `forward` takes post-RoPE query [B, Hq, n, d], key and value [B, H, n
 [B, Hq, n, d]. The first call of a layer is the prefill: attention on the uncompressed K/V (the token policies'
 scores come from it), then each policy tiers the prompt in turn (`CachePolicy.prefill`) and it is written compressed.
 Later calls attend over the compressed store plus the new tokens, write the new tokens at high precision, and run
-each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head policy).
+each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head pattern).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class CompressionConfig:
     # (fp16) high tier the page must be sized by the low tier, or the waiting tokens cost more than they save.
     page_tokens: int | None = None
     backend: str = "auto"
-    fastgen: FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
+    fastgen: FastGenConfig | None = None   # FastGen's per-head patterns on top of the tiers (None: off)
     qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
     v_removal_rate: float = 0.0
     h2o: H2OConfig | None = None                     # token-budget eviction baselines (None: off)

@@ -130,7 +130,7 @@ class KvcalCache(Cache):
         self._new_ids: list[torch.Tensor] = []     # token ids seen before the compressed state exists (FastGen)
         if config.fastgen is not None:
             if tokenizer is None:
-                raise ValueError("FastGen policies need the tokenizer (special and punctuation tokens): pass "
+                raise ValueError("FastGen needs the tokenizer (special and punctuation tokens): pass "
                                  "`tokenizer=` to KvcalCache.from_bundle")
             from kvcal.runtime.fastgen import token_classes
 
