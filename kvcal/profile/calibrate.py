@@ -89,7 +89,7 @@ class CalibrationConfig:
     context: int | None = None          # deployment context the search measures at; default min(4096, model max)
     search_windows: int = 4             # windows of held-out calibration text per measured point (docs/calibration.md)
     search_prompt: int | None = None    # prompt tokens per window; default context - search_steps - 1
-    search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
+    search_dtype: str = "float32"       # model dtype while measuring: bf16 rounding would be charged to compression
     search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
                                         # enough that Algorithm 1's downgrades during decode are represented
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
