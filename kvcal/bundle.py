@@ -61,7 +61,7 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     # largest |K| (post-RoPE) and |V| element per (layer, KV head) on calibration text: FP8 scales for `kvcal export`
     "k.absmax": (("L", "H"), torch.float32),
     "v.absmax": (("L", "H"), torch.float32),
-    # FastGen on calibration text, per compressed policy (special, +punct, +frequent, +local): retained attention
+    # FastGen on calibration text, per compressed pattern (special, +punct, +frequent, +local): retained attention
     # and kept fraction of tokens; -1 where a layer is not profiled (sliding-window layers)
     "fastgen.recovery": (("L", "H", "4"), torch.float32),
     "fastgen.kept_fraction": (("L", "H", "4"), torch.float32),

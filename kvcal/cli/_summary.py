@@ -88,7 +88,7 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
 
 
 def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
-    """The head of `kvcal inspect`: policy, bytes per token, measured quality, then provenance."""
+    """The head of `kvcal inspect`: settings, bytes per token, measured quality, then provenance."""
     m, cal = bundle.model, bundle.calibration
     # markup, like the table's cells: the caller passes metadata escaped (`terminal_safe`), so brackets stay literal
     head = Text.from_markup(f"[bold]bundle {path}[/bold]: {m.name} ({m.family}, {m.num_layers} layers, "

@@ -575,7 +575,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
     """Quality searches (kvcal.profile.search) on held-out calibration text with the batched probe, then the
     decision: the chosen point is checked stepwise on evaluation text; if it misses, the next safer feasible point
-    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, policy and calibration
+    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, settings and calibration
     metadata in place and returns the report (all points, families, checks, held-out result)."""
     from dataclasses import asdict as as_dict
 
@@ -616,7 +616,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                                 base.with_(high=TierFormat(16, 16)).with_tiering(alpha_high=None))
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
     rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
-    policies_only = search.policies(rank_start) if rank_start.feasible else None
+    policies_only = search.fastgen_patterns(rank_start) if rank_start.feasible else None
     policies_only = policies_only if policies_only is not None and policies_only is not rank_start else None
     families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only,
                 "policies-only (FastGen)": policies_only, "joint (kvcal)": result.chosen}

@@ -248,7 +248,7 @@ class Search:
         return self._walk(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
 
     def _walk(self, start: Point, changes: list[dict]) -> Point:
-        """Token-policy `changes` to `start`, each more aggressive than the last, measured in turn until the first
+        """Tiering `changes` to `start`, each more aggressive than the last, measured in turn until the first
         miss: the last feasible point (`start` if the first change misses)."""
         chosen = start
         for change in changes:
@@ -260,7 +260,7 @@ class Search:
             chosen = p
         return chosen
 
-    def policies(self, start: Point) -> Point:
+    def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
         for t in RECOVERY_GRID:
@@ -301,7 +301,7 @@ class Search:
         if residual is not None and (chosen is None or _saves(residual, chosen)):
             chosen = residual
         if chosen is not None:
-            chosen = self.policies(chosen)
+            chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:
             logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",
