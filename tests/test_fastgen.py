@@ -76,7 +76,7 @@ def test_policy_list_and_config():
             FastGenConfig(**bad)
 
 
-def test_choose_policy_first_feasible_else_full():
+def test_choose_pattern_first_feasible_else_full():
     cfg = FastGenConfig(recovery=0.9)
     rec = torch.tensor([
         [0.95, 0.50, 0.10, 0.20, float("nan")],    # special
