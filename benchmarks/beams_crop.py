@@ -47,7 +47,7 @@ def main() -> None:
     model = lm.model
     ids = token_windows(lm.tokenizer, load_corpus("default", "eval"), 1, args.prompt, seed=0)
     configs = {"none": CompressionConfig.none(), "K8V8": CompressionConfig(high=TierFormat(8, 8), use_ranks=False),
-               "bundle": CompressionConfig.from_dict(bundle.policy)}
+               "bundle": CompressionConfig.from_dict(bundle.settings)}
     out = {"model": args.model, "prompt": args.prompt, "beams": args.beams, "new_tokens": args.new_tokens,
            "threads": torch.get_num_threads(), "beam_search": {}, "crop": {}}
 

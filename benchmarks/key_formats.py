@@ -23,8 +23,8 @@ from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe, QualityTarget
 from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW, TieringConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
 
 # (label, high tier, low tier or None, window, alpha_high, alpha_low, rotate)
 ROWS = (
@@ -43,9 +43,9 @@ ROWS = (
 def config_of(high: str, low: str | None, window: int, alpha_high, alpha_low: float, rotate: bool):
     cfg = CompressionConfig(use_ranks=False, rotate=rotate, mix=rotate, high=TierFormat.parse(high))
     if low is None:
-        return cfg.with_policy(window=window, alpha_high=None)
+        return cfg.with_tiering(window=window, alpha_high=None)
     return cfg.with_(low=TierFormat.parse(low), page_tokens=RESIDUAL_PAGE_TOKENS,
-                     policy=TokenPolicy(window=window, alpha_high=alpha_high, alpha_low=alpha_low))
+                     tiering=TieringConfig(window=window, alpha_high=alpha_high, alpha_low=alpha_low))
 
 
 def main() -> None:

@@ -37,8 +37,8 @@ FASTGEN = FastGenConfig(r_local=0.3, r_frequent=0.3)      # what calibrate's sea
 
 
 def settings(window: int) -> dict[str, CompressionConfig]:
-    base = CompressionConfig().with_policy(window=window)
-    tiers = base.with_policy(alpha_high=2.0, alpha_low=0.0)
+    base = CompressionConfig().with_tiering(window=window)
+    tiers = base.with_tiering(alpha_high=2.0, alpha_low=0.0)
     return {
         "K16V16 (fp16 store)": base.with_(high=TierFormat(16, 16)),
         "K8V8": base.with_(high=TierFormat.parse("K8V8")),
@@ -46,11 +46,11 @@ def settings(window: int) -> dict[str, CompressionConfig]:
         "K8V4g16": base.with_(high=TierFormat.parse("K8V4g16")),
         "K8V8, qk rate 0.04, v rate 0.04": base.with_(high=TierFormat.parse("K8V8"), qk_removal_rate=0.04,
                                                       v_removal_rate=0.04),
-        "K8V4/K4cV2 a=(1,0)": base.with_policy(alpha_high=1.0, alpha_low=0.0),
+        "K8V4/K4cV2 a=(1,0)": base.with_tiering(alpha_high=1.0, alpha_low=0.0),
         "K8V4/K4cV2 a=(2,0)": tiers,
-        "K8V4/K4cV2 a=(2,1) (prunes)": tiers.with_policy(alpha_low=1.0),
-        "K8V4/K4V2 a=(2,0.5) (prunes)": tiers.with_(low=TierFormat.parse("K4V2")).with_policy(alpha_low=0.5),
-        "K8V4/K4cV2 a=(2,1) base 1/i": tiers.with_policy(alpha_low=1.0, threshold_base="position"),
+        "K8V4/K4cV2 a=(2,1) (prunes)": tiers.with_tiering(alpha_low=1.0),
+        "K8V4/K4V2 a=(2,0.5) (prunes)": tiers.with_(low=TierFormat.parse("K4V2")).with_tiering(alpha_low=0.5),
+        "K8V4/K4cV2 a=(2,1) base 1/i": tiers.with_tiering(alpha_low=1.0, threshold_base="position"),
         "K8V8 + FastGen T=0.95": base.with_(high=TierFormat.parse("K8V8"),
                                             fastgen=dataclasses.replace(FASTGEN, recovery=0.95)),
         "K8V4g16/K4cV2 a=(2,0) + FastGen T=0.9": tiers.with_(high=TierFormat.parse("K8V4g16"),

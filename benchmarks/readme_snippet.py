@@ -62,7 +62,7 @@ def main() -> None:
         long_mem = cache.memory()
     kvcal_s, plain_s = statistics.median(times["kvcal"]), statistics.median(times["plain"])
     result = {
-        "model": args.model, "bundle": args.bundle, "policy": bundle.policy, "new_tokens": args.new_tokens,
+        "model": args.model, "bundle": args.bundle, "policy": bundle.settings, "new_tokens": args.new_tokens,
         "short_prompt": {"prompt_tokens": int(short["input_ids"].shape[1]), "memory": short_mem},
         "steady_state": {"prompt_tokens": args.long, "memory": long_mem},
         "generate_seconds": {"kvcal": kvcal_s, "plain": plain_s, "ratio": kvcal_s / plain_s,

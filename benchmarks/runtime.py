@@ -37,9 +37,9 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import decode_fidelity, passkey
 from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 
 
 def configs() -> dict[str, CompressionConfig | None]:
@@ -48,10 +48,10 @@ def configs() -> dict[str, CompressionConfig | None]:
         "dense (model dtype)": None,
         "K8V8": full.with_(high=TierFormat(8, 8)),
         "K8V4": full,
-        "tiers a=(1,0.5) 1/N": full.with_(policy=TokenPolicy(alpha_high=1.0, alpha_low=0.5)),
-        "tiers a=(1,0.5) 1/i": full.with_(policy=TokenPolicy(alpha_high=1.0, alpha_low=0.5, threshold_base="position")),
-        "tiers a=(2,1) 1/N": full.with_(policy=TokenPolicy(alpha_high=2.0, alpha_low=1.0)),
-        "tiers a=(2,1) 1/i": full.with_(policy=TokenPolicy(alpha_high=2.0, alpha_low=1.0, threshold_base="position")),
+        "tiers a=(1,0.5) 1/N": full.with_(tiering=TieringConfig(alpha_high=1.0, alpha_low=0.5)),
+        "tiers a=(1,0.5) 1/i": full.with_tiering(alpha_high=1.0, alpha_low=0.5, threshold_base="position"),
+        "tiers a=(2,1) 1/N": full.with_(tiering=TieringConfig(alpha_high=2.0, alpha_low=1.0)),
+        "tiers a=(2,1) 1/i": full.with_tiering(alpha_high=2.0, alpha_low=1.0, threshold_base="position"),
     }
 
 

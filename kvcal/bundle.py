@@ -10,13 +10,14 @@ Tensors (L layers, H KV heads, d head dim):
     v.rank       [L, H]       int32    V is cached as V @ B[:, :rank]
     k.absmax     [L, H]       float32  optional: max |K| (post-RoPE) per head on calibration text
     v.absmax     [L, H]       float32  optional: max |V| per head on calibration text
-    fastgen.recovery, fastgen.kept_fraction  [L, H, 4] float32  optional: FastGen policy statistics (-1: not profiled)
+    fastgen.recovery, fastgen.kept_fraction  [L, H, 4] float32  optional: FastGen pattern statistics (-1: not profiled)
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
-`policy` (runtime settings), `tensors.sha256` (content hash, so a corrupted file is refused), `metadata.sha256`
-(hash of every other metadata entry, `tensors.sha256` included, so an edited policy, calibration or model block is
-refused too; bundles written before it existed have only `tensors.sha256` and still load), `kvcal.version`, `created`.
+`policy` (the runtime settings, read into `Bundle.settings`; the key keeps its v1 name), `tensors.sha256` (content
+hash, so a corrupted file is refused), `metadata.sha256` (hash of every other metadata entry, `tensors.sha256`
+included, so an edited settings, calibration or model block is refused too; bundles written before it existed have
+only `tensors.sha256` and still load), `kvcal.version`, `created`.
 
 `save_bundle` writes atomically (temporary file, fsync, rename); `load_bundle` validates everything first and raises a
 single one-line `BundleError` naming the problem and the fix. It checks the header (metadata, tensor names, shapes,
@@ -60,7 +61,7 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     # largest |K| (post-RoPE) and |V| element per (layer, KV head) on calibration text: FP8 scales for `kvcal export`
     "k.absmax": (("L", "H"), torch.float32),
     "v.absmax": (("L", "H"), torch.float32),
-    # FastGen on calibration text, per compressed policy (special, +punct, +frequent, +local): retained attention
+    # FastGen on calibration text, per compressed pattern (special, +punct, +frequent, +local): retained attention
     # and kept fraction of tokens; -1 where a layer is not profiled (sliding-window layers)
     "fastgen.recovery": (("L", "H", "4"), torch.float32),
     "fastgen.kept_fraction": (("L", "H", "4"), torch.float32),
@@ -103,7 +104,7 @@ class Bundle:
     qk_weighting: str                # how Q and K rows were weighted in the Gram (kvcal.profile.rotation)
     v_source: str                    # "activations-text", "activations-random" or "weight-svd"
     calibration: dict[str, Any] = field(default_factory=dict)   # provenance and measured results (JSON)
-    policy: dict[str, Any] = field(default_factory=dict)        # runtime settings chosen by calibration (JSON)
+    settings: dict[str, Any] = field(default_factory=dict)      # metadata `policy`: CompressionConfig.to_dict() (JSON)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # OPTIONAL_TENSORS by name
     kvcal_version: str = ""
     created: str = ""                # when the file was written (UTC, ISO 8601); set by save_bundle
@@ -176,7 +177,7 @@ def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str
         "qk.weighting": bundle.qk_weighting,
         "v.source": bundle.v_source,
         "calibration": json.dumps(bundle.calibration, default=_json_default),
-        "policy": json.dumps(bundle.policy, default=_json_default),
+        "policy": json.dumps(bundle.settings, default=_json_default),
         "tensors.sha256": content_hash(tensors),
     }
     meta[METADATA_HASH] = _metadata_hash(meta)
@@ -332,7 +333,7 @@ def _from_parts(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Bundl
         qk_weighting=meta["qk.weighting"],
         v_source=meta["v.source"],
         calibration=json.loads(meta.get("calibration", "{}")),
-        policy=json.loads(meta.get("policy", "{}")),
+        settings=json.loads(meta.get("policy", "{}")),
         extras={k: v for k, v in tensors.items() if k in OPTIONAL_TENSORS},
         kvcal_version=meta.get("kvcal.version", ""),
         created=meta.get("created", ""),
@@ -403,7 +404,7 @@ def _validate_metadata(meta: dict[str, str]) -> list[str]:
             CompressionConfig.from_dict(blocks["policy"])
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            problems.append(f"metadata `policy` is not a runtime policy ({reason})")
+            problems.append(f"metadata `policy` is not a settings block the runtime reads ({reason})")
     return problems
 
 

@@ -380,7 +380,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
                     overwrite: bool = False) -> ExportResult:
     """Write `manifest.json` (model, tiers, per (layer, KV head, tier) page layout: every segment's byte offset) and
     `kvcal_bases.safetensors` (`qk.rotation`, `v.basis` [L, H, d, d] float32; `qk.rank`, `v.rank` [L, H] int32), both
-    as the runtime applies them under `config` (default: the bundle's policy). With `model`, the bundle is checked
+    as the runtime applies them under `config` (default: the bundle's settings). With `model`, the bundle is checked
     against it first."""
     from kvcal.runtime.bases import served_bases
     from kvcal.runtime.config import CompressionConfig
@@ -390,7 +390,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     target = _target(model, need_weights=False) if model is not None else None
     if target is not None:
         _check(bundle, target)
-    cfg = config if config is not None else CompressionConfig.from_dict(bundle.policy)
+    cfg = config if config is not None else CompressionConfig.from_dict(bundle.settings)
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
@@ -412,7 +412,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     manifest = _provenance(bundle, MANIFEST_FORMAT, schema_version=MANIFEST_SCHEMA_VERSION,
                            tensors_file=MANIFEST_TENSORS,
                            config={"high": _tier_dict(cfg.high), "low": _tier_dict(cfg.low),
-                                   "policy": asdict(cfg.policy),
+                                   "policy": asdict(cfg.tiering),
                                    "use_ranks": cfg.use_ranks, "rotate": cfg.rotate, "mix": cfg.mix,
                                    "page_bytes": page_bytes,
                                    "align": ALIGN},

@@ -18,7 +18,7 @@ import torch
 from conftest import make_model, random_bundle, random_text, save_model
 from typer.testing import CliRunner
 
-from kvcal.bundle import BundleError, BundleMismatchError, content_hash, _metadata_hash, load_bundle, save_bundle
+from kvcal.bundle import BundleError, BundleMismatchError, _metadata_hash, content_hash, load_bundle, save_bundle
 from kvcal.cli import app
 
 runner = CliRunner()
@@ -272,11 +272,11 @@ def item6_old_bundles_still_load(env, tmp_path, monkeypatch):
     before."""
     shipped = ROOT / "artifacts" / "smollm2-135m.kvcal.safetensors"
     b = load_bundle(shipped)
-    assert b.shape == (30, 3, 64) and b.policy["high"] == "K8V4g16"
+    assert b.shape == (30, 3, 64) and b.settings["high"] == "K8V4g16"
     old = rewrite(env["bundle"], tmp_path / "old.kvcal.safetensors", meta=lambda m: m.pop("metadata.sha256"),
                   rehash=False)
     a, o = load_bundle(env["bundle"]), load_bundle(old)
-    assert torch.equal(a.qk_rotation, o.qk_rotation) and a.policy == o.policy
+    assert torch.equal(a.qk_rotation, o.qk_rotation) and a.settings == o.settings
     model, tok = make_model("llama")
     from kvcal.runtime.hf import KvcalCache
 

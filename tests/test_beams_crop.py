@@ -8,9 +8,9 @@ from conftest import smollm2_or_skip
 from transformers import DynamicCache
 
 from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,7 @@ def test_crop_refuses_tokens_that_left_the_high_tier(smol):
     lm, bundle = smol
     model = lm.model
     cfg = CompressionConfig(high=TierFormat(8, 8), low=TierFormat(4, 2), use_ranks=False,
-                            policy=TokenPolicy(alpha_high=1e9, alpha_low=0.0, window=4))
+                            tiering=TieringConfig(alpha_high=1e9, alpha_low=0.0, window=4))
     inputs = lm.tokenizer(PROMPTS[:1], return_tensors="pt")
     with torch.no_grad():
         cache = KvcalCache.from_bundle(bundle, model, cfg)

@@ -238,7 +238,7 @@ def test_uniform_k8v8_ratio_is_the_page_layout(tiny):
     mem = cache.memory()
     assert mem["total_bytes"] == pages * page
     assert mem["ratio_to_fp16"] == pytest.approx(pages * page / (a.num_layers * 2 * a.num_kv_heads * n * d * 4))
-    assert method.config.rotate is False and method.config.use_ranks is False and not method.config.policy.tiered
+    assert method.config.rotate is False and method.config.use_ranks is False and not method.config.tiering.tiered
     cache.release()
 
 
@@ -266,14 +266,14 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
     b = load_bundle(bundle_path)
     methods = M.store_methods(b)
     joint = next(m for m in methods if m.key == "kvcal-joint")
-    assert joint.config.policy.alpha_high == b.policy.get("alpha_high") and joint.bundle is b
+    assert joint.config.tiering.alpha_high == b.settings.get("alpha_high") and joint.bundle is b
     families = b.calibration["search"]["families"]
     for key, name in (("fdc-ranks", "rank-only (FDC)"), ("diffkv-tiers", "tiers-only (DiffKV)"),
                       ("fastgen", "policies-only (FastGen)")):
         m = next(m for m in methods if m.key == key)
         assert (m.note is None) == (families[name] is not None)          # a default is always said so
     sweep = M.sweep_methods(b, joint, quick=True)
-    assert sweep and all(m.family == "kvcal" and m.config.policy != joint.config.policy for m in sweep)
+    assert sweep and all(m.family == "kvcal" and m.config.tiering != joint.config.tiering for m in sweep)
     lm = load_model(str(tiny_dir), dtype="float32")
     matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None, b)
     from kvcal.press import PRESSES, unavailable
@@ -407,7 +407,7 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
     bundle = random_bundle(model, tok)
     ids = _ids(tok, n_seq=2, n_words=60)
     probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:])
-    config = CompressionConfig(high=TierFormat(4, 4)).with_policy(window=8)
+    config = CompressionConfig(high=TierFormat(4, 4)).with_tiering(window=8)
     method = M.Method("k4v4", "K4V4", "quantization", "s", "", config=config, bundle=bundle)
     top1 = Search(probe, bundle, QualityTarget()).measure("precision", "K4V4", config).top1
     targets = [QualityTarget(top1=top1, ppl_ratio=10.0, z=z) for z in (0.0, 1.5)]    # the point estimate meets both

@@ -176,8 +176,8 @@ def test_calibrate_with_search_writes_a_ready_bundle_and_report(tiny_dir, text_f
     search = b.calibration["search"]
     assert len(search["path"]) >= 3 and search["chosen"]["settings"] == res.summary["search"]["chosen"]["settings"]
     assert search["held_out"]["predictions"] == 12
-    assert set(b.policy) >= {"high", "window"}
-    CompressionConfig.from_dict(b.policy)                       # the recorded policy is readable by the runtime
+    assert set(b.settings) >= {"high", "window"}
+    CompressionConfig.from_dict(b.settings)                       # the recorded policy is readable by the runtime
     paths = report_paths(out)
     assert all(p.is_file() for p in paths.values())
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"

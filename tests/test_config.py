@@ -1,4 +1,5 @@
-"""The settings codec: `CompressionConfig.to_dict` / `from_dict` is the bundle's `policy` block (format v1)."""
+"""The settings codec: `CompressionConfig.to_dict` / `from_dict` is the bundle's settings block (metadata `policy`,
+format v1)."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcal.bundle import load_bundle
-from kvcal.runtime.config import POLICY_KEYS, CompressionConfig
+from kvcal.runtime.config import SETTINGS_KEYS, CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).parent.parent
 def test_v1_policy_blocks_decode_and_encode_to_the_same_json(path):
     if not path.is_file():
         pytest.skip(f"{path} not present")
-    policy = load_bundle(path).policy
+    policy = load_bundle(path).settings
     config = CompressionConfig.from_dict(policy)
     assert json.dumps(config.to_dict()) == json.dumps(policy)           # same keys, same order, same values
 
@@ -26,16 +27,16 @@ def test_v1_policy_blocks_decode_and_encode_to_the_same_json(path):
 def test_round_trip_of_every_setting_the_block_holds():
     configs = [
         CompressionConfig(),
-        CompressionConfig(high=TierFormat.parse("K8V4g16"), low=TierFormat.parse("K4V2")).with_policy(
+        CompressionConfig(high=TierFormat.parse("K8V4g16"), low=TierFormat.parse("K4V2")).with_tiering(
             window=16, alpha_high=3.0, alpha_low=0.0),
-        CompressionConfig(fastgen=FastGenConfig(0.9), qk_removal_rate=0.02, v_removal_rate=0.04).with_policy(
+        CompressionConfig(fastgen=FastGenConfig(0.9), qk_removal_rate=0.02, v_removal_rate=0.04).with_tiering(
             alpha_high=2.0, alpha_low=0.5, threshold_base="position"),
-        CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32).with_policy(
+        CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32).with_tiering(
             window=32, alpha_high=1e9, alpha_low=0.25),
     ]
     for config in configs:
         d = config.to_dict()
-        assert list(d) == [k for k in POLICY_KEYS if k in d]
+        assert list(d) == [k for k in SETTINGS_KEYS if k in d]
         assert CompressionConfig.from_dict(json.loads(json.dumps(d))) == config
     assert "alpha_low" not in configs[0].to_dict() and "fastgen" not in configs[1].to_dict()
     assert configs[2].to_dict()["fastgen"] == {"recovery": 0.9, "r_local": 0.3, "r_frequent": 0.3}
@@ -51,7 +52,7 @@ def test_eviction_settings_round_trip_and_are_off_when_absent():
     config = CompressionConfig(h2o=H2OConfig(0.25, recent=8), snapkv=SnapKVConfig(0.3, window=16, reserve=4),
                                streamingllm=StreamingLLMConfig(0.5, sinks=2))
     d = json.loads(json.dumps(config.to_dict()))
-    assert list(d) == [k for k in POLICY_KEYS if k in d]
+    assert list(d) == [k for k in SETTINGS_KEYS if k in d]
     assert d["h2o"] == {"fraction": 0.25, "recent": 8} and d["streamingllm"] == {"fraction": 0.5, "sinks": 2}
     assert CompressionConfig.from_dict(d) == config
     old = CompressionConfig.from_dict({"window": 64, "high": "K8V4"})
@@ -65,7 +66,7 @@ def test_eviction_settings_round_trip_and_are_off_when_absent():
 
 
 def test_unsearched_block_records_the_window_only_and_reads_back_defaults():
-    config = CompressionConfig().with_policy(window=32)
+    config = CompressionConfig().with_tiering(window=32)
     assert config.to_dict(searched=False) == {"window": 32}
     assert CompressionConfig.from_dict({"window": 32}) == config
 
@@ -104,10 +105,10 @@ def test_pages_are_sized_by_the_low_tier_when_page_tokens_is_set():
 
 def test_the_residual_family_reads_in_words_without_the_sentinel_alpha():
     from kvcal.profile.report import settings_in_words
-    from kvcal.runtime.policy import EVERY_TOKEN_LOW
+    from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 
     residual = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV2"), page_tokens=32)
-    words = settings_in_words(residual.with_policy(window=32, alpha_high=EVERY_TOKEN_LOW).to_dict())
+    words = settings_in_words(residual.with_tiering(window=32, alpha_high=EVERY_TOKEN_LOW).to_dict())
     assert "for the 32 newest tokens," in words and "1e+09" not in words and "pages of 32 tokens" in words
-    tiered = settings_in_words(CompressionConfig().with_policy(alpha_high=2.0).to_dict())
+    tiered = settings_in_words(CompressionConfig().with_tiering(alpha_high=2.0).to_dict())
     assert "mean attention >= 2/N" in tiered

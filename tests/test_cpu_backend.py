@@ -16,11 +16,11 @@ from kvcal.runtime.cache import CompressionConfig
 from kvcal.runtime.cpu import backend as cpu_backend
 from kvcal.runtime.cpu import build
 from kvcal.runtime.cpu.backend import CpuBackend
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TokenPolicy
 from kvcal.runtime.store import CompressedStore
 
 # (high, low) tier formats: precisions, per-token / per-channel keys, value and key groups, raw tiers
@@ -189,13 +189,13 @@ def _decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor
     return torch.stack(steps, 1)
 
 
-TIERED = TokenPolicy(window=4, alpha_high=1.5, alpha_low=0.5)
+TIERED = TieringConfig(window=4, alpha_high=1.5, alpha_low=0.5)
 CONFIGS = {
     "K8V4 untiered": CompressionConfig(use_ranks=False),
-    "tiers, per-channel low": CompressionConfig(policy=TIERED, page_bytes=256),     # small pages: some get sealed
+    "tiers, per-channel low": CompressionConfig(tiering=TIERED, page_bytes=256),     # small pages: some get sealed
     "tiers, per-token low": CompressionConfig(high=TierFormat.parse("K8V4g4"), low=TierFormat.parse("K4V2"),
-                                              policy=TIERED),
-    "tiers + FastGen": CompressionConfig(policy=TIERED, fastgen=FastGenConfig(recovery=0.5)),
+                                              tiering=TIERED),
+    "tiers + FastGen": CompressionConfig(tiering=TIERED, fastgen=FastGenConfig(recovery=0.5)),
     "raw": CompressionConfig.none(),
 }
 
@@ -217,7 +217,7 @@ def test_whole_decode_matches_torch_backend(name):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.kv.tier_counts() == ref.kv.tier_counts()
     counts, seen = ref.kv.tier_counts(), 2 * H * L * ids.shape[1]
-    if CONFIGS[name].policy.tiered:                     # the tier moves and evictions did happen
+    if CONFIGS[name].tiering.tiered:                     # the tier moves and evictions did happen
         assert counts["low"] > 0 if CONFIGS[name].fastgen is None else counts["high"] + counts["low"] < seen
     b, h = torch.arange(2).repeat_interleave(H), torch.arange(H).repeat(2)
     for layer in cache.kv.layers:

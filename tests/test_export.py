@@ -24,10 +24,10 @@ from kvcal.models import adapter_for, load_model
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TokenPolicy
 
 runner = CliRunner()
 
@@ -268,9 +268,9 @@ def test_interrupted_export_leaves_nothing(calibrated, tmp_path, monkeypatch):
 RAGGED = torch.tensor([[16, 8], [12, 16]], dtype=torch.int32)
 CONFIGS = {
     "K8V4+K4cV2": CompressionConfig(high=TierFormat(8, 4), low=TierFormat(4, 2, "channel"), page_bytes=256,
-                                    policy=TokenPolicy(window=4, alpha_high=1.6, alpha_low=0.2)),
+                                    tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
     "K16V16+K4V2g4": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 2, k_group=4, v_group=4),
-                                       page_bytes=512, policy=TokenPolicy(window=4, alpha_high=1.6, alpha_low=0.2)),
+                                       page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
 }
 
 

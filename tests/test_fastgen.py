@@ -1,5 +1,5 @@
-"""FastGen per-head policies: budgets, nested kept sets, prompt recovery against a brute-force reference, policy
-choice, decode evictions, token classes, and the offline PolicyCollector on tiny models."""
+"""FastGen per-head patterns: budgets, nested kept sets, prompt recovery against a brute-force reference, pattern
+choice, decode evictions, token classes, and the offline FastGenStatsCollector on tiny models."""
 
 import math
 from fractions import Fraction
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvcal.runtime.fastgen import (
     FULL,
-    POLICIES,
+    PATTERNS,
     FastGenConfig,
-    choose_policy,
+    choose_pattern,
     decode_evictions,
     kept_sets,
     prompt_recovery,
@@ -67,8 +67,8 @@ def _reference_recovery(probs, rows, is_special, is_punct, score, cfg, n_pad=Non
 
 
 def test_policy_list_and_config():
-    assert POLICIES[FULL] == "full" and len(POLICIES) == 5
-    assert POLICIES[:4] == ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local")
+    assert PATTERNS[FULL] == "full" and len(PATTERNS) == 5
+    assert PATTERNS[:4] == ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local")
     cfg = FastGenConfig()
     assert (cfg.recovery, cfg.r_local, cfg.r_frequent) == (0.95, 0.3, 0.3)
     for bad in (dict(recovery=1.5), dict(recovery=-0.1), dict(r_local=2.0), dict(r_frequent=-0.5)):
@@ -76,7 +76,7 @@ def test_policy_list_and_config():
             FastGenConfig(**bad)
 
 
-def test_choose_policy_first_feasible_else_full():
+def test_choose_pattern_first_feasible_else_full():
     cfg = FastGenConfig(recovery=0.9)
     rec = torch.tensor([
         [0.95, 0.50, 0.10, 0.20, float("nan")],    # special
@@ -84,11 +84,11 @@ def test_choose_policy_first_feasible_else_full():
         [0.97, 0.95, 0.91, 0.40, float("nan")],    # +frequent
         [0.99, 0.99, 0.99, 0.89, float("nan")],    # +local
     ])[:, None, :]                                 # [4, B=1, H=5]
-    policy = choose_policy(rec, cfg)
+    policy = choose_pattern(rec, cfg)
     assert policy.dtype == torch.int64 and policy.shape == (1, 5)
     assert policy.tolist() == [[0, 1, 2, FULL, FULL]]         # NaN (never profiled) -> full
-    assert choose_policy(rec, FastGenConfig(recovery=1.0)).tolist() == [[FULL] * 5]
-    assert choose_policy(rec, FastGenConfig(recovery=0.0)).tolist() == [[0, 0, 0, 0, FULL]]
+    assert choose_pattern(rec, FastGenConfig(recovery=1.0)).tolist() == [[FULL] * 5]
+    assert choose_pattern(rec, FastGenConfig(recovery=0.0)).tolist() == [[0, 0, 0, 0, FULL]]
 
 
 # ---------------------------------------------------------------------------------------------- kept sets
@@ -177,7 +177,7 @@ def test_recovery_nested_and_bounded(B, H, g, n, seed, r_l, r_f):
     rec = prompt_recovery(probs, torch.arange(n), is_special, is_punct, score, cfg) / n
     assert (rec >= 0).all() and (rec <= 1 + 1e-5).all()
     assert (rec[1:] >= rec[:-1]).all()                                 # nested: never decreases along the list
-    policy = choose_policy(rec, cfg)
+    policy = choose_pattern(rec, cfg)
     assert ((policy >= 0) & (policy <= FULL)).all()
     # every key kept (r_l = 1 covers each row's whole prefix) -> full mass
     all_local = prompt_recovery(probs, torch.arange(n), is_special, is_punct, score, FastGenConfig(r_local=1.0))
@@ -198,7 +198,7 @@ def test_special_sink_head_picks_special():
     no_punct = torch.zeros(1, n, dtype=torch.bool)
     score = probs.amax(2).sum(3)
     rec = prompt_recovery(probs, idx, is_special, no_punct, score, FastGenConfig()) / n
-    assert choose_policy(rec, FastGenConfig(recovery=0.95)).tolist() == [[0, FULL]]
+    assert choose_pattern(rec, FastGenConfig(recovery=0.95)).tolist() == [[0, FULL]]
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -302,14 +302,14 @@ def _profile(model_type, n=40, B=2, chunk=16):
 
     from kvcal.models import adapter_for
     from kvcal.profile.capture import capturing
-    from kvcal.profile.policies import PolicyCollector
+    from kvcal.profile.fastgen_stats import FastGenStatsCollector
 
     model, tok = make_model(model_type)
     adapter = adapter_for(model.config)
     special, punct = token_classes(tok)
     ids = torch.randint(3, len(tok), (B, n), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = tok.bos_token_id
-    col, rec = PolicyCollector(adapter, special, punct, chunk=chunk), _Recorder()
+    col, rec = FastGenStatsCollector(adapter, special, punct, chunk=chunk), _Recorder()
     col.set_tokens(ids)
     with torch.no_grad(), capturing(model, col, rec):
         model(input_ids=ids, use_cache=False)
@@ -317,7 +317,7 @@ def _profile(model_type, n=40, B=2, chunk=16):
 
 
 def test_policy_collector_tiny_llama():
-    from kvcal.profile.policies import PolicyCollector
+    from kvcal.profile.fastgen_stats import FastGenStatsCollector
 
     model, adapter, col, rec, ids, special, punct = _profile("llama")
     L, H = adapter.num_layers, adapter.num_kv_heads
@@ -329,7 +329,7 @@ def test_policy_collector_tiny_llama():
     assert (kept >= 0).all() and (kept <= 1).all() and (kept.diff(dim=-1) >= 0).all()
     # the BOS is the only special in each window: special keeps 1/n of the tokens
     torch.testing.assert_close(kept[..., 0], torch.full((L, H), 1 / ids.shape[1]))
-    assert col.policy().shape == (L, H)
+    assert col.patterns().shape == (L, H)
 
     # the collector's probabilities are the model's own (scale, causality): compare with eager attention weights
     model.set_attn_implementation("eager")
@@ -348,7 +348,7 @@ def test_policy_collector_tiny_llama():
         torch.testing.assert_close(recovery[layer], dense.mean(1).T, atol=1e-5, rtol=1e-5)
 
     # state round trip
-    other = PolicyCollector(adapter, special, punct)
+    other = FastGenStatsCollector(adapter, special, punct)
     other.load_state_dict(col.state_dict())
     torch.testing.assert_close(other.recovery, recovery)
     torch.testing.assert_close(other.kept_fraction, kept)
@@ -359,19 +359,19 @@ def test_policy_collector_requires_tokens_and_skips_sliding_layers():
 
     from kvcal.models import adapter_for
     from kvcal.profile.capture import capturing
-    from kvcal.profile.policies import PolicyCollector
+    from kvcal.profile.fastgen_stats import FastGenStatsCollector
 
     _, adapter, col, _, _, _, _ = _profile("gemma3_text", n=24, B=1, chunk=8)
     for layer in range(adapter.num_layers):
         if adapter.is_sliding(layer):
             assert col.recovery[layer].isnan().all() and col.kept_fraction[layer].isnan().all()
-            assert (col.policy()[layer] == FULL).all()
+            assert (col.patterns()[layer] == FULL).all()
         else:
             r = col.recovery[layer]
             assert (r >= 0).all() and (r <= 1 + 1e-5).all() and (r.diff(dim=-1) >= 0).all()
 
     model, tok = make_model("llama")
-    fresh = PolicyCollector(adapter_for(model.config), *token_classes(tok))
+    fresh = FastGenStatsCollector(adapter_for(model.config), *token_classes(tok))
     with pytest.raises(RuntimeError, match="set_tokens"), torch.no_grad(), capturing(model, fresh):
         model(input_ids=torch.tensor([[1, 5, 6, 7]]), use_cache=False)
 

@@ -95,7 +95,7 @@ def test_kvcal_bundle_inside_the_kvpress_pipeline(smol):
         exact = pipe(context, questions=questions, cache=cache, max_new_tokens=6)["answers"]
         context_len = cache.get_seq_length()
         mem = cache.memory()
-        cache = KvcalCache.from_bundle(bundle, model, tokenizer=tok)                      # the bundle's policy
+        cache = KvcalCache.from_bundle(bundle, model, tokenizer=tok)                      # the bundle's settings
         packed = pipe(context, questions=questions, cache=cache, max_new_tokens=6)["answers"]
     assert exact == dense                       # each answer cropped away exactly before the next question
     assert context_len == dense_cache.get_seq_length() > 150      # back to the context after each answer

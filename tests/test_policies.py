@@ -22,20 +22,20 @@ from kvcal.runtime.streamingllm import StreamingLLMConfig
 TIERS = dict(window=8, alpha_high=2.0, alpha_low=1.5)
 POLICIES = {
     "none": CompressionConfig(),
-    "diffkv, per-token low": CompressionConfig(low=TierFormat.parse("K4V2")).with_policy(**TIERS),
-    "diffkv, per-channel low": CompressionConfig(page_bytes=512).with_policy(**{**TIERS, "alpha_low": 0.8}),
+    "diffkv, per-token low": CompressionConfig(low=TierFormat.parse("K4V2")).with_tiering(**TIERS),
+    "diffkv, per-channel low": CompressionConfig(page_bytes=512).with_tiering(**{**TIERS, "alpha_low": 0.8}),
     "residual: fp16 window, per-channel low": CompressionConfig(
-        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_policy(
+        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_tiering(
         window=8, alpha_high=1e9, alpha_low=0.5),
-    "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_policy(window=8),
-    "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_policy(
+    "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_tiering(window=8),
+    "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_tiering(
         **TIERS),
     # the eviction baselines: as `kvcal bench` serves them (fp16 store, model basis), and on top of tiers
     "h2o": CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False,
                              h2o=H2OConfig(0.4)),
     "snapkv": CompressionConfig(snapkv=SnapKVConfig(0.4, window=8, reserve=12)),
     "streamingllm + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"),
-                                               streamingllm=StreamingLLMConfig(0.5)).with_policy(**TIERS),
+                                               streamingllm=StreamingLLMConfig(0.5)).with_tiering(**TIERS),
 }
 BACKENDS = ("torch", "cpu", "cuda-emulated")
 

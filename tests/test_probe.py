@@ -8,9 +8,9 @@ from conftest import make_model, random_bundle, random_text
 
 from kvcal.profile.quality import DecodeProbe, dense_logits, teacher_force
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 
 
 def _probe(model_type, fastgen=None, words=110):
@@ -59,7 +59,7 @@ def test_batched_probe_tracks_stepwise_with_tiers_and_fastgen():
     tokens)."""
     fast = FastGenConfig(recovery=0.5)
     probe = _probe("llama", fastgen=fast, words=150)
-    tiers = CompressionConfig(low=TierFormat(4, 2, "channel"), policy=TokenPolicy(window=16, alpha_high=1.6,
+    tiers = CompressionConfig(low=TierFormat(4, 2, "channel"), tiering=TieringConfig(window=16, alpha_high=1.6,
                                                                                   alpha_low=0.5))
     for cfg in (tiers, tiers.with_(fastgen=fast)):
         step, batched = probe.measure(cfg, chunk=1), probe.measure(cfg, chunk=8)

@@ -8,13 +8,13 @@ from transformers import DynamicCache
 
 from kvcal.profile.quality import decode_fidelity
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
+from kvcal.runtime.diffkv import TIER_HIGH as T_HIGH
+from kvcal.runtime.diffkv import TIER_LOW as T_LOW
+from kvcal.runtime.diffkv import TIER_PRUNED as PRUNED
+from kvcal.runtime.diffkv import TieringConfig, classify_prompt, decode_actions
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_HIGH as T_HIGH
-from kvcal.runtime.policy import TIER_LOW as T_LOW
-from kvcal.runtime.policy import TIER_PRUNED as PRUNED
-from kvcal.runtime.policy import TokenPolicy, classify_prompt, decode_actions
 from kvcal.runtime.store import CompressedStore
 
 
@@ -116,7 +116,7 @@ def test_per_channel_pages_keep_outlier_channels():
 
 
 def test_prompt_classification_and_window():
-    policy = TokenPolicy(window=2, alpha_high=2.0, alpha_low=0.5)
+    policy = TieringConfig(window=2, alpha_high=2.0, alpha_low=0.5)
     N = 8
     pos = torch.arange(N)[None, None]
     seen = (N - pos).float()
@@ -126,15 +126,15 @@ def test_prompt_classification_and_window():
     assert tier[0, 0].tolist() == [T_HIGH, T_HIGH, T_LOW, PRUNED, PRUNED, T_HIGH, T_HIGH, T_HIGH]
 
 
-def _actions(hi_mean, lo_mean, length, window=2, channel=False, policy=None):
+def _actions(hi_mean, lo_mean, length, window=2, channel=False, tiering=None):
     """decode_actions for one (sequence, head) given the mean significance of each high and low slot."""
-    policy = policy or TokenPolicy(window=window, alpha_high=2.0, alpha_low=0.5)
+    tiering = tiering or TieringConfig(window=window, alpha_high=2.0, alpha_low=0.5)
     L = torch.tensor([length])
     hi_pos = torch.arange(len(hi_mean)).view(1, 1, -1)
     lo_pos = torch.arange(len(lo_mean)).view(1, 1, -1)        # the policy only needs how many queries saw them
     hi_s = torch.tensor(hi_mean).view(1, 1, -1) * (L - hi_pos)
     lo_s = torch.tensor(lo_mean, dtype=torch.float32).view(1, 1, -1) * (L - lo_pos)
-    return decode_actions(policy, hi_s, hi_pos, lo_s, lo_pos, torch.zeros(1, dtype=torch.long), L, channel)
+    return decode_actions(tiering, hi_s, hi_pos, lo_s, lo_pos, torch.zeros(1, dtype=torch.long), L, channel)
 
 
 def test_algorithm1_branches():
@@ -152,14 +152,14 @@ def test_algorithm1_branches():
     a = _actions([0.5, 0.5, 0.4, 0.3, 0.5, 0.01, 0.9, 0.9], [0.2], 8)
     assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (-1, 5, -1)
     # no tiering: nothing ever moves
-    a = _actions([0.0] * 8, [], 8, policy=TokenPolicy(window=2))
+    a = _actions([0.0] * 8, [], 8, tiering=TieringConfig(window=2))
     assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (-1, -1, -1)
 
 
 def test_decode_policy_keeps_counts_consistent():
     """Tiered decoding on a tiny model: every token-head is in exactly one tier; the window stays high."""
     model, tok = make_model("llama")
-    cfg = CompressionConfig(low=TierFormat(4, 2), policy=TokenPolicy(window=4, alpha_high=1.6, alpha_low=1.1))
+    cfg = CompressionConfig(low=TierFormat(4, 2), tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=1.1))
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, cfg)
     ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids
     res = decode_fidelity(model, ids[:, :40], ids[:, 40:], lambda: cache)
@@ -204,7 +204,7 @@ def test_probe_replay_equals_full_run(model_type):
     model, tok = make_model(model_type)
     bundle = random_bundle(model, tok)
     ids = tok([random_text(70, seed=5), random_text(70, seed=6)], return_tensors="pt").input_ids
-    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), policy=TokenPolicy(window=4, alpha_high=1.6,
+    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), tiering=TieringConfig(window=4, alpha_high=1.6,
                                                                                 alpha_low=1.1))
     probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:])
     replayed = probe.measure(cfg)
@@ -218,7 +218,7 @@ def test_per_channel_low_tier_seals_pages_in_prefill_and_decode():
     bundle = random_bundle(model, tok)
     ids = tok([random_text(90, seed=7)], return_tensors="pt").input_ids
     cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), page_bytes=256,
-                            policy=TokenPolicy(window=4, alpha_high=2.0, alpha_low=0.9))
+                            tiering=TieringConfig(window=4, alpha_high=2.0, alpha_low=0.9))
     cache = KvcalCache.from_bundle(bundle, model, cfg)
     with torch.no_grad():
         model(input_ids=ids[:, :50], past_key_values=cache, use_cache=True)

@@ -47,8 +47,8 @@ class GridProbe:
     def measure(self, config, bundle):
         from kvcal.profile.quality import Fidelity
 
-        a_h = config.policy.alpha_high or 0.0
-        a_l = config.policy.alpha_low
+        a_h = config.tiering.alpha_high or 0.0
+        a_l = config.tiering.alpha_low
         self.calls.append((config.low.name, a_h, a_l))
         ok = a_h <= self.limit_high and a_l <= self.limit_low
         channel_bonus = 0.01 if config.low.k_mode == "channel" else 0.0
@@ -183,7 +183,7 @@ class ResidualProbe:
     def measure(self, config, bundle):
         from kvcal.profile.quality import Fidelity
 
-        p, low = config.policy, config.low
+        p, low = config.tiering, config.low
         self.calls.append((low.name, p.alpha_high, p.window, p.alpha_low))
         ok = (low.k_bits >= 4 and not (low.k_bits == 4 and p.alpha_high > 100) and p.window >= 32
               and p.alpha_low <= 0.5)
@@ -199,9 +199,9 @@ def test_residual_family_walks_cheaper_low_tiers_then_shorter_windows_then_pruni
     best = Search(probe, _bundle(), QualityTarget()).residual(BASE)
     c = best.config
     assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2", RESIDUAL_PAGE_TOKENS)
-    assert (c.policy.alpha_high, c.policy.window, c.policy.alpha_low) == (16.0, 32, 0.5)
+    assert (c.tiering.alpha_high, c.tiering.window, c.tiering.alpha_low) == (16.0, 32, 0.5)
     assert ("K2cV2", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2" and call[2] < 64
                                                                 for call in probe.calls)
     assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
     # a search whose residual family misses everywhere keeps none of it
-    assert Search(ResidualProbe(), _bundle(), QualityTarget()).residual(BASE.with_policy(window=8)) is None
+    assert Search(ResidualProbe(), _bundle(), QualityTarget()).residual(BASE.with_tiering(window=8)) is None

@@ -13,8 +13,8 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 * each seed method alone, as the bundle's calibration search measured it (`bundle.calibration["search"]
   ["families"]`, rebuilt with `CompressionConfig.from_dict`): FDC ranks only (a `K16V16` store with the
   searched removal rates), DiffKV tiers only (full rank; the runtime's rotation and mixing are on, as in the
-  search), FastGen policies only (a `K16V16` store). Where the search kept no point for a family, a stated default;
-* kvcal joint: `CompressionConfig.from_dict(bundle.policy)` with the bundle's ranks; and a sweep of alpha_high x
+  search), FastGen's patterns only (a `K16V16` store). Where the search kept no point for a family, a stated default;
+* kvcal joint: `CompressionConfig.from_dict(bundle.settings)` with the bundle's ranks; and a sweep of alpha_high x
   {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
 
 The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.streamingllm`,
@@ -36,10 +36,10 @@ from kvcal.bench.lowrank import PaluCache, unsupported_reason
 from kvcal.bundle import Bundle
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW, TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.layout import PageLayout, TierFormat, default_page_bytes
-from kvcal.runtime.policy import EVERY_TOKEN_LOW, TokenPolicy
 from kvcal.runtime.snapkv import SnapKVConfig
 from kvcal.runtime.streamingllm import StreamingLLMConfig
 
@@ -49,7 +49,7 @@ KIVI_ALPHA = EVERY_TOKEN_LOW   # alpha_high: every token that leaves the window 
 
 FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family (window: the bundle's)
     "rank-only (FDC)": CompressionConfig(high=TierFormat(16, 16), qk_removal_rate=0.04, v_removal_rate=0.04),
-    "tiers-only (DiffKV)": CompressionConfig(policy=TokenPolicy(alpha_high=2.0, alpha_low=0.5)),
+    "tiers-only (DiffKV)": CompressionConfig(tiering=TieringConfig(alpha_high=2.0, alpha_low=0.5)),
     "policies-only (FastGen)": CompressionConfig(high=TierFormat(16, 16), fastgen=FastGenConfig(0.95, 0.3, 0.3)),
 }
 
@@ -94,7 +94,7 @@ def with_ranks(bundle: Bundle, config: CompressionConfig) -> Bundle:
 
 
 def _tiers(config: CompressionConfig) -> str:
-    p = config.policy
+    p = config.tiering
     if not p.tiered:
         return f"{config.high.name}, no tiers"
     return f"{config.high.name} / {config.low.name}, W={p.window}, a=({p.alpha_high:g},{p.alpha_low:g})"
@@ -114,7 +114,7 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
     for k_bits in (4, 2):
         low = TierFormat(k_bits, 2, "channel")
         cfg = plain.with_(high=TierFormat(16, 16), low=low, page_tokens=KIVI_GROUP,
-                          policy=TokenPolicy(window=KIVI_WINDOW, alpha_high=KIVI_ALPHA, alpha_low=0.0))
+                          tiering=TieringConfig(window=KIVI_WINDOW, alpha_high=KIVI_ALPHA, alpha_low=0.0))
         out.append(Method(f"kivi-k{k_bits}v2", f"KIVI K{k_bits}V2", "quantization", "KIVI-style",
                           f"keys per channel (groups of {KIVI_GROUP} tokens), values per token, fp16 residual of "
                           f"{KIVI_WINDOW} + <{KIVI_GROUP} tokens",
@@ -126,8 +126,8 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
         point = families.get(name)
         note = None
         if point is None:
-            window = CompressionConfig.from_dict(bundle.policy).policy.window
-            cfg = FAMILY_DEFAULTS[name].with_policy(window=window)
+            window = CompressionConfig.from_dict(bundle.settings).tiering.window
+            cfg = FAMILY_DEFAULTS[name].with_tiering(window=window)
             settings = cfg.to_dict()
             note = (f"the bundle's calibration search kept no `{name}` point (none met its target or saved bytes); "
                     f"default settings {settings}")
@@ -146,9 +146,9 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
 
 
 def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
-    cfg = CompressionConfig.from_dict(bundle.policy).with_(backend=backend)
+    cfg = CompressionConfig.from_dict(bundle.settings).with_(backend=backend)
     searched = "search" in bundle.calibration
-    note = None if searched else ("the bundle records no searched policy (`kvcal calibrate --no-search`); kvcal "
+    note = None if searched else ("the bundle records no searched settings (`kvcal calibrate --no-search`); kvcal "
                                   "joint = the runtime's default settings")
     L, H, d = bundle.shape
     kept = (bundle.qk_rank.sum() + bundle.v_rank.sum()).item() / (2 * L * H * d)
@@ -161,7 +161,7 @@ def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
 def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
     """Variants of the joint's tier thresholds (same ranks, tiers and FastGen): more and less aggressive."""
     cfg = joint.config
-    p = cfg.policy
+    p = cfg.tiering
     if p.tiered:
         a_h, a_l = p.alpha_high, p.alpha_low
         highs = {0.5: a_h / 2, 1: a_h, 2: 2 * a_h}
@@ -176,7 +176,7 @@ def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
         if (a_h, a_l) in seen:
             continue
         seen.add((a_h, a_l))
-        variant = cfg.with_policy(alpha_high=a_h, alpha_low=a_l)
+        variant = cfg.with_tiering(alpha_high=a_h, alpha_low=a_l)
         out.append(Method(f"kvcal-a{a_h:g}-{a_l:g}", f"kvcal a=({a_h:g},{a_l:g})", "kvcal", "kvcal sweep",
                           _tiers(variant), variant.to_dict(), variant, joint.bundle))
     return out

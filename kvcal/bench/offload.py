@@ -55,7 +55,7 @@ def bundle_kv_bytes(bundle, head_dim: int) -> list[float]:
     from kvcal.runtime.cache import CompressionConfig
     from kvcal.runtime.layout import PageLayout
 
-    cfg = CompressionConfig.from_dict(bundle.policy)
+    cfg = CompressionConfig.from_dict(bundle.settings)
     page = cfg.page_size(head_dim)
     L, H, _ = bundle.shape
     return [sum(PageLayout.build(cfg.high, int(bundle.qk_rank[i, h]), int(bundle.v_rank[i, h]), page).bytes_per_token
@@ -79,7 +79,7 @@ def modelled(adapter, hw: kvpr.Hardware, x_bytes: float, kv_bytes: list[float] |
             "reasons": sorted({s.reason for s in splits})}
 
 
-def _decode(model, ids: torch.Tensor, cache, steps: int) -> tuple[list[int], float]:
+def _timed_greedy(model, ids: torch.Tensor, cache, steps: int) -> tuple[list[int], float]:
     """Prefill `ids`, then `steps` + 1 greedy steps; (tokens, mean seconds per step over the last `steps`)."""
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -106,11 +106,11 @@ def measure(lm: LoadedModel, hw: kvpr.Hardware, context: int, steps: int, mode: 
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (1, context), generator=g).to(device)
-    ref, dense_s = _decode(model, ids, DynamicCache(config=model.config), steps)
+    ref, dense_s = _timed_greedy(model, ids, DynamicCache(config=model.config), steps)
     rows = [{"split": "dense (DynamicCache)", "ms_per_step": 1e3 * dense_s, "same_tokens": True, "l": None}]
     for split in ("none", "auto", "full"):
         with OffloadedCache(model, split=split, hardware=hw, mode=mode) as cache:
-            got, secs = _decode(model, ids, cache, steps)
+            got, secs = _timed_greedy(model, ids, cache, steps)
         used = sorted({l for h in cache.history.values() for l in h})       # distinct l over layers and steps
         rows.append({"split": split, "ms_per_step": 1e3 * secs, "same_tokens": got == ref,
                      "l": f"{used[0]}..{used[-1]}" if len(used) > 1 else str(used[0])})
@@ -134,7 +134,7 @@ def run_offload(lm: LoadedModel, settings: OffloadSettings, bundle=None, status=
     if bundle is not None:
         from kvcal.runtime.cache import CompressionConfig
 
-        tier = CompressionConfig.from_dict(bundle.policy).high.name
+        tier = CompressionConfig.from_dict(bundle.settings).high.name
         formats.append((f"kvcal bundle ({tier} at its ranks)", bundle_kv_bytes(bundle, a.head_dim)))
     rows = []
     for label, hw, p in hardware:

@@ -225,7 +225,7 @@ def _where_it_loses(report: dict, joint: dict, best: dict) -> str:
         parts.append(f"Its token-heads are {t.get('high', 0):.1%} high tier, {t.get('low', 0):.1%} low tier and "
                      f"{t.get('pruned', 0):.1%} pruned.")
     sq = report["settings"]["quality"]
-    window = CompressionConfig.from_dict(report["bundle"]["policy"] or {}).policy.window
+    window = CompressionConfig.from_dict(report["bundle"]["policy"] or {}).tiering.window
     n = sq["prompt"] + sq["steps"]
     parts.append(f"Fixed costs at {n} tokens per sequence: the {window}-token window ({window / n:.1%} of tokens) is "
                  "held at the high tier; every stored token carries 8 B of score and position; pages are allocated "

@@ -413,7 +413,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
                   * adapter.num_kv_heads * adapter.head_dim * 2 * 2},
         "bundle": {"path": str(bundle_path) if bundle_path else None,
                    "sha256": file_sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
-                   "created": bundle.created, "kvcal_version": bundle.kvcal_version, "policy": bundle.policy,
+                   "created": bundle.created, "kvcal_version": bundle.kvcal_version, "policy": bundle.settings,
                    "target": {**asdict(target), "source": target_source}},
         "environment": environment(backend.name()),
         "settings": {"quality": {"dataset": eval_corpus.name, "dataset_sha256": eval_corpus.sha256,

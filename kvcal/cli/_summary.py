@@ -88,7 +88,7 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
 
 
 def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
-    """The head of `kvcal inspect`: policy, bytes per token, measured quality, then provenance."""
+    """The head of `kvcal inspect`: settings, bytes per token, measured quality, then provenance."""
     m, cal = bundle.model, bundle.calibration
     # markup, like the table's cells: the caller passes metadata escaped (`terminal_safe`), so brackets stay literal
     head = Text.from_markup(f"[bold]bundle {path}[/bold]: {m.name} ({m.family}, {m.num_layers} layers, "
@@ -101,7 +101,7 @@ def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
         t.add_row("target", f"top-1 >= {target['top1']:g} (at a Wilson bound, z = {target.get('z', 0):g}, in the "
                             f"search) and perplexity ratio <= {target['ppl_ratio']:g}")
     else:
-        t.add_row("stored", settings_in_words(bundle.policy, **_rank_means(bundle)))
+        t.add_row("stored", settings_in_words(bundle.settings, **_rank_means(bundle)))
         t.add_row("size", "not measured (made with `kvcal calibrate --no-search`)")
     t.add_row("created", f"{bundle.created} by kvcal {bundle.kvcal_version}")
     if cal:

@@ -41,7 +41,7 @@ def describe(bundle: Bundle) -> dict:
         "qk_weighting": bundle.qk_weighting,
         "v_source": bundle.v_source,
         "calibration": cal,
-        "policy": bundle.policy,
+        "policy": bundle.settings,
         "kv_elements_kept": (bundle.qk_rank.sum() + bundle.v_rank.sum()).item() / (2 * L * H * d),
         "heads": heads,
     }

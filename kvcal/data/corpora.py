@@ -1,10 +1,10 @@
 """Text for calibration and evaluation, from packaged data or user files; never from the network.
 
-Packaged sources (see docs/models.md for the packages): `sharegpt` (real user/assistant chats), `gsm8k` (questions
-with worked solutions), `champ` (competition math with step-by-step solutions), and `pydoc` (CPython's reference
-manual text, always present). `default` mixes ShareGPT, GSM8K and CHAMP, or falls back to `pydoc` with a warning when
-the data packages are not installed. User files: `.txt` (one document per file) or `.jsonl` (one document per line,
-from a `text` field).
+Packaged sources (the `data` extra in pyproject.toml names their packages): `sharegpt` (real user/assistant chats),
+`gsm8k` (questions with worked solutions), `champ` (competition math with step-by-step solutions), and `pydoc`
+(CPython's reference manual text, always present). `default` mixes ShareGPT, GSM8K and CHAMP, or falls back to `pydoc`
+with a warning when the data packages are not installed. User files: `.txt` (one document per file) or `.jsonl` (one
+document per line, from a `text` field).
 
 Every document belongs to exactly one split, decided by a hash of its text: 1 in 10 goes to `eval` (reports), 1 in 10
 to `search` (the quality searches during calibration), the rest to `calib` (statistics). Evaluation text is therefore

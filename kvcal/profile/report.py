@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
-from kvcal.runtime.policy import EVERY_TOKEN_LOW
+from kvcal.profile.quality import QualityTarget
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 
 STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
                 "policies": "tab:green", "family": "tab:purple"}
@@ -37,14 +39,14 @@ def tier_in_words(spec: str) -> str:
 
 def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
                       v_rank_mean: float | None = None) -> str:
-    """What a search point (or a bundle's policy) stores, in one sentence: tiers and thresholds, FastGen, ranks.
-    `settings` is a `policy` block, read by its one codec (`CompressionConfig.from_dict`)."""
+    """What a search point (or a bundle's settings block) stores, in one sentence: tiers and thresholds, FastGen, ranks.
+    `settings` is a settings block (`Bundle.settings`), read by its one codec (`CompressionConfig.from_dict`)."""
     from kvcal.runtime.config import CompressionConfig
 
     if "high" not in settings:        # `to_dict(searched=False)`: the block records the window only
         return "the runtime's default settings (the bundle was made without a search)"
     config = CompressionConfig.from_dict(settings)
-    high, low, p = config.high.name, config.low.name, config.policy
+    high, low, p = config.high.name, config.low.name, config.tiering
     if not p.tiered:
         parts = [f"every token as {high} ({tier_in_words(high)})"]
     else:
@@ -81,8 +83,10 @@ def held_out_met(held_out: dict, target: dict) -> bool:
 
     The search asks more of a candidate (its top-1 must clear the target at a Wilson lower bound, `target["z"]`)
     because it keeps the cheapest point that passes and would otherwise favour lucky ones; the evaluation check
-    measures one configuration that was already chosen, so its number is taken as it is."""
-    return held_out["top1"] >= target["top1"] and held_out["ppl_ratio"] <= target["ppl_ratio"]
+    measures one configuration that was already chosen, so its number is taken as it is: `QualityTarget.met` at z = 0.
+    held_out: {top1, ppl_ratio, ...}; target: {top1, ppl_ratio, ...} (the report's JSON)."""
+    as_measured = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=0.0)
+    return as_measured.met(SimpleNamespace(top1=held_out["top1"], predictions=0, ppl_ratio=held_out["ppl_ratio"]))
 
 
 def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:

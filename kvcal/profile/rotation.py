@@ -6,8 +6,8 @@ spectrum θ = sqrt(eigenvalues) (the singular values of X). Nothing else about X
 
 GQA: one R per KV head, because the cache holds one K per KV head; a per-query-head R would cache g rotated copies of
 K. R comes from the K rows of the KV head and the Q rows of all g query heads it serves. How the two kinds of rows
-are weighted is a choice (`QK_WEIGHTINGS`); `benchmarks/qk_weighting.py` measures the attention-logit error of each at
-equal rank, and docs/calibration.md records the result.
+are weighted is a choice (`QK_WEIGHTINGS`); docs/calibration.md ("Q/K weighting for GQA") records the attention-logit
+error of each at equal rank.
 """
 
 from __future__ import annotations

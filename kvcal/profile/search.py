@@ -19,7 +19,7 @@ Stages, each starting from the previous stage's choice; every measured point is 
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
    "every token leaves the window to the low tier" down to keeping more heavy hitters, then shorter windows over
    `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
-3. policies: FastGen per-head policies (chosen per prompt at prefill) on top of the tiers, recovery threshold T
+3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
 4. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
@@ -44,9 +44,9 @@ import torch
 from kvcal.profile.quality import QualityTarget, wilson_lower  # noqa: F401  (wilson_lower: re-exported)
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.policy import EVERY_TOKEN_LOW
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Point:
 
     stage: str
     label: str
-    settings: dict             # the candidate as its bundle `policy` block (`CompressionConfig.to_dict`)
+    settings: dict             # the candidate as a bundle settings block (`CompressionConfig.to_dict`)
     bytes_ratio: float         # KV bytes held / fp16 dense bytes of the same tokens
     top1: float
     kl: float
@@ -199,7 +199,7 @@ class Search:
             if high.v_group and d % high.v_group:
                 continue
             points.append(self.measure("precision", f"{name}, no tiers",
-                                       base.with_(high=high).with_policy(alpha_high=None)))
+                                       base.with_(high=high).with_tiering(alpha_high=None)))
             if points[-1].feasible:
                 return points[-1]
         return points[0]
@@ -210,16 +210,16 @@ class Search:
             chosen = None
             for a_h in ALPHA_HIGH_GRID:
                 p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},0)",
-                                 base.with_(low=TierFormat.parse(name)).with_policy(alpha_high=a_h, alpha_low=0.0))
+                                 base.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h, alpha_low=0.0))
                 if not p.feasible:
                     break
                 chosen = p
             if chosen is None:
                 continue
-            a_h = chosen.config.policy.alpha_high
+            a_h = chosen.config.tiering.alpha_high
             for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
                 p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},{a_l:g})",
-                                 chosen.config.with_policy(alpha_low=a_l))
+                                 chosen.config.with_tiering(alpha_low=a_l))
                 if not p.feasible:
                     break
                 chosen = p
@@ -233,8 +233,8 @@ class Search:
         for name in RESIDUAL_LOW_TIERS:
             found = None
             for a_h in RESIDUAL_ALPHA_GRID:     # most aggressive first: the first feasible alpha is this tier's best
-                p = self.measure("residual", f"fp16 W={base.policy.window} / {name} a=({a_h:g},0)",
-                                 start.with_(low=TierFormat.parse(name)).with_policy(alpha_high=a_h, alpha_low=0.0))
+                p = self.measure("residual", f"fp16 W={base.tiering.window} / {name} a=({a_h:g},0)",
+                                 start.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h, alpha_low=0.0))
                 if p.feasible:
                     found = p
                     break
@@ -243,24 +243,24 @@ class Search:
             chosen = found
         if chosen is None:
             return None
-        chosen = self._walk(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.policy.window])
-        a_h = chosen.config.policy.alpha_high
+        chosen = self._walk(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.tiering.window])
+        a_h = chosen.config.tiering.alpha_high
         return self._walk(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
 
     def _walk(self, start: Point, changes: list[dict]) -> Point:
-        """Token-policy `changes` to `start`, each more aggressive than the last, measured in turn until the first
+        """Tiering `changes` to `start`, each more aggressive than the last, measured in turn until the first
         miss: the last feasible point (`start` if the first change misses)."""
         chosen = start
         for change in changes:
-            c = start.config.with_policy(**change)
-            p = self.measure("residual", f"fp16 W={c.policy.window} / {c.low.name} "
-                             f"a=({c.policy.alpha_high:g},{c.policy.alpha_low:g})", c)
+            c = start.config.with_tiering(**change)
+            p = self.measure("residual", f"fp16 W={c.tiering.window} / {c.low.name} "
+                             f"a=({c.tiering.alpha_high:g},{c.tiering.alpha_low:g})", c)
             if not p.feasible:
                 break
             chosen = p
         return chosen
 
-    def policies(self, start: Point) -> Point:
+    def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
         for t in RECOVERY_GRID:
@@ -301,7 +301,7 @@ class Search:
         if residual is not None and (chosen is None or _saves(residual, chosen)):
             chosen = residual
         if chosen is not None:
-            chosen = self.policies(chosen)
+            chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:
             logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",

@@ -2,7 +2,7 @@
 transformers (for `hf.py` and `offload/`), and optionally cuda-python; never on another part of kvcal.
 
     from kvcal.runtime import CompressionConfig, KvcalCache
-    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.from_dict(bundle.policy), tokenizer=tok)
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.from_dict(bundle.settings), tokenizer=tok)
 
 The names below are the public API; they load on first use, so importing one module of the runtime does not import
 transformers.
@@ -14,7 +14,7 @@ import importlib
 
 _WHERE = {
     "CompressionConfig": "kvcal.runtime.config",
-    "TokenPolicy": "kvcal.runtime.policy",
+    "TieringConfig": "kvcal.runtime.diffkv",
     "FastGenConfig": "kvcal.runtime.fastgen",
     "H2OConfig": "kvcal.runtime.h2o",
     "SnapKVConfig": "kvcal.runtime.snapkv",

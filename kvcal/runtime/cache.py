@@ -8,7 +8,7 @@ Per layer, `forward` takes post-RoPE query [B, Hq, n, d], key and value [B, H, n
 [B, Hq, n, d]. The first call of a layer is the prefill: attention on the uncompressed K/V (the token policies'
 scores come from it), then each policy tiers the prompt in turn (`CachePolicy.prefill`) and it is written compressed.
 Later calls attend over the compressed store plus the new tokens, write the new tokens at high precision, and run
-each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head policy).
+each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head pattern).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from kvcal.runtime.attention import select_backend
 from kvcal.runtime.bases import served_bases
 from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention, cache_policies
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.store import CompressedStore
 
 
@@ -121,7 +121,7 @@ class CompressedKV:
 
     def _write_prompt(self, layer, tier, k_rot, v_proj, pos, score, length):
         store = self.store
-        if self.config.low.k_mode == "channel" and self.config.policy.tiered:
+        if self.config.low.k_mode == "channel" and self.config.tiering.tiered:
             tier = self._seal_low_pages(layer, tier, k_rot, v_proj, pos, score, length)
         for t, side in ((TIER_HIGH, HIGH), (TIER_LOW, LOW)):
             b, h, i = torch.nonzero(tier == t, as_tuple=True)
@@ -167,7 +167,7 @@ class CompressedKV:
         R = self.rotation[layer]
         q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
         k_rot, v_proj = self._project(layer, key, value)
-        if self.config.policy.tiered:
+        if self.config.tiering.tiered:
             self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score
         out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
                                                track_scores=any(p.reads_scores for p in self.policies))

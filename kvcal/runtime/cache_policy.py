@@ -4,7 +4,7 @@ A token policy decides which tokens the cache keeps and at which tier. It is one
 the prompt and one for each decode token. `CompressedKV` builds the policies its config enables, in the order of
 `CACHE_POLICIES`, and calls them in turn, so a new policy is one file and one line there.
 
-    prefill(layer, tier, prompt) -> tier   tier int8 [B, H, n] (policy.TIER_HIGH / TIER_LOW / TIER_PRUNED) of the
+    prefill(layer, tier, prompt) -> tier   tier int8 [B, H, n] (diffkv.TIER_HIGH / TIER_LOW / TIER_PRUNED) of the
                                            prompt, as the policies before this one left it
     decode(layer)                          after each new token of `layer` is stored (one step of the policy)
 
@@ -27,7 +27,7 @@ from kvcal.runtime.attention import prompt_probs
 
 # name -> "module:Class", in the order the policies run (DiffKV tiers first: the others prune what they drop from them)
 CACHE_POLICIES = {
-    "diffkv": "kvcal.runtime.policy:DiffKVTiers",
+    "diffkv": "kvcal.runtime.diffkv:DiffKVTiers",
     "fastgen": "kvcal.runtime.fastgen:FastGenEviction",
     "h2o": "kvcal.runtime.h2o:H2OEviction",
     "snapkv": "kvcal.runtime.snapkv:SnapKVEviction",

@@ -1,6 +1,8 @@
 """Compression settings: one typed object, `CompressionConfig`, and its one codec, `to_dict` / `from_dict`.
 
-The codec is the only reader and writer of a bundle's `policy` block (bundle format v1). Keys, in this order:
+The codec is the only reader and writer of a bundle's settings block (`Bundle.settings`, stored under the metadata key
+`policy` of bundle format v1; the key keeps its name so that every bundle written before still loads). Keys, in this
+order:
 
     high, low         str    tier formats (`TierFormat.name`, e.g. "K8V4g16", "K4cV2")
     window            int    recent tokens always at high precision (DiffKV W)
@@ -22,17 +24,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.layout import TierFormat, default_page_bytes
-from kvcal.runtime.policy import TokenPolicy
 from kvcal.runtime.snapkv import SnapKVConfig
 from kvcal.runtime.streamingllm import StreamingLLMConfig
 
-POLICY_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
-               "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm")
-# policy blocks that are one settings dataclass each, None = that token policy is off (cache_policy.CACHE_POLICIES)
-_POLICY_SETTINGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
+SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
+                 "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm")
+# keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
+_TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
                     "streamingllm": StreamingLLMConfig}
 
 
@@ -42,7 +44,7 @@ class CompressionConfig:
 
     high: TierFormat = field(default_factory=lambda: TierFormat(8, 4))            # DiffKV's high tier
     low: TierFormat = field(default_factory=lambda: TierFormat(4, 2, "channel"))  # per-channel keys: outlier-safe
-    policy: TokenPolicy = field(default_factory=TokenPolicy)
+    tiering: TieringConfig = field(default_factory=TieringConfig)   # DiffKV's window and thresholds
     use_ranks: bool = True        # False: store full rank even if the bundle has lower ranks
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
@@ -52,7 +54,7 @@ class CompressionConfig:
     # (fp16) high tier the page must be sized by the low tier, or the waiting tokens cost more than they save.
     page_tokens: int | None = None
     backend: str = "auto"
-    fastgen: FastGenConfig | None = None   # per-head FastGen policies on top of the tiers (None: off)
+    fastgen: FastGenConfig | None = None   # FastGen's per-head patterns on top of the tiers (None: off)
     qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
     v_removal_rate: float = 0.0
     h2o: H2OConfig | None = None                     # token-budget eviction baselines (None: off)
@@ -66,7 +68,7 @@ class CompressionConfig:
 
     @classmethod
     def none(cls) -> CompressionConfig:
-        return cls(high=TierFormat(32, 32), low=TierFormat(32, 32), policy=TokenPolicy(), use_ranks=False,
+        return cls(high=TierFormat(32, 32), low=TierFormat(32, 32), tiering=TieringConfig(), use_ranks=False,
                    rotate=False)
 
     @property
@@ -85,22 +87,22 @@ class CompressionConfig:
     def with_(self, **changes) -> CompressionConfig:
         return replace(self, **changes)
 
-    def with_policy(self, **changes) -> CompressionConfig:
-        """A copy whose token policy has `changes` (window, alpha_high, alpha_low, threshold_base)."""
-        return replace(self, policy=replace(self.policy, **changes))
+    def with_tiering(self, **changes) -> CompressionConfig:
+        """A copy whose tiering has `changes` (window, alpha_high, alpha_low, threshold_base)."""
+        return replace(self, tiering=replace(self.tiering, **changes))
 
     # ------------------------------------------------------------------------------------------------ codec
 
     def to_dict(self, *, searched: bool = True) -> dict:
-        """The bundle's `policy` block (see module docstring). `searched=False`: only the window, for a bundle
+        """The bundle's settings block (see module docstring). `searched=False`: only the window, for a bundle
         whose settings were not chosen by a search (the runtime's defaults serve it)."""
-        p = self.policy
+        p = self.tiering
         if not searched:
             return {"window": p.window}
         out = {"high": self.high.name, "low": self.low.name, "window": p.window, "alpha_high": p.alpha_high}
         if p.tiered:
             out["alpha_low"] = p.alpha_low
-        if p.threshold_base != TokenPolicy.threshold_base:
+        if p.threshold_base != TieringConfig.threshold_base:
             out["threshold_base"] = p.threshold_base
         if self.fastgen is not None:
             out["fastgen"] = asdict(self.fastgen)
@@ -116,15 +118,15 @@ class CompressionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> CompressionConfig:
-        """Settings from a `policy` block; absent keys keep their defaults, unknown keys are refused."""
-        unknown = sorted(set(d) - set(POLICY_KEYS))
+        """Settings from a bundle's settings block; absent keys keep their defaults, unknown keys are refused."""
+        unknown = sorted(set(d) - set(SETTINGS_KEYS))
         if unknown:
-            raise ValueError(f"policy key `{unknown[0]}` is not one of {', '.join(POLICY_KEYS)}; the bundle was "
+            raise ValueError(f"settings key `{unknown[0]}` is not one of {', '.join(SETTINGS_KEYS)}; the bundle was "
                              "written by a newer kvcal: upgrade kvcal")
         base = cls()
         tokens = {k: d[k] for k in ("window", "alpha_high", "alpha_low", "threshold_base") if k in d}
-        settings = {name: cls(**d[name]) if d.get(name) else None for name, cls in _POLICY_SETTINGS.items()}
+        policies = {name: kind(**d[name]) if d.get(name) else None for name, kind in _TOKEN_POLICY_CONFIGS.items()}
         return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
-                       low=TierFormat.parse(d["low"]) if "low" in d else base.low, policy=TokenPolicy(**tokens),
+                       low=TierFormat.parse(d["low"]) if "low" in d else base.low, tiering=TieringConfig(**tokens),
                        qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),
-                       page_tokens=d.get("page_tokens"), **settings)
+                       page_tokens=d.get("page_tokens"), **policies)

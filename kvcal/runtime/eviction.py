@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcal.runtime.cache_policy import CachePolicy, Prompt
+from kvcal.runtime.diffkv import TIER_PRUNED
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_PRUNED
 
 
 @dataclass(frozen=True)

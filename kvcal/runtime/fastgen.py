@@ -1,16 +1,18 @@
-"""FastGen's per-head token policies: which stored tokens each (sequence, KV head) keeps, and which policy it uses.
+"""FastGen's per-head compression patterns: which pattern each (sequence, KV head) uses, and which stored tokens it
+keeps. `FastGenEviction` is the token policy (`cache_policy.CachePolicy`) that applies them to the store.
 
 Based on FastGen (Ge et al., ICLR 2024), Eq. 1–2, Alg. 1–2.
 
-Policies are nested (Eq. 2; "+" is the union of what the components keep) and indexed 0..4:
+The paper calls these patterns "compression policies"; kvcal says pattern, keeping "policy" for the cache's token
+policies. Patterns are nested (Eq. 2; "+" is the union of what the components keep) and indexed 0..4:
 
     0 special | 1 special+punct | 2 special+punct+frequent | 3 special+punct+frequent+local | 4 full
 
-At prefill each head takes the first policy whose recovery (retained attention mass on the prompt) reaches T, else
+At prefill each head takes the first pattern whose recovery (retained attention mass on the prompt) reaches T, else
 full (Eq. 1; the cost is non-decreasing along the list, so the argmin is the first feasible one). The choice is frozen
 for the rest of generation; at each decode step the head's kept set is recomputed with budgets relative to the current
 length t (special, punctuation: all of them; frequent: top ⌈r_f·t⌉ by cumulative attention; local: the last ⌈r_l·t⌉)
-and everything outside it is evicted for good. Policies are per (sequence, KV head), not shared over the batch
+and everything outside it is evicted for good. Patterns are per (sequence, KV head), not shared over the batch
 (§7 item 10), and no "global" first tokens are kept beyond the special ones (§7 item 14: off, for fidelity).
 
 GQA (the paper handles MHA only, §6b / §7 item 15): one KV head serves g query heads and everything is decided per
@@ -26,7 +28,7 @@ GQA (the paper handles MHA only, §6b / §7 item 15): one KV head serves g query
   Max-aggregated probabilities are not used for recovery: they do not sum to 1 per row, so "retained mass ≥ T" would
   lose its meaning.
 
-Everything here is pure tensor logic on flags, scores and cache indices (like `policy.py`); the cache moves bytes.
+Everything here is pure tensor logic on flags, scores and cache indices (like `diffkv.py`); the cache moves bytes.
 """
 
 from __future__ import annotations
@@ -40,23 +42,23 @@ import torch
 
 from kvcal.runtime.attention import prefill_rows
 from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention
+from kvcal.runtime.diffkv import TIER_PRUNED
 from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.policy import TIER_PRUNED
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full")
-FULL = 4                  # index of the full-cache fallback in POLICIES
-_COMPRESSED = FULL        # the first 4 policies are the compressed candidates
+PATTERNS = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full")
+FULL = 4                  # index of the full-cache fallback in PATTERNS
+_COMPRESSED = FULL        # the first 4 patterns are the compressed candidates
 # query rows a prompt's recovery averages over: every row of a prompt up to this length, evenly spaced rows (the last
 # included) beyond it. Eq. 1 is a mean over rows; all of them would make FastGen's prefill cost grow with n^2 times
-# the policies' masks (minutes per sequence at 4k on a CPU) for a mean that 512 rows already estimate.
+# the patterns' masks (minutes per sequence at 4k on a CPU) for a mean that 512 rows already estimate.
 PROFILE_ROWS = 512
 
 
 @dataclass(frozen=True)
 class FastGenConfig:
-    recovery: float = 0.95      # T: retained attention mass a compressed policy must reach (paper §4.1; 0.91–0.98)
+    recovery: float = 0.95      # T: retained attention mass a compressed pattern must reach (paper §4.1; 0.91–0.98)
     r_local: float = 0.3        # local window as a fraction of the current length (paper §5 defaults)
     r_frequent: float = 0.3     # heavy-hitter budget as a fraction of the current length
 
@@ -144,7 +146,7 @@ def _flags_at(flags: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def kept_sets(is_special: torch.Tensor, is_punct: torch.Tensor, score: torch.Tensor, pos: torch.Tensor,
               length: torch.Tensor, cfg: FastGenConfig, n_pad: torch.Tensor | None = None) -> torch.Tensor:
-    """Which stored tokens each compressed policy keeps at current length t: bool [4, B, H, S], nested along dim 0.
+    """Which stored tokens each compressed pattern keeps at current length t: bool [4, B, H, S], nested along dim 0.
 
     Args:
         is_special, is_punct: [B, N] bool by cache index (N > every pos), gathered through `pos`; or [B, H, S] bool
@@ -193,7 +195,7 @@ def kept_sets(is_special: torch.Tensor, is_punct: torch.Tensor, score: torch.Ten
 def prompt_recovery(probs: torch.Tensor, rows: torch.Tensor | slice, is_special: torch.Tensor,
                     is_punct: torch.Tensor, final_score: torch.Tensor, cfg: FastGenConfig,
                     n_pad: torch.Tensor | None = None) -> torch.Tensor:
-    """Retained prompt attention mass per compressed policy, summed over one chunk of query rows: [4, B, H] float32.
+    """Retained prompt attention mass per compressed pattern, summed over one chunk of query rows: [4, B, H] float32.
 
     Args:
         probs: [B, H, g, c, n] causal prompt attention probabilities (softmax over keys, scaled, masked) of the
@@ -267,8 +269,8 @@ def profile_rows(n: int, device=None) -> torch.Tensor:
     return torch.linspace(0, n - 1, PROFILE_ROWS, device=device, dtype=torch.float64).round().to(torch.int64)
 
 
-def choose_policy(recovery: torch.Tensor, cfg: FastGenConfig) -> torch.Tensor:
-    """recovery [4, B, H] -> policy int64 [B, H]: the first policy with recovery >= T (earlier wins ties, Eq. 1 with
+def choose_pattern(recovery: torch.Tensor, cfg: FastGenConfig) -> torch.Tensor:
+    """recovery [4, B, H] -> pattern int64 [B, H]: the first pattern with recovery >= T (earlier wins ties, Eq. 1 with
     nested costs), else 4 (full). NaN recovery (a head never profiled) never passes, so it falls back to full."""
     ok = recovery >= cfg.recovery                                                   # [4, B, H]
     first = ok.to(torch.int8).argmax(dim=0)                                         # first True (0 if none)
@@ -277,18 +279,18 @@ def choose_policy(recovery: torch.Tensor, cfg: FastGenConfig) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- decode
 
-def decode_evictions(policy: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def decode_evictions(pattern: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Stored tokens to drop now: bool [B, H, S].
 
-    policy [B, H] int64 in 0..4 (frozen at prefill, Alg. 2); kept [4, B, H, S] from `kept_sets` at the current
-    length; pos [B, H, S] (-1 = empty). A head drops its valid tokens outside its policy's kept set; full heads drop
+    pattern [B, H] int64 in 0..4 (frozen at prefill, Alg. 2); kept [4, B, H, S] from `kept_sets` at the current
+    length; pos [B, H, S] (-1 = empty). A head drops its valid tokens outside its pattern's kept set; full heads drop
     nothing. Order at each step (the caller's, §7 item 8): append the new token, attend over the kept cache plus the
     new token (so it sees itself), add the probabilities to the scores, then `kept_sets` and these evictions; a
     non-special new token on a special-only head is thus used once and dropped.
     """
     B, H, S = pos.shape
-    full = policy >= FULL
-    idx = policy.clamp(0, _COMPRESSED - 1)[None, :, :, None].expand(1, B, H, S)
+    full = pattern >= FULL
+    idx = pattern.clamp(0, _COMPRESSED - 1)[None, :, :, None].expand(1, B, H, S)
     keep = kept.gather(0, idx)[0]                                                   # [B, H, S]
     return (pos >= 0) & ~keep & ~full[..., None]
 
@@ -299,10 +301,10 @@ def decode_evictions(policy: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor
 class FastGenEviction(CachePolicy):
     """FastGen as a cache policy. It owns its state: the token ids of the cache by index (`observe_tokens`, fed by
     whoever runs the model: `KvcalCache` through a decoder pre-hook), the tokenizer's special and punctuation ids
-    (`kv.token_classes`, fixed at construction) and the policy each (layer, sequence, KV head) chose at prefill
-    (`choice`). At prefill, each head takes the cheapest policy whose recovery of the prompt's attention
+    (`kv.token_classes`, fixed at construction) and the pattern each (layer, sequence, KV head) chose at prefill
+    (`choice`). At prefill, each head takes the cheapest pattern whose recovery of the prompt's attention
     reaches T and drops what it does not keep (pruned whatever its tier); each decode token re-applies that frozen
-    policy at the new length (Alg. 2)."""
+    pattern at the new length (Alg. 2)."""
 
     name = "fastgen"
 
@@ -312,7 +314,7 @@ class FastGenEviction(CachePolicy):
         none = torch.zeros(0, dtype=torch.int64)
         special, punct = kv.token_classes if kv.token_classes is not None else (none, none)
         self.special, self.punct = special.to(kv.device), punct.to(kv.device)
-        self.choice: dict[int, torch.Tensor] = {}        # layer -> [B, H] index into POLICIES
+        self.choice: dict[int, torch.Tensor] = {}        # layer -> [B, H] index into PATTERNS
 
     @classmethod
     def enabled(cls, config) -> bool:
@@ -337,7 +339,7 @@ class FastGenEviction(CachePolicy):
         return token_flags(self.token_ids, self.special, self.punct)
 
     def prompt_statistics(self, attention: PromptAttention, real, score) -> torch.Tensor:
-        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed policy, the mean over `profile_rows`
+        """FastGen Eq. 1 on this prompt: recovery [4, B, H] of each compressed pattern, the mean over `profile_rows`
         of the real query rows. It needs the final column sums (the ranking of frequent tokens) before it can read
         any row, so it recomputes the rows' probabilities after the prefill, a block of rows at a time."""
         B, H, g, n, d = attention.query.shape
@@ -358,7 +360,7 @@ class FastGenEviction(CachePolicy):
         if recovery is None:
             raise ValueError("FastGen is on but this prefill has no recovery statistics (record with FastGen on)")
         cfg, n = self.kv.config.fastgen, prompt.pos.shape[-1]
-        self.choice[layer] = choose_policy(recovery, cfg)                                 # [B, H]
+        self.choice[layer] = choose_pattern(recovery, cfg)                                 # [B, H]
         is_special, is_punct = self._flags(n)
         kept = kept_sets(is_special[:, :n], is_punct[:, :n], prompt.score, prompt.pos, prompt.length, cfg,
                          self.kv.n_pad)

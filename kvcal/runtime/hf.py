@@ -130,7 +130,7 @@ class KvcalCache(Cache):
         self._new_ids: list[torch.Tensor] = []     # token ids seen before the compressed state exists (FastGen)
         if config.fastgen is not None:
             if tokenizer is None:
-                raise ValueError("FastGen policies need the tokenizer (special and punctuation tokens): pass "
+                raise ValueError("FastGen needs the tokenizer (special and punctuation tokens): pass "
                                  "`tokenizer=` to KvcalCache.from_bundle")
             from kvcal.runtime.fastgen import token_classes
 
@@ -145,13 +145,13 @@ class KvcalCache(Cache):
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
         """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
-        attention function on the model, and return an empty cache. `config` defaults to the bundle's policy."""
+        attention function on the model, and return an empty cache. `config` defaults to the bundle's settings."""
         adapter = adapter_for(model.config)
         bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
                            shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
         install(model)
         if config is None:
-            config = CompressionConfig.from_dict(bundle.policy)
+            config = CompressionConfig.from_dict(bundle.settings)
         return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
                    tokenizer=tokenizer)
 

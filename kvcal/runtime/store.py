@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -36,7 +35,8 @@ class HeadGroup:
     r_v: int
 
 
-class SectionRead(NamedTuple):
+@dataclass(frozen=True)
+class SectionRead:
     """One side of one head group, dequantized (`gather`); n = the group's entries, S = slots of the longest."""
 
     side: int
@@ -98,7 +98,7 @@ class CompressedStore:
                 lay = (PageLayout.build(high, r_k, r_v, self.page_bytes), PageLayout.build(low, r_k, r_v,
                                                                                        self.page_bytes))
                 groups.append(HeadGroup(torch.tensor(heads, device=self.device), lay, r_k, r_v))
-                min_tokens += [lay[0].tokens, lay[1].tokens]
+                min_tokens += [lay[HIGH].tokens, lay[LOW].tokens]
             self.groups[layer] = groups
         self.r_k_max = {layer: max(g.r_k for g in gs) for layer, gs in self.groups.items()}
         self.r_v_max = {layer: max(g.r_v for g in gs) for layer, gs in self.groups.items()}
@@ -435,7 +435,8 @@ class CompressedStore:
                 # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
-                parts.append(SectionRead(side, g, b, h, k, v, score, pos, slot))
+                parts.append(SectionRead(side=side, group=g, b=b, h=h, keys=k, values=v, score=score, pos=pos,
+                                         slot=slot))
         if len(self.groups[layer]) == 1:
             return self._gather_one_group(parts)
         widths = {}
@@ -450,16 +451,16 @@ class CompressedStore:
             side=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
             slot=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
         )
-        for side, g, b, h, k, v, score, pos, slot in parts:
-            start = 0 if side == HIGH else widths.get(HIGH, 0)
-            n = k.shape[1]
-            cols = slice(start, start + n)
-            out.keys[b, h, cols, :g.r_k] = k
-            out.values[b, h, cols, :g.r_v] = v
-            out.pos[b, h, cols] = pos
-            out.score[b, h, cols] = score
-            out.side[b, h, cols] = side
-            out.slot[b, h, cols] = slot
+        for part in parts:
+            start = 0 if part.side == HIGH else widths.get(HIGH, 0)
+            cols = slice(start, start + part.keys.shape[1])
+            b, h = part.b, part.h
+            out.keys[b, h, cols, :part.group.r_k] = part.keys
+            out.values[b, h, cols, :part.group.r_v] = part.values
+            out.pos[b, h, cols] = part.pos
+            out.score[b, h, cols] = part.score
+            out.side[b, h, cols] = part.side
+            out.slot[b, h, cols] = part.slot
         return out
 
     def _gather_one_group(self, parts: list[SectionRead]) -> Gathered:

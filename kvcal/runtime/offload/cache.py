@@ -60,7 +60,7 @@ from kvcal.runtime.offload import kvpr
 
 logger = logging.getLogger(__name__)
 
-SplitPolicy = str | int | Callable[[int, int], int]   # "auto" | "none" | "full" | fixed l | (layer, s) -> l
+SplitRule = str | int | Callable[[int, int], int]   # "auto" | "none" | "full" | fixed l | (layer, s) -> l
 
 
 # ---- streams: the same code with and without CUDA ---------------------------------------------------------------
@@ -269,7 +269,7 @@ class OffloadedCache(Cache):
         ahead, so its steady state is max(link bytes, recompute); the paper's ``"row"`` ignores X's bytes (§7-G).
     """
 
-    def __init__(self, model: nn.Module, *, split: SplitPolicy = "auto", hardware: kvpr.Hardware | None = None,
+    def __init__(self, model: nn.Module, *, split: SplitRule = "auto", hardware: kvpr.Hardware | None = None,
                  mode: kvpr.Schedule | str = kvpr.Schedule.PIPELINED):
         if isinstance(split, str) and split not in ("auto", "none", "full"):
             raise ValueError(f"`split={split!r}` must be 'auto', 'none', 'full', an int or a callable (layer, s) -> l")

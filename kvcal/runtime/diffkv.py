@@ -1,4 +1,7 @@
-"""Token tiering: which tokens stay high precision, which go low, which are pruned (DiffKV §4, Algorithm 1).
+"""DiffKV's token tiering: which tokens stay high precision, which go low, which are pruned (DiffKV §4, Algorithm 1).
+
+`TieringConfig` holds its settings (window and thresholds, `CompressionConfig.tiering`); `DiffKVTiers` is the token
+policy (`cache_policy.CachePolicy`) that applies them to the store.
 
 Significance of a token = the attention probability it received, averaged over the queries that could see it. For
 GQA the probability is the max over the query heads of the KV head, per query, accumulated in both phases. The store
@@ -29,12 +32,14 @@ from kvcal.runtime.pages import HIGH, LOW
 
 TIER_HIGH, TIER_LOW, TIER_PRUNED = 0, 1, 2   # a token's tier (page-table sides are pages.HIGH / LOW)
 # an alpha_high no token's significance reaches (mean attention >= 1e9 / N): every token that leaves the window goes
-# to the low tier, as in KIVI. A finite number, so the policy block stays plain JSON
+# to the low tier, as in KIVI. A finite number, so the settings block stays plain JSON
 EVERY_TOKEN_LOW = 1e9
 
 
 @dataclass(frozen=True)
-class TokenPolicy:
+class TieringConfig:
+    """DiffKV's tiering settings; `alpha_high=None` turns tiering off (every token stays high)."""
+
     window: int = 64                    # most recent tokens always high (DiffKV W)
     alpha_high: float | None = None     # None: no tiering, every token stays high
     alpha_low: float = 0.0              # 0: nothing is pruned
@@ -69,15 +74,15 @@ def mean_score(score: torch.Tensor, pos: torch.Tensor, length: torch.Tensor) -> 
     return torch.where(pos >= 0, score / seen, torch.full_like(score, float("inf")))
 
 
-def classify_prompt(policy: TokenPolicy, score: torch.Tensor, pos: torch.Tensor, n_pad: torch.Tensor,
+def classify_prompt(tiering: TieringConfig, score: torch.Tensor, pos: torch.Tensor, n_pad: torch.Tensor,
                     length: torch.Tensor) -> torch.Tensor:
     """Prompt-phase tiers: score, pos [B, H, S] (pos -1 = not a token) -> tier int8 [B, H, S], TIER_* labels."""
     tier = torch.full(pos.shape, TIER_HIGH, dtype=torch.int8, device=pos.device)
-    if not policy.tiered:
+    if not tiering.tiered:
         return tier
     m = mean_score(score, pos, length)
-    tau_h, tau_l = policy.thresholds(pos, n_pad, length)
-    in_window = pos >= (length[:, None, None] - policy.window)
+    tau_h, tau_l = tiering.thresholds(pos, n_pad, length)
+    in_window = pos >= (length[:, None, None] - tiering.window)
     tier[(m < tau_h) & ~in_window] = TIER_LOW
     tier[(m < tau_l) & ~in_window] = TIER_PRUNED
     tier[pos < 0] = TIER_PRUNED
@@ -103,7 +108,7 @@ def _argmin(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, tor
     return idx, val
 
 
-def decode_actions(policy: TokenPolicy, hi_score, hi_pos, lo_score, lo_pos, n_pad, length,
+def decode_actions(tiering: TieringConfig, hi_score, hi_pos, lo_score, lo_pos, n_pad, length,
                    per_channel_low: bool) -> DecodeActions:
     """Algorithm 1 for one decode step, vectorized over [B, H].
 
@@ -114,14 +119,14 @@ def decode_actions(policy: TokenPolicy, hi_score, hi_pos, lo_score, lo_pos, n_pa
     B, H, _ = hi_pos.shape
     none = torch.full((B, H), -1, dtype=torch.long, device=hi_pos.device)
     actions = DecodeActions(none.clone(), none.clone(), none.clone())
-    if not policy.tiered or hi_pos.shape[-1] == 0:
+    if not tiering.tiered or hi_pos.shape[-1] == 0:
         return actions
     L = length[:, None, None]
     hi_mean, lo_mean = mean_score(hi_score, hi_pos, length), mean_score(lo_score, lo_pos, length)
-    hi_tau_h, hi_tau_l = (t.expand_as(hi_mean) for t in policy.thresholds(hi_pos, n_pad, length))
-    lo_tau_h, lo_tau_l = (t.expand_as(lo_mean) for t in policy.thresholds(lo_pos, n_pad, length))
-    eligible = (hi_pos >= 0) & (hi_pos < L - policy.window)
-    is_c = hi_pos == (L - policy.window - 1)
+    hi_tau_h, hi_tau_l = (t.expand_as(hi_mean) for t in tiering.thresholds(hi_pos, n_pad, length))
+    lo_tau_h, lo_tau_l = (t.expand_as(lo_mean) for t in tiering.thresholds(lo_pos, n_pad, length))
+    eligible = (hi_pos >= 0) & (hi_pos < L - tiering.window)
+    is_c = hi_pos == (L - tiering.window - 1)
     has_c = is_c.any(-1)                                                   # [B, H]; False while N <= window
     c_slot = is_c.to(torch.int8).argmax(-1)
     pick = lambda t: t.gather(-1, c_slot[..., None]).squeeze(-1)           # noqa: E731
@@ -152,13 +157,13 @@ def decode_actions(policy: TokenPolicy, hi_score, hi_pos, lo_score, lo_pos, n_pa
     return actions
 
 
-def pending_low(policy: TokenPolicy, hi_score, hi_pos, n_pad, length) -> torch.Tensor:
+def pending_low(tiering: TieringConfig, hi_score, hi_pos, n_pad, length) -> torch.Tensor:
     """Per-channel low tier: bool [B, H, S_high], eligible high tokens that belong in the low tier."""
-    if not policy.tiered:
+    if not tiering.tiered:
         return torch.zeros_like(hi_pos, dtype=torch.bool)
     m = mean_score(hi_score, hi_pos, length)
-    tau_h, tau_l = policy.thresholds(hi_pos, n_pad, length)
-    eligible = (hi_pos >= 0) & (hi_pos < length[:, None, None] - policy.window)
+    tau_h, tau_l = tiering.thresholds(hi_pos, n_pad, length)
+    eligible = (hi_pos >= 0) & (hi_pos < length[:, None, None] - tiering.window)
     return eligible & (m < tau_h) & (m >= tau_l)
 
 
@@ -173,14 +178,14 @@ class DiffKVTiers(CachePolicy):
 
     @property
     def reads_scores(self) -> bool:
-        return self.kv.config.policy.tiered
+        return self.kv.config.tiering.tiered
 
     def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
-        return classify_prompt(self.kv.config.policy, prompt.score, prompt.pos, self.kv.n_pad, prompt.length)
+        return classify_prompt(self.kv.config.tiering, prompt.score, prompt.pos, self.kv.n_pad, prompt.length)
 
     def decode(self, layer: int) -> None:
-        kv, policy = self.kv, self.kv.config.policy
-        if not policy.tiered or kv.length[layer] <= policy.window:
+        kv, tiering = self.kv, self.kv.config.tiering
+        if not tiering.tiered or kv.length[layer] <= tiering.window:
             return
         B, H = kv.batch, kv.store.num_kv_heads
         store = kv.store
@@ -189,7 +194,7 @@ class DiffKVTiers(CachePolicy):
         hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
         lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
         channel = kv.config.low.k_mode == "channel"
-        acts = decode_actions(policy, hi_s, hi_p, lo_s, lo_p, kv.n_pad, length, channel)
+        acts = decode_actions(tiering, hi_s, hi_p, lo_s, lo_p, kv.n_pad, length, channel)
         moving = acts.high_to_low.view(-1) >= 0
         if bool(moving.any()):
             mb, mh, ms = b[moving], h[moving], acts.high_to_low.view(-1)[moving]
@@ -209,7 +214,7 @@ class DiffKVTiers(CachePolicy):
         kv, store = self.kv, self.kv.store
         B, H = kv.batch, store.num_kv_heads
         hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
-        pending = pending_low(kv.config.policy, hi_s, hi_p, kv.n_pad, length)
+        pending = pending_low(kv.config.tiering, hi_s, hi_p, kv.n_pad, length)
         m = torch.where(pending, mean_score(hi_s, hi_p, length), torch.full_like(hi_s, float("inf")))
         for g in store.groups[layer]:
             T = g.layouts[LOW].tokens

@@ -1,11 +1,11 @@
-"""Offline FastGen statistics on calibration text: how much prompt attention each compressed policy retains per
-(layer, KV head), and how many tokens it keeps.
+"""Offline FastGen statistics on calibration text: how much prompt attention each compressed pattern
+(`kvcal.runtime.fastgen.PATTERNS`) retains per (layer, KV head), and how many tokens it keeps.
 
 Based on FastGen (Ge et al., ICLR 2024), Eq. 1–2, Alg. 1. The paper profiles each prompt online; this is the
 optional offline mode: the same per-prompt recovery, averaged over calibration windows, so a model's
-policy distribution (Fig. 3 analogue) and its expected pruned ratio can be read before serving.
+pattern distribution (Fig. 3 analogue) and its expected pruned ratio can be read before serving.
 
-    collector = PolicyCollector(adapter, *token_classes(tokenizer))
+    collector = FastGenStatsCollector(adapter, *token_classes(tokenizer))
     with capturing(model, collector):
         for window in windows:                       # [B, n] token ids, no padding
             collector.set_tokens(window)
@@ -21,22 +21,22 @@ import torch
 
 from kvcal.models import ModelAdapter
 from kvcal.runtime.attention import prompt_probs
-from kvcal.runtime.fastgen import FastGenConfig, choose_policy, kept_sets, prompt_recovery, token_flags
+from kvcal.runtime.fastgen import FastGenConfig, choose_pattern, kept_sets, prompt_recovery, token_flags
 
 logger = logging.getLogger(__name__)
 
 
-class PolicyCollector:
-    """Streaming FastGen profile per (layer, KV head, compressed policy), as a `capture` collector.
+class FastGenStatsCollector:
+    """Streaming FastGen profile per (layer, KV head, compressed pattern), as a `capture` collector.
 
     recovery_sum [L, H, 4] float64: per window, the mean over query rows of the retained attention mass (min over the
         group's query heads per row, see `kvcal.runtime.fastgen`), summed over windows;
-    kept_sum [L, H, 4] float64: per window, the fraction of its tokens each policy keeps at the end of the window
+    kept_sum [L, H, 4] float64: per window, the fraction of its tokens each pattern keeps at the end of the window
         (current length t = n, frequent ranked by the final column sums), summed over windows;
     windows [L] int64: windows (sequences) seen per layer.
 
     Sliding-window layers (Gemma3) are not profiled: FastGen does not compress them (they are already bounded by
-    their window), so their recovery and kept fraction stay NaN, and `choose_policy` maps NaN to full.
+    their window), so their recovery and kept fraction stay NaN, and `choose_pattern` maps NaN to full.
     Windows must be unpadded (calibration windows are); every row and key is a real token.
     """
 
@@ -76,7 +76,8 @@ class PolicyCollector:
         B, H, n, d = key.shape
         if self._tokens is None or tuple(self._tokens.shape) != (B, n):
             got = None if self._tokens is None else tuple(self._tokens.shape)
-            raise RuntimeError(f"PolicyCollector needs `set_tokens` with shape {(B, n)} before the forward, got {got}")
+            raise RuntimeError(f"FastGenStatsCollector needs `set_tokens` with shape {(B, n)} before the forward, "
+                               f"got {got}")
         q = query.float().view(B, H, self.group, n, d)
         k = key.float()
         scale = self.scale[layer]
@@ -86,7 +87,7 @@ class PolicyCollector:
         score = torch.zeros(B, H, n, device=k.device)
         for rows in chunks:
             score[..., :rows.stop] += self._probs(q, k, rows, scale).amax(dim=2).sum(dim=2)
-        # pass 2: retained mass per policy, recomputing each chunk's probabilities (memory stays one chunk)
+        # pass 2: retained mass per pattern, recomputing each chunk's probabilities (memory stays one chunk)
         rec = torch.zeros(4, B, H, device=k.device)
         for rows in chunks:
             rec += prompt_recovery(self._probs(q, k, rows, scale), rows, is_special, is_punct, score, self.cfg)
@@ -100,21 +101,21 @@ class PolicyCollector:
 
     @property
     def recovery(self) -> torch.Tensor:
-        """[L, H, 4] float32 mean recovery per compressed policy (NaN for layers never profiled)."""
+        """[L, H, 4] float32 mean recovery per compressed pattern (NaN for layers never profiled)."""
         return self._mean(self.recovery_sum)
 
     @property
     def kept_fraction(self) -> torch.Tensor:
-        """[L, H, 4] float32 mean fraction of a window's tokens each policy keeps (NaN for layers never profiled)."""
+        """[L, H, 4] float32 mean fraction of a window's tokens each pattern keeps (NaN for layers never profiled)."""
         return self._mean(self.kept_sum)
 
     def _mean(self, total: torch.Tensor) -> torch.Tensor:
         w = self.windows.to(torch.float64)[:, None, None]
         return torch.where(w > 0, total / w.clamp(min=1), torch.full_like(total, float("nan"))).float()
 
-    def policy(self, cfg: FastGenConfig | None = None) -> torch.Tensor:
-        """[L, H] int64: the policy each head would take on the average calibration window (4 = full)."""
-        return choose_policy(self.recovery.permute(2, 0, 1), cfg or self.cfg)
+    def patterns(self, cfg: FastGenConfig | None = None) -> torch.Tensor:
+        """[L, H] int64: the pattern each head would take on the average calibration window (4 = full)."""
+        return choose_pattern(self.recovery.permute(2, 0, 1), cfg or self.cfg)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"recovery_sum": self.recovery_sum, "kept_sum": self.kept_sum, "windows": self.windows}
