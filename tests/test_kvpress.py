@@ -50,7 +50,7 @@ def test_kvpress_press_holds_its_memory_budget(smol):
     from kvcal.bench import methods as M
 
     model = smol.model
-    rows = {m.key: m for m in M.press_methods(model, 0.3)}
+    rows = {m.key: m for m in M.press_methods(model, 0.3, shortest_prompt=256)}
     assert {"kvpress-snapkv", "kvpress-streamingllm", "kvpress-expected-attention", "kvpress-tova",
             "kvpress-knorm", "kvpress-adakv"} <= set(rows)
     ids = _ids(smol, 256 + 8)

@@ -226,9 +226,10 @@ def eviction_fraction(ratio: float, head_dim: int) -> float:
 
 
 def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundle: Bundle,
-                    backend: str = "auto") -> list[Method]:
-    """StreamingLLM, H2O, SnapKV (runtime policies on `bundle`'s store) and Palu budgeted to `ratio` of fp16 bytes
-    (kvcal joint's measured ratio). `palu()` returns the PaluFactors (computed on first use)."""
+                    backend: str = "auto", shortest_prompt: int = 1 << 30) -> list[Method]:
+    """StreamingLLM, H2O, SnapKV (runtime policies on `bundle`'s store), Palu and kvpress's presses budgeted to
+    `ratio` of fp16 bytes (kvcal joint's measured ratio). `palu()` returns the PaluFactors (computed on first use);
+    `shortest_prompt`: the run's shortest prompt, which some presses need to be long enough."""
     f = eviction_fraction(ratio, adapter.head_dim)
     store = EVICTION_STORE.with_(backend=backend, page_bytes=eviction_page_bytes(adapter.head_dim))
     out = [
@@ -251,15 +252,14 @@ def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundl
                          factory=lambda reserve: PaluCache(model, palu(), rank, list(adapter.layer_types)),
                          unavailable=unsupported_reason(adapter))
     out.append(palu_method)
-    return out + press_methods(model, ratio)
+    return out + press_methods(model, ratio, shortest_prompt)
 
 
-def press_methods(model, ratio: float) -> list[Method]:
+def press_methods(model, ratio: float, shortest_prompt: int) -> list[Method]:
     """kvpress's own presses (kvcal.press, the opt-in `[bench]` extra) at `ratio` of fp16 bytes: each compresses the
     prompt once so that the bytes held after the run's decode steps match; unavailable rows say why."""
     from kvcal import press as P
 
-    why = P.unavailable()
     out = []
     for key, (name, _) in P.PRESSES.items():
         def factory(reserve, key=key):
@@ -279,7 +279,8 @@ def press_methods(model, ratio: float) -> list[Method]:
                 "mask" if key == "kvpress-adakv" else None)
         out.append(Method(key, name, "eviction", name, f"kvpress {P.PRESSES[key][0].split(' ', 1)[1]} press, prompt "
                           f"compressed once, {ratio:.3f} of fp16 bytes at the end of the run",
-                          {"ratio": ratio, "library": "kvpress"}, factory=factory, unavailable=why, note=note))
+                          {"ratio": ratio, "library": "kvpress"}, factory=factory,
+                          unavailable=P.unavailable(key, shortest_prompt), note=note))
     return out
 
 

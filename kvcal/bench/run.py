@@ -278,6 +278,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
         else:
             pk_lengths.append(n)
     cases = [(n, depth) for n in pk_lengths for depth in s.passkey_depths]
+    shortest_prompt = min([s.prompt, *pk_lengths, *speed_ids])
     filler = "\n\n".join(load_corpus("pydoc", "all").documents) if cases else ""
 
     # ---- methods
@@ -295,7 +296,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
             palu_state["factors"] = compute(model, adapter, calib)
         return palu_state["factors"]
 
-    everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend) + sweep
+    everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend, shortest_prompt) + sweep
     if s.methods:
         known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}
         unknown = [w for w in s.methods if w.lower() not in known]
@@ -345,7 +346,7 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     quality(next(m for m in base if m.key == "dense"))
     quality(joint)
     ratio = rows["kvcal-joint"]["memory"]["ratio_to_fp16"]
-    matched = M.matched_methods(model, adapter, ratio, palu_factors, bundle, s.backend)
+    matched = M.matched_methods(model, adapter, ratio, palu_factors, bundle, s.backend, shortest_prompt)
     for m in matched:               # the rows were made from placeholders budgeted at 1.0: say the real budget
         rows[m.key].update(description=m.description, settings=m.settings)
     runnable = [m for m in base + matched + sweep if m.key in chosen and not m.unavailable]

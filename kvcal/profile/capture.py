@@ -27,12 +27,14 @@ class Collector(Protocol):
 _ACTIVE: ContextVar[tuple[Collector, ...]] = ContextVar("kvcal_capture", default=())
 
 
-def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' attention-function signature; `args` (dropout, scaling) may come positionally, as from
+    kvpress's `attention_patch`, which wraps every registered attention function once imported."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     for collector in _ACTIVE.get():
         collector.add(module.layer_idx, query, key, value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def _register() -> None:
