@@ -414,4 +414,28 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
     return 0;
 }
 
+// The decode step's append: one token for every entry w = b * H + h of `layer`, at slot fill[layer, b, h, side],
+// then fill += 1 (the bookkeeping CompressedStore.append does in torch; pages must exist). keys [B * H, k_stride],
+// values [B * H, v_stride] float32, score [B * H]; every token's position is `pos`. Returns as kvcal_write (fill is
+// unchanged unless 0).
+int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
+                       const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                       int64_t page_bytes, int side, const float* keys, int64_t k_stride, const float* values,
+                       int64_t v_stride, int64_t pos, const float* score, float* bad_value) {
+    const int64_t W = B * H;
+    std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
+    int64_t* f = fill + (layer * B * H) * 2 + side;                  // fill [L, B, H, 2]: entry w at f[2 * w]
+    for (int64_t w = 0; w < W; ++w) {
+        b[w] = w / H;
+        h[w] = w % H;
+        slot[w] = f[2 * w];
+    }
+    const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
+                               b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
+                               score, bad_value);
+    if (rc == 0)
+        for (int64_t w = 0; w < W; ++w) f[2 * w] += 1;
+    return rc;
+}
+
 }  // extern "C"
