@@ -6,6 +6,8 @@
              and adds each stored token's probability to its score in the page in the same call.
     write    `kvcal_write`: quantize + pack + write the new tokens (per-token formats), bit for bit what
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
+    append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
+             at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
     prefill  the torch reference (prefill attends over uncompressed K/V, where dense attention is what torch does
              well); per-channel low pages (`write_pages`, once a page of low tokens exists) keep the torch writer.
 
