@@ -163,6 +163,29 @@ def test_write_bytes_equal_store_write(high, low):
         assert torch.equal(store.arena.arena, ref.arena.arena)
 
 
+@pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K4V2", "K2V2"), ("K16V16", "K8V8")])
+def test_decode_append_equals_the_torch_append(high, low):
+    """The decode step's fused append (kvcal_append_every: write at fill, fill += 1, pages reserved in Python) writes
+    the bytes and counts the store's torch path does, across page boundaries and on both per-token sides."""
+    ref = random_store(high, low, seed=11, holes=0.0)
+    store = copy.deepcopy(ref)
+    store.writer = CpuBackend
+    gen = torch.Generator().manual_seed(12)
+    b, h = ref.every_entry()
+    sides = (HIGH, LOW) if ref.low.k_mode == "token" else (HIGH,)
+    for step in range(40):                                      # 40 > a page's tokens: new pages on the way
+        side = sides[step % len(sides)]
+        keys, values = torch.randn(len(b), 16, generator=gen) * 2, torch.randn(len(b), 16, generator=gen)
+        score = torch.rand(len(b), generator=gen)
+        for s in (ref, store):
+            s.insert(0, side, b, h, keys, values, 500 + step, score, every_entry=True)
+    assert ref.writer is None and torch.equal(store.fill, ref.fill)
+    assert int(ref.fill[0, :, :, HIGH].min()) >= 40 // len(sides)
+    used = store.arena.num_pages_used.sum()
+    assert torch.equal(store.arena.page_table, ref.arena.page_table) and int(used) > 0
+    assert torch.equal(store.arena.arena, ref.arena.arena)
+
+
 @pytest.mark.parametrize("bad,message", [(float("nan"), "must be finite"), (1e6, "beyond the float16 range")])
 def test_write_refuses_what_the_quantizer_refuses_and_writes_nothing(bad, message):
     store = random_store("K8V4", "K4V2", seed=3, holes=0.0)

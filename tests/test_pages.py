@@ -454,3 +454,23 @@ def test_select_slots_shares_pages_and_unshare_copies_on_write():
     a.check_invariants()
     with pytest.raises(ValueError, match="index out of range"):
         a.select_slots(t([3]))
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1, 1], [2, 1, 3, 1]])
+def test_extend_is_allocate_without_the_checks(counts):
+    """The store's unchecked page append (PageArena.extend) leaves the same tables, counts, references and free list
+    as `allocate`, on both sides, after earlier allocations."""
+    arenas = [PageArena(64, 32, slots=2, layers=2, kv_heads=2, max_pages_per_entry=12) for _ in range(2)]
+    slot, head = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
+    count = torch.tensor(counts)
+    for arena in arenas:
+        arena.allocate(torch.tensor([1, 0]), torch.tensor([1, 1]), torch.tensor([0, 1]), torch.tensor([0, 1]),
+                       torch.tensor([2, 1]))
+    for side in (0, 1, 1):
+        arenas[0].allocate(slot, torch.full((4,), 1), head, torch.full((4,), side), count)
+        arenas[1].extend(slot, 1, head, side, count, int(count.sum()))
+    a, b = arenas
+    b.check_invariants()
+    assert torch.equal(a.page_table, b.page_table) and torch.equal(a.num_pages_used, b.num_pages_used)
+    assert torch.equal(a.refs, b.refs) and (a.start, a.num_free) == (b.start, b.num_free)
+    assert int(b.num_pages_used[:, 1].sum()) == 3 + 3 * sum(counts)

@@ -351,3 +351,20 @@ def test_runtime_depends_only_on_torch_safetensors_transformers():
                     continue
                 bad.append(f"{f.relative_to(root)}: {name}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("B,m", [(1, 3), (4, 1), (3, 5)])
+def test_per_head_matmul_is_the_per_head_product(B, m):
+    """The decode projections (one bmm, batch folded into rows) equal x·w per (sequence, head), from strided inputs
+    as transformers hands them (query transposed from [B, n, H, d])."""
+    from kvcal.runtime.cache import per_head_matmul
+
+    gen = torch.Generator().manual_seed(B * 10 + m)
+    H, d, r = 3, 8, 6
+    x = torch.randn(B, m, H, d, generator=gen).transpose(1, 2)                 # [B, H, m, d], not contiguous
+    w = torch.randn(H, d, r, generator=gen)
+    got = per_head_matmul(x, w)
+    assert got.shape == (B, H, m, r)
+    for b in range(B):
+        for h in range(H):
+            torch.testing.assert_close(got[b, h], x[b, h] @ w[h], rtol=1e-6, atol=1e-6)

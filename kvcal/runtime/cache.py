@@ -24,6 +24,17 @@ from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.store import CompressedStore
 
 
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H, m, d] float32, w [H, d, r] -> x·w per head [B, H, m, r].
+
+    One bmm, not einsum: on decode-sized operands einsum's reshapes and copies cost more than the product, and they
+    open OpenMP regions whose threads arrive late on a loaded machine (docs/runtime.md, CPU backend)."""
+    B, H, m, d = x.shape
+    if B == 1:
+        return torch.bmm(x[0], w)[None]
+    return torch.bmm(x.transpose(0, 1).reshape(H, B * m, d), w).view(H, B, m, -1).transpose(0, 1)
+
+
 class CompressedKV:
     """Compressed KV state of one batch of sequences across all layers (see module docstring)."""
 
@@ -37,10 +48,13 @@ class CompressedKV:
         self.layers = [i for i in range(L) if not sliding[i]]
         rank_k, rank_v, rotation, basis = served_bases(rotation, basis, rank_k, rank_v, config)
         self.rank_k, self.rank_v = rank_k.clone(), rank_v.clone()
-        # cut to the layer's largest rank: columns beyond a head's own rank are 0, so padded coordinates are 0
-        self.rotation = {layer: rotation[layer, :, :, :int(rank_k[layer].max())].to(self.device)
+        # cut to the layer's largest rank: columns beyond a head's own rank are 0, so padded coordinates are 0.
+        # Contiguous [H, d, r] (and the basis transposed, [H, r_v, d]) so that each projection is one bmm
+        self.rotation = {layer: rotation[layer, :, :, :int(rank_k[layer].max())].to(self.device).contiguous()
                          for layer in self.layers}
-        self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device) for layer in self.layers}
+        self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device).contiguous()
+                      for layer in self.layers}
+        self.basis_t = {layer: b.transpose(1, 2).contiguous() for layer, b in self.basis.items()}
         self.backend = select_backend(config.backend, str(self.device), (config.high, config.low), d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
@@ -62,10 +76,9 @@ class CompressedKV:
         return next((p for p in self.policies if p.name == name), None)
 
     def every_entry(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence, KV head) of every entry, sequence-major: b, h int64 [B * H]."""
-        B, H = self.batch, self.store.num_kv_heads
-        return (torch.arange(B, device=self.device).repeat_interleave(H),
-                torch.arange(H, device=self.device).repeat(B))
+        """(sequence, KV head) of every entry, sequence-major: b, h int64 [B * H]. Made once per batch (every layer
+        of every step asks); callers must not change them in place."""
+        return self.store.every_entry()
 
     # --------------------------------------------------------------------------------------------- forward
 
@@ -83,8 +96,8 @@ class CompressedKV:
         return out.reshape(B, Hq, n, d).to(query.dtype)
 
     def _project(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        R, Bv = self.rotation[layer], self.basis[layer]
-        return (torch.einsum("bhnd,hdr->bhnr", key.float(), R), torch.einsum("bhnd,hdr->bhnr", value.float(), Bv))
+        """key, value [B, H, n, d] -> K·R [B, H, n, r_k], V·B [B, H, n, r_v] (float32)."""
+        return per_head_matmul(key.float(), self.rotation[layer]), per_head_matmul(value.float(), self.basis[layer])
 
     def _prefill(self, layer, q, key, value, pad, scale):
         B, H, g, n, d = q.shape
@@ -164,8 +177,7 @@ class CompressedKV:
 
     def _decode_step(self, layer, q, key, value, scale):
         B, H, g, n, d = q.shape
-        R = self.rotation[layer]
-        q_rot = torch.einsum("bhgnd,hdr->bhgnr", q.float(), R)
+        q_rot = per_head_matmul(q.float().reshape(B, H, g * n, d), self.rotation[layer]).view(B, H, g, n, -1)
         k_rot, v_proj = self._project(layer, key, value)
         if self.config.tiering.tiered:
             self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score
@@ -174,13 +186,12 @@ class CompressedKV:
         start = self.length[layer]
         b, h = self.every_entry()
         for i in range(n):
-            pos = torch.full((B * H,), start + i, device=self.device)
             self.store.insert(layer, HIGH, b, h, k_rot[:, :, i].reshape(B * H, -1), v_proj[:, :, i].reshape(B * H, -1),
-                                   pos, new_score[:, :, i].reshape(-1))
+                              start + i, new_score[:, :, i].reshape(-1), every_entry=True)
             self.length[layer] = start + i + 1
             for policy in self.policies:
                 policy.decode(layer)
-        return torch.einsum("bhgnr,hdr->bhgnd", out_r, self.basis[layer])
+        return per_head_matmul(out_r.reshape(B, H, g * n, -1), self.basis_t[layer])
 
     # --------------------------------------------------------------------------------------------- beams, crop
 

@@ -161,8 +161,9 @@ class PageArena:
             raise ValueError(f"extra_pages must be >= 1, got {extra_pages}")
         free_ids = self.free_list[(self.start + torch.arange(self.num_free, device=self.device)) % self.num_pages]
         new_ids = torch.arange(self.num_pages, self.num_pages + extra_pages, dtype=torch.int32, device=self.device)
-        self.arena = torch.cat([self.arena, torch.zeros(extra_pages, self.page_bytes, dtype=torch.uint8,
-                                                        device=self.device)])
+        arena = torch.zeros(self.num_pages + extra_pages, self.page_bytes, dtype=torch.uint8, device=self.device)
+        arena[:self.num_pages] = self.arena          # one copy (torch.cat also copied the zeroed new pages)
+        self.arena = arena
         self.refs = torch.cat([self.refs, torch.zeros(extra_pages, dtype=torch.int32, device=self.device)])
         self.num_pages += extra_pages
         self.free_list = torch.zeros(self.num_pages, dtype=torch.int32, device=self.device)
@@ -214,6 +215,24 @@ class PageArena:
         self.page_table[slot[req], layer[req], head[req], self._column(side[req], k)] = ids
         self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)  # entries are unique: no collisions
         return ids
+
+    def extend(self, slot: torch.Tensor, layer: int, head: torch.Tensor, side: int, count: torch.Tensor,
+               total: int) -> None:
+        """`allocate` for a caller that has checked its requests itself (CompressedStore.reserve_pages, every page
+        boundary of a decode): distinct entries (slot, head) [n] of one layer and side, count int64 [n] >= 1 summing
+        to `total`, room in their rows and on the free list. No validation and no host sync: `allocate`'s checks
+        cost more than the allocation, and they ran once per layer at each page boundary."""
+        if total == len(count):                       # one page per entry, the usual case: no expansion needed
+            k = self.num_pages_used[slot, layer, head, side].to(torch.int64)
+            rows_s, rows_h = slot, head
+        else:
+            req, j = self._expand(count, total)
+            k = self.num_pages_used[slot, layer, head, side].to(torch.int64)[req] + j
+            rows_s, rows_h = slot[req], head[req]
+        ids = self._pop_free(total)
+        col = k if side == HIGH else self.max_pages_per_entry - 1 - k
+        self.page_table[rows_s, layer, rows_h, col] = ids
+        self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)
 
     def free_last(self, slot, layer, head, side, count) -> None:
         """Return the last (most recently allocated) ``count[i]`` pages of each entry's side to the free list.

@@ -62,6 +62,11 @@ class Gathered:
     slot: torch.Tensor      # int64 [B, H, S]  slot within its section
 
 
+def _positions(pos, n: int, device) -> torch.Tensor:
+    """pos as int64 [n]: a tensor as given, or one int for all n tokens."""
+    return torch.full((n,), pos, dtype=torch.int64, device=device) if isinstance(pos, int) else pos
+
+
 class CompressedStore:
     """Page-arena storage for the compressed layers of one batch of sequences.
 
@@ -114,8 +119,21 @@ class CompressedStore:
         # one token per entry per step and pages are freed only at release, so the bound drops by one per step and
         # the page tables need checking only when it reaches zero (every page's worth of steps, not every step)
         self._room: dict[tuple[int, int, int], int] = {}
+        # (layer, side) pairs that may hold holes (a `drop` since the last release): `insert` looks for a hole to
+        # reuse only there, so the common decode step (no tiers, no eviction) never reads `holes`
+        self._holey: set[tuple[int, int]] = set()
+        self._every: tuple[torch.Tensor, torch.Tensor] | None = None       # every_entry, until the batch changes
 
     # ------------------------------------------------------------------------------------------------- addressing
+
+    def every_entry(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, KV head) of every entry, sequence-major: b, h int64 [B * H]. Made once per batch size (each
+        layer of each decode step asks); callers must not change them in place."""
+        if self._every is None or len(self._every[0]) != self.batch * self.num_kv_heads:
+            B, H = self.batch, self.num_kv_heads
+            self._every = (torch.arange(B, device=self.device).repeat_interleave(H),
+                           torch.arange(H, device=self.device).repeat(B))
+        return self._every
 
     def group_rows(self, layer: int, h: torch.Tensor):
         """(head group, bool [n] rows of `h` [n] in it) for each group of `layer` that has rows in `h`."""
@@ -149,10 +167,10 @@ class CompressedStore:
             if width > self.arena.max_pages_per_entry:
                 self.arena.grow_table(max(width, 2 * self.arena.max_pages_per_entry))
             if need > self.arena.num_free:
-                self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages // 2, 16))
-            n = int(nz.sum())
-            self.arena.allocate(b[nz], torch.full((n,), layer, device=self.device), h[nz],
-                                torch.full((n,), side, device=self.device), count[nz])
+                # doubling: a growth copies the whole arena (tens of ms at 1k x 8 on 2 cores), so it should be rare;
+                # pages never allocated cost address space, not bytes_in_use
+                self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages, 16))
+            self.arena.extend(b[nz], layer, h[nz], side, count[nz], need)     # checked above: no validation
         self.page_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------------- writing
@@ -160,9 +178,12 @@ class CompressedStore:
     def _free_slots(self, layer: int, side: int, g: HeadGroup) -> int:
         """min over the group's entries of (allocated slots - filled slots) on `side`. Page management: timed."""
         t0 = time.perf_counter()
-        b, h = self.entries(layer, g)
-        have = self.arena.num_pages_used[b, layer, h, side].long() * g.layouts[side].tokens
-        room = int((have - self.fill[layer, b, h, side]).min())
+        if len(g.heads) == self.num_kv_heads:                       # the whole layer: plain slices, no gathers
+            have, fill = self.arena.num_pages_used[:, layer, :, side], self.fill[layer, :, :, side]
+        else:
+            b, h = self.entries(layer, g)
+            have, fill = self.arena.num_pages_used[b, layer, h, side], self.fill[layer, b, h, side]
+        room = int((have.long() * g.layouts[side].tokens - fill).min())
         self.page_seconds += time.perf_counter() - t0
         return room
 
@@ -249,14 +270,16 @@ class CompressedStore:
             self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
             self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
 
-    def append(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, keys, values, pos, score) -> None:
+    def append(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, keys, values, pos, score,
+               distinct: bool = False) -> None:
         """Append tokens (per-token formats) at the end of their entries' sections: b, h, pos, score [n] (several
-        tokens per entry allowed, written in order); keys [n, >= r_k]; values [n, >= r_v]."""
+        tokens per entry allowed, written in order; distinct: the caller knows each entry appears once);
+        keys [n, >= r_k]; values [n, >= r_v]."""
         if len(b) == 0:
             return
         L, B, H = self.fill.shape[:3]
         entry = b * H + h
-        if len(torch.unique(entry)) == len(entry):            # one token per entry (decode): no ordering needed
+        if distinct or len(torch.unique(entry)) == len(entry):    # one token per entry (decode): no ordering needed
             start = self.fill[layer, b, h, side]
             for i, g in enumerate(self.groups[layer]):
                 if self._room.get((layer, side, i), 0) < 1:
@@ -283,11 +306,21 @@ class CompressedStore:
         slot = torch.repeat_interleave(start, counts) + rank
         self.write(layer, side, b, h, slot, keys, values, pos, score)
 
-    def insert(self, layer: int, side: int, b, h, keys, values, pos, score) -> None:
-        """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append."""
+    def insert(self, layer: int, side: int, b, h, keys, values, pos, score, every_entry: bool = False) -> None:
+        """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append. pos
+        [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the fused
+        append (`_append_every`)."""
         assert side == HIGH or self.low.k_mode == "token", "per-channel low pages are written whole"
-        if not bool((self.holes[layer, b, h, side] > 0).any()):       # the common case: nothing to reuse
-            self.append(layer, side, b, h, keys, values, pos, score)
+        if (layer, side) not in self._holey:                           # the common case: nothing to reuse
+            if every_entry:
+                self._append_every(layer, side, keys, values, pos, score)
+            else:
+                self.append(layer, side, b, h, keys, values, _positions(pos, len(b), self.device), score,
+                            distinct=True)
+            return
+        pos = _positions(pos, len(b), self.device)
+        if not bool((self.holes[layer, b, h, side] > 0).any()):
+            self.append(layer, side, b, h, keys, values, pos, score, distinct=True)
             return
         sec_pos = self.section_meta(layer, side, b, h)[1]                               # [n, S]
         fill = self.fill[layer, b, h, side]
@@ -299,12 +332,32 @@ class CompressedStore:
             self.holes[layer, b[has], h[has], side] -= 1
         new = ~has
         if bool(new.any()):
-            self.append(layer, side, b[new], h[new], keys[new], values[new], pos[new], score[new])
+            self.append(layer, side, b[new], h[new], keys[new], values[new], pos[new], score[new], distinct=True)
+
+    def _append_every(self, layer: int, side: int, keys, values, pos: int | torch.Tensor, score) -> None:
+        """One token at the end of every entry's section (the decode step without holes): keys [B * H, >= r_k],
+        values [B * H, >= r_v], score [B * H] in `every_entry` order; pos [B * H] or one int. A writer with
+        `append_every` (the cpu backend) writes at `fill` and advances it in one call."""
+        for i, g in enumerate(self.groups[layer]):
+            if self._room.get((layer, side, i), 0) < 1:
+                gb, gh = self.entries(layer, g)
+                self.reserve_pages(layer, side, gb, gh, self.fill[layer, gb, gh, side] + 1, g.layouts[side])
+                self._room[layer, side, i] = self._free_slots(layer, side, g)
+            self._room[layer, side, i] -= 1
+        fused = getattr(self.writer, "append_every", None)
+        if fused is not None and not self.arena.shared and isinstance(pos, int):
+            fused(self, layer, side, keys, values, pos, score)
+            return
+        b, h = self.every_entry()
+        start = self.fill[layer, :, :, side].reshape(-1).clone()
+        self.fill[layer, :, :, side] += 1
+        self.write(layer, side, b, h, start, keys, values, _positions(pos, len(b), self.device), score)
 
     def drop(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
         """Mark slots [n] empty (position -1): the token is pruned or has moved. Slots must hold a token, each once."""
         self._own(layer, side, b, h, slot)
         n = len(b)
+        self._holey.add((layer, side))
         self.holes.index_put_((torch.full((n,), layer, device=self.device), b, h,
                                torch.full((n,), side, device=self.device)),
                               torch.ones(n, dtype=torch.int64, device=self.device), accumulate=True)
@@ -579,5 +632,6 @@ class CompressedStore:
         freed = self.arena.free_slots(torch.arange(self.batch, device=self.device))
         self.fill.zero_()
         self.holes.zero_()
+        self._holey.clear()
         self._room.clear()
         return freed

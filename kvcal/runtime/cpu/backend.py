@@ -6,6 +6,8 @@
              and adds each stored token's probability to its score in the page in the same call.
     write    `kvcal_write`: quantize + pack + write the new tokens (per-token formats), bit for bit what
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
+    append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
+             at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
     prefill  the torch reference (prefill attends over uncompressed K/V, where dense attention is what torch does
              well); per-channel low pages (`write_pages`, once a page of low tokens exists) keep the torch writer.
 
@@ -91,6 +93,16 @@ def _layer_args(store, layer: int) -> tuple:
             layer, store.page_bytes)
 
 
+def _check_write(rc: int, bad: ctypes.c_float) -> None:
+    """kvcal_write's return code as the torch writer's errors (quant._check_values)."""
+    if rc == 1:
+        raise ValueError("x must be finite, got NaN or inf")
+    if rc == 2:
+        raise ValueError(f"x has max abs value {bad.value:g}, beyond the float16 range (max {_FP16_MAX:g}) of "
+                         "scale/zero")
+    assert rc == 0, "slot without a page"
+
+
 class CpuBackend(AttentionBackend):
     """Fused compressed paged attention on CPUs through a small C++/OpenMP library (see the module docstring)."""
 
@@ -145,12 +157,19 @@ class CpuBackend(AttentionBackend):
         rc = load_library().kvcal_write(*_layer_args(store, layer), side, len(b), _ptr(b), _ptr(h), _ptr(slot),
                                         _ptr(keys), keys.shape[-1], _ptr(values), values.shape[-1], _ptr(pos),
                                         _ptr(score), ctypes.byref(bad))
-        if rc == 1:
-            raise ValueError("x must be finite, got NaN or inf")
-        if rc == 2:
-            raise ValueError(f"x has max abs value {bad.value:g}, beyond the float16 range (max {_FP16_MAX:g}) of "
-                             "scale/zero")
-        assert rc == 0, "slot without a page"
+        _check_write(rc, bad)
+
+    @staticmethod
+    def append_every(store, layer, side, keys, values, pos: int, score) -> None:
+        """The decode step's append (CompressedStore._append_every): one token per entry, in every_entry order, at
+        the end of its section, and fill += 1, in one call. keys [B * H, >= r_k]; values [B * H, >= r_v];
+        score [B * H]; pos: every token's position. Pages must exist; none may be shared."""
+        assert side != LOW or store.low.k_mode == "token", "per-channel pages are written whole (write_pages)"
+        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
+        bad = ctypes.c_float(0.0)
+        rc = load_library().kvcal_append_every(*_layer_args(store, layer), side, _ptr(keys), keys.shape[-1],
+                                               _ptr(values), values.shape[-1], pos, _ptr(score), ctypes.byref(bad))
+        _check_write(rc, bad)
 
     @staticmethod
     def write_pages(store, layer, b, h, keys, values, pos, score) -> None:

@@ -119,3 +119,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_write.restype = i32
     lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes
                                 i32, i64, p, p, p, p, i64, p, i64, p, p, p]     # side .. bad_value
+    lib.kvcal_append_every.restype = i32
+    lib.kvcal_append_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
+                                       i32, p, i64, p, i64, i64, p, p]               # side .. bad_value

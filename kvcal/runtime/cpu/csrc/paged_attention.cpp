@@ -18,6 +18,9 @@
 #include <limits>
 #include <vector>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -35,13 +38,19 @@ constexpr int HIGH = 0;
 inline float bits_f32(uint32_t w) { float f; std::memcpy(&f, &w, 4); return f; }
 inline uint32_t f32_bits(float f) { uint32_t w; std::memcpy(&w, &f, 4); return w; }
 
-// IEEE half <-> float (c10's fp16_ieee_{to,from}_fp32_value: exact, round to nearest even)
+// IEEE half <-> float (c10's fp16_ieee_{to,from}_fp32_value: exact, round to nearest even). Reading uses the F16C
+// instruction where the CPU has it (exact too; -march=native turns it on), since every token's metadata goes through
+// it.
+#ifdef __F16C__
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 inline float half_to_float(uint16_t h) {
     const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
     const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
     const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
     return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
 }
+#endif
 inline uint16_t float_to_half(float f) {
     float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
     const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
@@ -128,11 +137,56 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
     }
 }
 
+// Lane-wise partial sums, then a halving tree: gcc folds `omp simd reduction` lane by lane in order (16 dependent
+// scalar adds per dot at AVX-512), which was a third of a decode layer's time.
 inline float dot(const float* a, const float* b, int r) {
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < r; ++i) acc += a[i] * b[i];
-    return acc;
+    float acc[16] = {0.f};
+    int i = 0;
+    for (; i + 16 <= r; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i + j < r; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
+    for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+// a[c] += sum over valid t of e[t] * v[t, c], c < rv (v [cnt, rv]): 16 columns at a time over every token, so the
+// partial sums stay in a register instead of being loaded and stored once per token.
+inline void weighted_sum(float* a, const float* e, const float* v, const char* valid, int cnt, int rv) {
+    int c = 0;
+    for (; c + 16 <= rv; c += 16) {
+        float s[16];
+        for (int j = 0; j < 16; ++j) s[j] = a[c + j];
+        for (int t = 0; t < cnt; ++t) {
+            if (!valid[t]) continue;                              // holes may hold stale bytes (NaN when raw)
+            const float et = e[t];
+            for (int j = 0; j < 16; ++j) s[j] += et * v[t * rv + c + j];
+        }
+        for (int j = 0; j < 16; ++j) a[c + j] = s[j];
+    }
+    for (; c < rv; ++c)
+        for (int t = 0; t < cnt; ++t)
+            if (valid[t]) a[c] += e[t] * v[t * rv + c];
+}
+
+// exp(x) for x <= 0 (softmax weights), 0 below -87 (and for -inf). Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2,
+// exp(f) by a degree-6 polynomial, 2^n through the exponent bits; within 2 ulp of std::exp. Pure arithmetic with no
+// call and no branch, so that loops over a page's tokens vectorize (std::exp stays a scalar libm call per token).
+inline float exp_le0(float x) {
+    const float xc = std::max(x, -87.f);
+    const float t = xc * 1.44269504088896341f + 12582912.f;          // 1.5 * 2^23: rounds x / ln 2 to an integer
+    const float n = t - 12582912.f;
+    const float f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;     // ln 2 split in two (Cody-Waite)
+    float y = 1.9875691500e-4f;
+    y = y * f + 1.3981999507e-3f;
+    y = y * f + 8.3334519073e-3f;
+    y = y * f + 4.1665795894e-2f;
+    y = y * f + 1.6666665459e-1f;
+    y = y * f + 5.0000001201e-1f;
+    y = y * f * f + f + 1.f;
+    const int32_t e = (int32_t)n + 127;
+    const float two_n = bits_f32((uint32_t)e << 23);
+    return x < -87.f ? 0.f : y * two_n;
 }
 
 inline float exp_diff(float a, float b) {        // exp(a - b), 0 where a = -inf (also when b = -inf)
@@ -214,7 +268,8 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
     // ---- split: online softmax over each task's pages
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> kbuf(t_max * r), vbuf(t_max * rv), x(t_max * qn);
+        // x, e: logits and softmax weights of a page, row-major [qn, t_max] (a row's tokens contiguous: vectorized)
+        std::vector<float> kbuf(t_max * r), vbuf(t_max * rv), x(t_max * qn), e(t_max * qn);
         std::vector<char> valid(t_max);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < NT; ++task) {
@@ -231,33 +286,36 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const int cnt = ref.count;
                 const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                 dequantize(page, D, 0, cnt, kbuf.data());
-                for (int t = 0; t < cnt; ++t) {
-                    valid[t] = pos[t] >= 0;
-                    for (int64_t row = 0; row < qn; ++row)
-                        x[t * qn + row] = valid[t] ? dot(q + row * r, &kbuf[t * D.r_k], D.r_k) * scale : NEG_INF;
+                bool any = false;
+                for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
+                for (int64_t row = 0; row < qn; ++row) {
+                    float* xr = &x[row * t_max];
+                    for (int t = 0; t < cnt; ++t)
+                        xr[t] = valid[t] ? dot(q + row * r, &kbuf[t * D.r_k], D.r_k) * scale : NEG_INF;
                 }
-                if (track_scores) std::memcpy(&logits[p * t_max * qn], x.data(), sizeof(float) * cnt * qn);
+                if (track_scores) std::memcpy(&logits[p * t_max * qn], x.data(), sizeof(float) * t_max * qn);
+                if (!any) continue;                                   // a page of holes adds nothing
                 dequantize(page, D, 1, cnt, vbuf.data());
                 for (int64_t row = 0; row < qn; ++row) {
+                    const float* xr = &x[row * t_max];
+                    float* er = &e[row * t_max];
                     float page_max = NEG_INF;
-                    for (int t = 0; t < cnt; ++t) page_max = std::max(page_max, x[t * qn + row]);
-                    const float m_new = std::max(m[row], page_max);
-                    if (m_new == NEG_INF) continue;                   // nothing valid yet
+                    for (int t = 0; t < cnt; ++t) page_max = std::max(page_max, xr[t]);
+                    const float m_new = std::max(m[row], page_max);  // finite: the page has a valid token
                     const float alpha = exp_diff(m[row], m_new);
                     float* a = acc + row * rv;
                     if (alpha != 1.f)
                         for (int64_t c = 0; c < rv; ++c) a[c] *= alpha;
                     float sum = 0.f;
                     for (int t = 0; t < cnt; ++t) {
-                        if (!valid[t]) continue;                      // holes may hold stale bytes (NaN when raw)
-                        const float e = std::exp(x[t * qn + row] - m_new);
-                        sum += e;
-                        const float* v = &vbuf[t * D.r_v];
-                        for (int c = 0; c < D.r_v; ++c) a[c] += e * v[c];
+                        er[t] = exp_le0(xr[t] - m_new);               // holes: -inf -> 0
+                        sum += er[t];
                     }
                     l[row] = l[row] * alpha + sum;
                     m[row] = m_new;
                 }
+                for (int64_t row = 0; row < qn; ++row)
+                    weighted_sum(acc + row * rv, &e[row * t_max], vbuf.data(), valid.data(), cnt, D.r_v);
             }
         }
 
@@ -267,7 +325,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
             const float* q = query + w * qn * r;
             const float* kn = new_keys + w * n * r;
             const float* vn = new_values + w * n * rv;
-            std::vector<float> M(qn), Linv(qn), xn(qn * n);
+            std::vector<float> M(qn), Linv(qn), xn(qn * n), pr(qn * t_max);
             for (int64_t row = 0; row < qn; ++row) {
                 const int64_t i = row % n;                            // the row's own new token
                 float mx = NEG_INF;
@@ -320,16 +378,16 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 uint8_t* page = arena + ref.off;
                 const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                 float* score = reinterpret_cast<float*>(page + D.score_off);
-                const float* x = &logits[p * t_max * qn];
+                const float* x = &logits[p * t_max * qn];                // [qn, t_max]
+                for (int64_t row = 0; row < qn; ++row)                    // probabilities, vectorized over tokens
+                    for (int t = 0; t < ref.count; ++t)
+                        pr[row * t_max + t] = exp_le0(x[row * t_max + t] - M[row]) * Linv[row];
                 for (int t = 0; t < ref.count; ++t) {
                     if (pos[t] < 0) continue;
                     float delta = 0.f;
                     for (int64_t i = 0; i < n; ++i) {
                         float best = 0.f;
-                        for (int64_t gi = 0; gi < g; ++gi) {
-                            const int64_t row = gi * n + i;
-                            best = std::max(best, std::exp(x[t * qn + row] - M[row]) * Linv[row]);
-                        }
+                        for (int64_t gi = 0; gi < g; ++gi) best = std::max(best, pr[(gi * n + i) * t_max + t]);
                         delta += best;
                     }
                     score[t] += delta;
@@ -412,6 +470,30 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
         std::memcpy(page + D.pos_off + 4 * t, &p32, 4);
     }
     return 0;
+}
+
+// The decode step's append: one token for every entry w = b * H + h of `layer`, at slot fill[layer, b, h, side],
+// then fill += 1 (the bookkeeping CompressedStore.append does in torch; pages must exist). keys [B * H, k_stride],
+// values [B * H, v_stride] float32, score [B * H]; every token's position is `pos`. Returns as kvcal_write (fill is
+// unchanged unless 0).
+int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
+                       const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                       int64_t page_bytes, int side, const float* keys, int64_t k_stride, const float* values,
+                       int64_t v_stride, int64_t pos, const float* score, float* bad_value) {
+    const int64_t W = B * H;
+    std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
+    int64_t* f = fill + (layer * B * H) * 2 + side;                  // fill [L, B, H, 2]: entry w at f[2 * w]
+    for (int64_t w = 0; w < W; ++w) {
+        b[w] = w / H;
+        h[w] = w % H;
+        slot[w] = f[2 * w];
+    }
+    const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
+                               b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
+                               score, bad_value);
+    if (rc == 0)
+        for (int64_t w = 0; w < W; ++w) f[2 * w] += 1;
+    return rc;
 }
 
 }  // extern "C"
