@@ -397,7 +397,7 @@ def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(mon
     assert len(rows) == 24 and rows[0] == 0 and rows[-1] == n - 1 and (rows.diff() >= 1).all()
     assert torch.equal(fastgen.profile_rows(20), torch.arange(20))
     cfg = FastGenConfig(0.9)
-    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=cfg), tokenizer=tok)
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=cfg, backend="torch"), tokenizer=tok)
     cache.record = True
     captured = {}
     real_prefill = attention.TorchBackend.prefill
