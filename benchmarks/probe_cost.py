@@ -45,7 +45,8 @@ def main() -> None:
     DecodeProbe(lm.model, bundle, ids[:, :P], ids[:, P:], tokenizer=lm.tokenizer, fastgen=FastGenConfig())
     probe = time.perf_counter() - t
     result = {"model": args.model, "windows": args.windows, "prompt": P, "steps": args.steps,
-              "plain_forward_s": round(plain, 2), "probe_s": round(probe, 2), "probe_over_plain": round(probe / plain, 2)}
+              "plain_forward_s": round(plain, 2), "probe_s": round(probe, 2),
+              "probe_over_plain": round(probe / plain, 2)}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -6,12 +6,12 @@ value-group high tier, per-token low tier, tiers and FastGen on) serving 32 prom
 from pathlib import Path
 
 import torch
+from conftest import make_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from kvcal.bundle import load_bundle, save_bundle
 from kvcal.runtime.hf import KvcalCache
-from conftest import make_model
 
 DATA = Path(__file__).parent / "data"
 BUNDLE = DATA / "v1-tiny-llama.kvcal.safetensors"

@@ -240,11 +240,10 @@ def test_inspect_leads_with_what_matters_and_lists_heads_on_request():
 def test_created_is_when_the_file_was_written(tmp_path):
     import datetime as dt
 
+    import torch
     from conftest import make_model, random_bundle
 
     from kvcal.bundle import load_bundle, save_bundle
-
-    import torch
 
     model, tok = make_model()
     full = torch.full((2, 2), 16, dtype=torch.int32)

@@ -1,4 +1,5 @@
-"""Tests for kvcal.runtime.offload.kvpr: KVPR's cost model (Eq. 6-10), the split solver (Eq. 11) and the paper's Table 1."""
+"""Tests for kvcal.runtime.offload.kvpr: KVPR's cost model (Eq. 6-10), the split solver (Eq. 11) and the paper's
+Table 1."""
 
 from __future__ import annotations
 

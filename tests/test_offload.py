@@ -1,5 +1,6 @@
-"""KVPR offloading (kvcal.runtime.offload, kvcal.runtime.offload.profiler, `kvcal bench --offload`): recompute + transfer
-gives the model's K/V for every split, greedy generation is unchanged, the solver's l* = 0 cases, the profile cache."""
+"""KVPR offloading (kvcal.runtime.offload, kvcal.runtime.offload.profiler, `kvcal bench --offload`): recompute +
+transfer gives the model's K/V for every split, greedy generation is unchanged, the solver's l* = 0 cases, the profile
+cache."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 from conftest import make_model
 from transformers import DynamicCache
 
-from kvcal.runtime.offload import kvpr
-from kvcal.runtime.offload import OffloadedCache
+from kvcal.runtime.offload import OffloadedCache, kvpr
 from kvcal.runtime.offload.profiler import fit_rate, profile_hardware
 
 A100 = kvpr.Hardware(link_bytes_per_s=32 * 2**30, matmul_flops_per_s=312e12)

@@ -167,8 +167,8 @@ def to_markdown(r: dict) -> str:
     m = r["model"]
     lines = [f"# KVPR offloading: {m['name']}", "",
              f"hidden {m['hidden']}, {m['kv_heads']} KV heads x {m['head_dim']}, {m['offloaded_layers']} offloaded "
-             "layers. Modelled times are per decode step, summed over the offloaded layers (kvcal.runtime.offload.kvpr); "
-             "l* is chosen per layer.", "",
+             "layers. Modelled times are per decode step, summed over the offloaded layers "
+             "(kvcal.runtime.offload.kvpr); l* is chosen per layer.", "",
              f"Profiled: link {h['link_bytes_per_s'] / 2**30:.2f} GiB/s ({h['link_kind']}), matmul "
              f"{h['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, latencies {h['link_latency_s'] * 1e6:.1f} / "
              f"{h['kernel_latency_s'] * 1e6:.1f} us ({h['source']}).", "",

@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from typer._click import exceptions as click_errors   # typer vendors click; these are what it raises
+from typer._click import exceptions as click_errors  # typer vendors click; these are what it raises
 
 from kvcal.cli._help import KvcalGroup
 

@@ -42,7 +42,8 @@ def _hand_token_ids(module, args, kwargs) -> None:
 
 def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise. Parameters in
-    transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by position."""
+    transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by
+    position."""
     pending = _PENDING.get()
     if pending is None or pending[0].layer_idx != module.layer_idx or pending[1] is not key:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvcal.runtime.eviction import BudgetEviction, TokenBudget
 
 
