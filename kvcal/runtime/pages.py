@@ -207,14 +207,8 @@ class PageArena:
                              f"{self.max_pages_per_entry}")
         if total == 0:
             return torch.empty(0, dtype=torch.int32, device=self.device)
-
-        req, j = self._expand(count, total)
-        # Request i's j-th page is free-list slot start + offsets[i] + j == start + (global page index).
-        ids = self._pop_free(total)
-        k = used[entry, side][req] + j  # rank of the new page on its side
-        self.page_table[slot[req], layer[req], head[req], self._column(side[req], k)] = ids
-        self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)  # entries are unique: no collisions
-        return ids
+        some = count > 0                             # requests for no page change nothing
+        return self._place(slot[some], layer[some], head[some], side[some], count[some], total)
 
     def extend(self, slot: torch.Tensor, layer: int, head: torch.Tensor, side: int, count: torch.Tensor,
                total: int) -> None:
@@ -222,17 +216,23 @@ class PageArena:
         boundary of a decode): distinct entries (slot, head) [n] of one layer and side, count int64 [n] >= 1 summing
         to `total`, room in their rows and on the free list. No validation and no host sync: `allocate`'s checks
         cost more than the allocation, and they ran once per layer at each page boundary."""
-        if total == len(count):                       # one page per entry, the usual case: no expansion needed
-            k = self.num_pages_used[slot, layer, head, side].to(torch.int64)
-            rows_s, rows_h = slot, head
-        else:
+        self._place(slot, layer, head, side, count, total)
+
+    def _place(self, slot, layer, head, side, count: torch.Tensor, total: int) -> torch.Tensor:
+        """Append count[i] >= 1 pages, `total` in all, to side[i] of entry (slot[i], layer[i], head[i]); layer and
+        side may also be ints shared by every request. The requests are checked (distinct entries, room). Returns the
+        page ids int32 [total] in request order: request i's j-th page is free-list slot start + offsets[i] + j."""
+        k = self.num_pages_used[slot, layer, head, side].to(torch.int64)     # rank of each request's first new page
+        rows = (slot, layer, head, side)
+        if total != len(count):                      # (counts >= 1) an entry takes several pages: one row per page
             req, j = self._expand(count, total)
-            k = self.num_pages_used[slot, layer, head, side].to(torch.int64)[req] + j
-            rows_s, rows_h = slot[req], head[req]
+            rows = tuple(x[req] if torch.is_tensor(x) and x.dim() else x for x in rows)
+            k = k[req] + j
         ids = self._pop_free(total)
-        col = k if side == HIGH else self.max_pages_per_entry - 1 - k
-        self.page_table[rows_s, layer, rows_h, col] = ids
-        self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)
+        s, lay, h, sd = rows
+        self.page_table[s, lay, h, self._column(torch.as_tensor(sd, device=self.device), k)] = ids
+        self.num_pages_used[slot, layer, head, side] += count.to(torch.int32)  # entries are unique: no collisions
+        return ids
 
     def free_last(self, slot, layer, head, side, count) -> None:
         """Return the last (most recently allocated) ``count[i]`` pages of each entry's side to the free list.
