@@ -34,21 +34,19 @@ PRESSES = {
     "kvpress-adakv": ("kvpress AdaKV (SnapKV scores)",
                       lambda kp, r: kp.AdaKVPress(kp.SnapKVPress(compression_ratio=r))),
 }
-# presses that refuse shorter prompts: SnapKV's observation window (kvpress's default `window_size`) must be shorter
-# than the prompt
-SNAPKV_WINDOW = 64
-SHORTEST_PROMPT = {"kvpress-snapkv": SNAPKV_WINDOW + 1, "kvpress-adakv": SNAPKV_WINDOW + 1}
+# presses built on SnapKV, which refuses a prompt no longer than its observation window (`SnapKVPress.window_size`)
+SNAPKV_BASED = ("kvpress-snapkv", "kvpress-adakv")
 
 
 def unavailable(key: str, shortest_prompt: int) -> str | None:
     """Why press `key` cannot run here, on prompts of at least `shortest_prompt` tokens (one line), or None."""
     try:
-        import kvpress  # noqa: F401
+        import kvpress
     except ImportError as e:
         return f"kvpress is not installed ({e}); install the opt-in extra: pip install -e \".[bench]\""
-    need = SHORTEST_PROMPT.get(key, 1)
-    if shortest_prompt < need:
-        return (f"{PRESSES[key][0]} needs prompts of at least {need} tokens (its {SNAPKV_WINDOW}-token window); this "
+    window = kvpress.SnapKVPress.window_size                        # the dataclass default the presses are built with
+    if key in SNAPKV_BASED and shortest_prompt <= window:
+        return (f"{PRESSES[key][0]} needs prompts of at least {window + 1} tokens (its {window}-token window); this "
                 f"run has one of {shortest_prompt}")
     return None
 

@@ -276,13 +276,16 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
     assert sweep and all(m.family == "kvcal" and m.config.tiering != joint.config.tiering for m in sweep)
     lm = load_model(str(tiny_dir), dtype="float32")
     matched = M.matched_methods(lm.model, lm.adapter, 0.4, lambda: None, b, shortest_prompt=32)
-    from kvcal.press import PRESSES, SNAPKV_WINDOW, unavailable
+    from kvcal.press import PRESSES, unavailable
 
     assert {m.key for m in matched} == {"streamingllm", "h2o", "snapkv", "palu", *PRESSES}   # kvpress: opt-in extra
     assert all(m.unavailable == unavailable(m.key, 32) for m in matched if m.key in PRESSES)
     if unavailable("kvpress-tova", 32) is None:                          # with the extra: SnapKV's window is too long
-        assert "needs prompts of at least" in unavailable("kvpress-snapkv", SNAPKV_WINDOW)
-        assert unavailable("kvpress-snapkv", SNAPKV_WINDOW + 1) is None
+        import kvpress
+
+        window = kvpress.SnapKVPress.window_size
+        assert "needs prompts of at least" in unavailable("kvpress-snapkv", window)
+        assert unavailable("kvpress-snapkv", window + 1) is None
     assert next(m for m in matched if m.key == "palu").settings["rank"] == round(0.4 * lm.adapter.head_dim)
 
 
