@@ -12,7 +12,7 @@ from conftest import make_model, random_bundle
 from kvcal.bundle import BundleError, load_bundle, save_bundle
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
-from kvcal.profile.key_ranges import KeyRangeCollector, clip_range, tail_rows
+from kvcal.profile.key_ranges import KeyRangeCollector, clip_range, spread_windows, tail_rows
 from kvcal.runtime import quant
 from kvcal.runtime.attention import TorchBackend, select_backend
 from kvcal.runtime.bases import served_bases
@@ -109,7 +109,8 @@ def test_calibration_ranges_clip_no_more_than_the_percentile(tiny_dir, text_file
     from kvcal.models import load_model
 
     lm = load_model(str(tiny_dir), dtype="float32")
-    ids = token_windows(lm.tokenizer, load_corpus(str(text_file), "calib"), 8, 64, 0)[:3]
+    ids = token_windows(lm.tokenizer, load_corpus(str(text_file), "calib"), 8, 64, 0)[spread_windows(8, 3)]
+    assert spread_windows(8, 3) == [0, 4, 7] and spread_windows(8, 1) == [0] and spread_windows(2, 4) == [0, 1]
     seen = []
 
     class Keys:

@@ -41,7 +41,13 @@ from kvcal.models import (
 )
 from kvcal.profile.capture import GramCollector, capturing
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
-from kvcal.profile.key_ranges import DEFAULT_PERCENTILE, DEFAULT_WINDOWS, KeyRangeCollector, tail_rows
+from kvcal.profile.key_ranges import (
+    DEFAULT_PERCENTILE,
+    DEFAULT_WINDOWS,
+    KeyRangeCollector,
+    spread_windows,
+    tail_rows,
+)
 from kvcal.profile.quality import QualityTarget
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
@@ -424,10 +430,11 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = eig_basis(random_stats.vv)
     else:
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
-    key_ids = text_ids[:cfg.key_range_windows]
-    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, len(key_ids)])
+    picked = spread_windows(len(text_ids), cfg.key_range_windows)
+    key_ids = text_ids[picked]
+    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
-    range_low, range_high = key_range_pass(lm, rotation.float(), key_ids, text_offsets[:len(key_ids)],
+    range_low, range_high = key_range_pass(lm, rotation.float(), key_ids, [text_offsets[i] for i in picked],
                                            cfg.key_percentile, key_checkpoint, progress)
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window)
@@ -452,7 +459,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "key_ranges": {"percentile": cfg.key_percentile, "windows": len(key_ids), "rows": int(key_ids.numel()),
                        "tail_rows": tail_rows(int(key_ids.numel()), cfg.key_percentile),
                        "basis": "columns of qk.rotation, post-RoPE, no mixing",
-                       "text_offsets": text_offsets[:len(key_ids)]},
+                       "text_offsets": [text_offsets[i] for i in picked]},
     }
     bundle = Bundle(
         model=ModelInfo(name=lm.name, fingerprint=model_fp, weights_hash=w_hash, tokenizer_hash=tok_hash,
