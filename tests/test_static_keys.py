@@ -367,3 +367,23 @@ def test_bundle_file_with_bad_key_ranges_is_refused_on_load(tmp_path):
     save_file(tensors, str(tmp_path / "v1.kvcal.safetensors"), metadata=v1)
     with pytest.raises(BundleError, match="schema version 1 cannot hold static key ranges"):
         load_bundle(tmp_path / "v1.kvcal.safetensors")
+
+
+def test_batched_probe_rounds_chunk_tokens_through_static_keys_like_stepwise_decode():
+    """The search's batched probe reads a chunk's own tokens as the high tier stores them (`stored_like`): with a
+    static high tier that is the static quantizer, so chunked and stepwise decode give the same logits."""
+    from conftest import random_text
+
+    from kvcal.profile.quality import DecodeProbe, teacher_force
+
+    model, tok = make_model("llama")
+    bundle = _bundle_with_ranges(model, tok)
+    ids = tok([random_text(110, seed=5), random_text(110, seed=6)], return_tensors="pt").input_ids
+    probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok)
+    cfg = CompressionConfig(high=TierFormat.parse("K4sV4"))
+    out = {}
+    for chunk in (1, 16):
+        with torch.inference_mode():
+            cache = probe.replay(cfg, chunk=chunk)
+            out[chunk], _ = teacher_force(model, cache, probe.continuation, chunk)
+    assert (out[16] - out[1]).abs().max().item() < 1e-3
