@@ -156,6 +156,27 @@ def test_algorithm1_branches():
     assert (a.high_to_low.item(), a.prune_high.item(), a.prune_low.item()) == (-1, -1, -1)
 
 
+def test_algorithm1_without_pruning_and_with_per_channel_low_pages_takes_no_action():
+    """What `DiffKVTiers.decode` skips for alpha_low = 0 with a per-channel low tier: Algorithm 1 then never acts
+    (only whole pending low pages move), whatever the scores, lengths and threshold base."""
+    from kvcal.runtime.diffkv import decode_actions
+
+    gen = torch.Generator().manual_seed(0)
+    for base in ("length", "position"):
+        for alpha_high in (0.5, 2.0, 1e9):
+            tiering = TieringConfig(window=4, alpha_high=alpha_high, alpha_low=0.0, threshold_base=base)
+            for _ in range(20):
+                B, H, S, L = 2, 3, 40, 48
+                hi_pos = torch.randperm(L, generator=gen)[:S].expand(B, H, S).clone()
+                hi_pos[..., -3:] = -1
+                lo_pos = torch.randint(0, L, (B, H, 8), generator=gen)
+                hi_s = torch.rand(B, H, S, generator=gen) * torch.rand(B, H, S, generator=gen) ** 4
+                lo_s = torch.rand(B, H, 8, generator=gen) * 1e-3
+                a = decode_actions(tiering, hi_s, hi_pos, lo_s, lo_pos, torch.zeros(B, dtype=torch.long),
+                                   torch.full((B,), L), per_channel_low=True)
+                assert all(bool((t == -1).all()) for t in (a.high_to_low, a.prune_high, a.prune_low))
+
+
 def test_decode_policy_keeps_counts_consistent():
     """Tiered decoding on a tiny model: every token-head is in exactly one tier; the window stays high."""
     model, tok = make_model("llama")

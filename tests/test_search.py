@@ -70,8 +70,10 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
     best = search.tiers(BASE)
     assert best.settings["alpha_high"] == 3.0 and best.settings["alpha_low"] == 1.0
     assert best.settings["low"] == "K4cV2"                     # the cheaper key mode at equal alphas
-    # early stop: alpha_high 5 is never tried after 4 failed; alpha_low stops after its first failure (1.5)
-    assert ("K4cV2", 5.0, 0.0) not in probe.calls and ("K4cV2", 3.0, 2.0) not in probe.calls
+    # bisection: alpha_high 3 then 4 (2 of 5), alpha_low 1, 2, 1.5 (3 of the 7 up to 3), for each low tier
+    k4c = [call for call in probe.calls if call[0] == "K4cV2"]
+    assert k4c == [("K4cV2", 3.0, 0.0), ("K4cV2", 4.0, 0.0), ("K4cV2", 3.0, 1.0), ("K4cV2", 3.0, 2.0),
+                   ("K4cV2", 3.0, 1.5)]
     assert all(p.settings for p in search.path)
     # a resumed search does not measure known points again
     again = Search(probe, bundle, QualityTarget(), memo=search.memo)
@@ -192,7 +194,7 @@ class ResidualProbe:
                         prompt_tokens=1, memory={"ratio_to_fp16": ratio}, tiers={})
 
 
-def test_residual_family_walks_cheaper_low_tiers_then_shorter_windows_then_pruning():
+def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruning():
     from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 
     probe = ResidualProbe()

@@ -118,22 +118,58 @@ def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: in
     return torch.cat(logits, dim=1)
 
 
-def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1) -> tuple[torch.Tensor, float]:
+def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1,
+                  on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[torch.Tensor | None, float]:
     """Feed continuation[:, :-1] through `cache`, `chunk` tokens per forward pass: logits [B, M, vocab] float32,
     seconds. chunk = 1 is the stepwise decode users run. A larger chunk is the batched probe: the runtime's `attend`
     lets a chunk's tokens attend causally to each other and to the store, then the decode-phase policy steps
     (Algorithm 1, FastGen) run once per token of the chunk, so they see the same lengths as stepwise decode. What
     differs: a token attends to the earlier tokens of its own chunk unquantized, and to the store before their
-    downgrades; docs/calibration.md measures what that changes."""
+    downgrades; docs/calibration.md measures what that changes. `on_logits(t, logits [B, c, vocab])`: hand each
+    forward pass's logits (continuation positions t..t + c) over instead of keeping them (returns None for logits):
+    [B, M, vocab] float32 is hundreds of MB at a 256-token continuation on a 50k vocabulary."""
     if chunk < 1:
         raise ValueError(f"`chunk={chunk}` must be at least 1")
     steps = []
     M = continuation.shape[1] - 1
     t0 = time.perf_counter()
     for t in range(0, M, chunk):
-        out = model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True)
-        steps.append(out.logits.float())
-    return torch.cat(steps, dim=1), time.perf_counter() - t0
+        logits = model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True).logits
+        if on_logits is None:
+            steps.append(logits.float())
+        else:
+            on_logits(t, logits.float())
+    return (torch.cat(steps, dim=1) if on_logits is None else None), time.perf_counter() - t0
+
+
+class LogitScores:
+    """`compare_logits`'s sums, added a few positions at a time (`add`), so no [B, M, vocab] tensor is needed."""
+
+    def __init__(self, batch: int):
+        self.kl, self.agree, self.nll, self.nll_ref = (torch.zeros(batch, dtype=torch.float64) for _ in range(4))
+        self.count = 0          # positions per window so far
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor) -> None:
+        """ref, got [B, c, vocab] logits; target [B, c] the true next tokens."""
+        logp_ref, logp = F.log_softmax(ref.float(), -1), F.log_softmax(got.float(), -1)
+        self.kl += (logp_ref.exp() * (logp_ref - logp)).sum(-1).sum(-1).double()
+        self.agree += (ref.argmax(-1) == got.argmax(-1)).sum(-1).double()
+        self.nll -= logp.gather(-1, target[..., None]).sum((-1, -2)).double()
+        self.nll_ref -= logp_ref.gather(-1, target[..., None]).sum((-1, -2)).double()
+        self.count += target.shape[1]
+
+    def fidelity(self, prompt_tokens: int, seconds: float, cache=None) -> Fidelity:
+        B, M = len(self.kl), self.count
+        n = max(B * M, 1)
+        nll, nll_ref = self.nll.sum().item() / n, self.nll_ref.sum().item() / n
+        result = Fidelity(kl=self.kl.sum().item() / n, top1=self.agree.sum().item() / n, ppl=math.exp(nll),
+                          ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
+                          prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1),
+                          top1_windows=(self.agree / max(M, 1)).tolist())
+        if getattr(cache, "kv", None) is not None:
+            result.memory = cache.memory()
+            result.tiers = tier_fractions(cache)
+        return result
 
 
 class ChunkProbeAttention:
@@ -190,6 +226,8 @@ class ChunkProbeAttention:
 
     def attend(self, store, layer, query, new_keys, new_values, scale, track_scores=True):
         """As AttentionBackend.attend: query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, r_v]."""
+        if track_scores:
+            store.own_layer(layer)          # before the gather: the scores are written back to the pages it read
         stored = store.gather(layer)
         B, H, g, n, _ = query.shape
         S = stored.pos.shape[-1]
@@ -227,7 +265,6 @@ class ScoreCatchUp:
 
     def decode(self, layer: int) -> None:
         from kvcal.runtime.pages import HIGH, LOW
-        from kvcal.runtime.store import Gathered
 
         if layer not in self.attention.pending:
             return
@@ -242,32 +279,25 @@ class ScoreCatchUp:
         delta.scatter_add_(-1, torch.where(stored_pos >= 0, stored_pos, N), top[:, :, i, :S])
         delta[:, :, start:start + i] += top[:, :, i, S:S + i]
         store = self.kv.store
+        store.own_layer(layer)
         b, h = self.kv.every_entry()
         for side in (HIGH, LOW):
-            score, pos = (t.view(B, H, -1) for t in store.section_meta(layer, side, b, h))
+            score, pos, word = store.section_scores(layer, side, b, h)
             if pos.shape[-1] == 0:
                 continue
-            slot = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
-            held = Gathered(keys=None, values=None, pos=pos, score=score, side=torch.full_like(pos, side), slot=slot)
-            store.add_scores(layer, held, delta.gather(-1, torch.where(pos >= 0, pos, N)))
+            pos = pos.view(B, H, -1)
+            store.set_scores(layer, word.view(B, H, -1), pos,
+                             score.view(B, H, -1) + delta.gather(-1, torch.where(pos >= 0, pos, N)))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
-                   cache=None) -> Fidelity:
-    """Metrics of logits `got` against `ref` (both [B, M, vocab]) for true next tokens `target` [B, M]."""
-    B, M = target.shape
-    logp_ref, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
-    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
-    nll_ref = -logp_ref.gather(-1, target[..., None]).mean().item()
-    nll = -logp.gather(-1, target[..., None]).mean().item()
-    result = Fidelity(kl=kl, top1=(ref.argmax(-1) == got.argmax(-1)).float().mean().item(), ppl=math.exp(nll),
-                      ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
-                      prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1),
-                      top1_windows=(ref.argmax(-1) == got.argmax(-1)).float().mean(-1).tolist())
-    if getattr(cache, "kv", None) is not None:
-        result.memory = cache.memory()
-        result.tiers = tier_fractions(cache)
-    return result
+                   cache=None, chunk: int = 32) -> Fidelity:
+    """Metrics of logits `got` against `ref` (both [B, M, vocab]) for true next tokens `target` [B, M], `chunk`
+    positions at a time (`LogitScores`)."""
+    scores = LogitScores(target.shape[0])
+    for t in range(0, target.shape[1], chunk):
+        scores.add(ref[:, t:t + chunk], got[:, t:t + chunk], target[:, t:t + chunk])
+    return scores.fidelity(prompt_tokens, seconds, cache)
 
 
 @torch.inference_mode()
@@ -319,6 +349,13 @@ class DecodeProbe:
                 self.records[i] = (layer.keys, layer.values, layer.cumulative_length)
         recording.release()
         self.ref = reference_logits(model, self.records, continuation)
+        # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more than
+        # fp16 once the reference is made: half the probe's largest allocation (4 x 4k tokens of a 30-layer model
+        # are 0.7 GB in float32). Sliding layers keep their window as the model's cache held it.
+        for i, record in self.records.items():
+            if len(record) == 5:
+                key, value, *rest = record
+                self.records[i] = (key.half(), value.half(), *rest)
 
     @torch.inference_mode()
     def measure(self, config, bundle=None, chunk: int = 1) -> Fidelity:
@@ -327,9 +364,16 @@ class DecodeProbe:
         `teacher_force` and `ChunkProbeAttention`)."""
         cache = self.replay(config, bundle, chunk)
         page_s0 = cache.kv.store.page_seconds
-        got, seconds = teacher_force(self.model, cache, self.continuation, chunk)
-        result = compare_logits(self.ref, got, self.continuation[:, 1:], self.prompt.shape[1], seconds, cache)
-        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(got.shape[1], 1)
+        target = self.continuation[:, 1:]
+        scores = LogitScores(target.shape[0])
+
+        def score(t: int, logits: torch.Tensor) -> None:
+            c = logits.shape[1]
+            scores.add(self.ref[:, t:t + c], logits, target[:, t:t + c])
+
+        _, seconds = teacher_force(self.model, cache, self.continuation, chunk, on_logits=score)
+        result = scores.fidelity(self.prompt.shape[1], seconds, cache)
+        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(target.shape[1], 1)
         cache.release()
         return result
 

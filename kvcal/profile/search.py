@@ -9,16 +9,16 @@ Stages, each starting from the previous stage's choice; every measured point is 
 
 1. precision: the cheapest high tier of `PRECISION_LADDER` (K8V4, then values in groups of 32 and 16 channels, then
    K8V8) that meets the target;
-2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), alpha_high over {1, ..., 5} with no
-   pruning, ascending until the target is missed; then alpha_low over `ALPHA_LOW_GRID` (capped at alpha_high),
-   ascending the same way. Small models need alpha_low far above the papers' 0.02-0.1 range to prune anything, so
-   the grid follows the data rather than the paper;
+2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), the largest feasible alpha_high of
+   {1, ..., 5} with no pruning; then the largest feasible alpha_low of `ALPHA_LOW_GRID` (capped at alpha_high), each
+   found by bisection over the grid (`last_feasible`). Small models need alpha_low far above the papers' 0.02-0.1
+   range to prune anything, so the grid follows the data rather than the paper;
    Alongside, the residual family (KIVI's layout inside DiffKV's tiers): the high tier is raw fp16 and holds the
    recent window plus the tokens above alpha_high (heavy hitters), the low tier has per-channel keys over pages of
    `RESIDUAL_PAGE_TOKENS` low tokens. Per-channel scales survive outlier key channels that a per-token scale spends
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
-   "every token leaves the window to the low tier" down to keeping more heavy hitters, then shorter windows over
-   `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
+   "every token leaves the window to the low tier" down to keeping more heavy hitters, then (by bisection) shorter
+   windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
 3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -26,7 +26,7 @@ Stages, each starting from the previous stage's choice; every measured point is 
    bisection; kept only if bytes drop.
 
 Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
-and binary search valid; the path records every point, so a reader can check that assumption.
+and bisection valid; the path records every point, so a reader can check that assumption.
 """
 
 from __future__ import annotations
@@ -119,6 +119,21 @@ def largest_feasible(feasible: Callable[[float], bool], grid: tuple[float, ...],
     return ok
 
 
+def last_feasible(candidates: list, measure: Callable[[object], Point]) -> Point | None:
+    """The point of the last feasible candidate, for `candidates` ordered from least to most aggressive whose
+    feasibility holds up to some index and fails after it: bisection, about log2(n) + 1 measurements where a walk
+    takes up to n. None when none is feasible."""
+    lo, hi, best = -1, len(candidates), None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        point = measure(candidates[mid])
+        if point.feasible:
+            lo, best = mid, point
+        else:
+            hi = mid
+    return best
+
+
 def _saves(candidate: Point, incumbent: Point) -> bool:
     return candidate.bytes_ratio < incumbent.bytes_ratio * (1 - MIN_GAIN)
 
@@ -205,25 +220,22 @@ class Search:
         return points[0]
 
     def tiers(self, base: CompressionConfig) -> Point | None:
+        """For each low tier of `LOW_TIERS`: the largest feasible alpha_high of `ALPHA_HIGH_GRID` with nothing
+        pruned, then the largest feasible alpha_low of `ALPHA_LOW_GRID` up to it (each by `last_feasible`); the
+        cheapest of the low tiers' results, or None."""
         best = []
         for name in LOW_TIERS:
-            chosen = None
-            for a_h in ALPHA_HIGH_GRID:
-                p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},0)",
-                                 base.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h, alpha_low=0.0))
-                if not p.feasible:
-                    break
-                chosen = p
+            low = base.with_(low=TierFormat.parse(name))
+            chosen = last_feasible(ALPHA_HIGH_GRID, lambda a_h, low=low, name=name: self.measure(
+                "tiers", f"{base.high.name}/{name} a=({a_h:g},0)", low.with_tiering(alpha_high=a_h, alpha_low=0.0)))
             if chosen is None:
                 continue
             a_h = chosen.config.tiering.alpha_high
-            for a_l in (a for a in ALPHA_LOW_GRID if a <= a_h):
-                p = self.measure("tiers", f"{base.high.name}/{name} a=({a_h:g},{a_l:g})",
-                                 chosen.config.with_tiering(alpha_low=a_l))
-                if not p.feasible:
-                    break
-                chosen = p
-            best.append(chosen)
+            pruned = last_feasible([a for a in ALPHA_LOW_GRID if a <= a_h],
+                                   lambda a_l, c=chosen.config, name=name, a_h=a_h: self.measure(
+                                       "tiers", f"{base.high.name}/{name} a=({a_h:g},{a_l:g})",
+                                       c.with_tiering(alpha_low=a_l)))
+            best.append(pruned or chosen)
         return cheapest(best) if best else None
 
     def residual(self, base: CompressionConfig) -> Point | None:
@@ -243,22 +255,19 @@ class Search:
             chosen = found
         if chosen is None:
             return None
-        chosen = self._walk(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.tiering.window])
+        chosen = self._bisect(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.tiering.window])
         a_h = chosen.config.tiering.alpha_high
-        return self._walk(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
+        return self._bisect(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
 
-    def _walk(self, start: Point, changes: list[dict]) -> Point:
-        """Tiering `changes` to `start`, each more aggressive than the last, measured in turn until the first
-        miss: the last feasible point (`start` if the first change misses)."""
-        chosen = start
-        for change in changes:
+    def _bisect(self, start: Point, changes: list[dict]) -> Point:
+        """The last feasible of the tiering `changes` to `start`, each more aggressive than the last
+        (`last_feasible`); `start` if none is."""
+        def measure(change: dict) -> Point:
             c = start.config.with_tiering(**change)
-            p = self.measure("residual", f"fp16 W={c.tiering.window} / {c.low.name} "
-                             f"a=({c.tiering.alpha_high:g},{c.tiering.alpha_low:g})", c)
-            if not p.feasible:
-                break
-            chosen = p
-        return chosen
+            return self.measure("residual", f"fp16 W={c.tiering.window} / {c.low.name} "
+                                f"a=({c.tiering.alpha_high:g},{c.tiering.alpha_low:g})", c)
+
+        return last_feasible(changes, measure) or start
 
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""

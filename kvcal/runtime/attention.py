@@ -136,6 +136,8 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
+        if track_scores:
+            store.own_layer(layer)          # before the gather: the scores are written back to the pages it read
         stored = store.gather(layer)
         B, H, g, n, _ = query.shape
         S = stored.pos.shape[-1]

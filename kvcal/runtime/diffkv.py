@@ -192,10 +192,16 @@ class DiffKVTiers(CachePolicy):
         b, h = kv.every_entry()
         length = torch.full((B,), kv.length[layer], device=kv.device)
         hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
-        lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
         channel = kv.config.low.k_mode == "channel"
+        if channel and tiering.alpha_low == 0:
+            # nothing is ever pruned and per-channel low pages are written whole: Algorithm 1's actions are all
+            # empty (`decode_actions`), only the pending low page matters
+            self._seal_pending(layer, b, h, length, hi_s, hi_p)
+            return
+        lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
         acts = decode_actions(tiering, hi_s, hi_p, lo_s, lo_p, kv.n_pad, length, channel)
         moving = acts.high_to_low.view(-1) >= 0
+        changed = bool(moving.any()) or bool((acts.prune_high >= 0).any()) or bool((acts.prune_low >= 0).any())
         if bool(moving.any()):
             mb, mh, ms = b[moving], h[moving], acts.high_to_low.view(-1)[moving]
             k, v, sc, ps = store.read(layer, HIGH, mb, mh, ms)
@@ -206,14 +212,15 @@ class DiffKVTiers(CachePolicy):
             if bool(sel.any()):
                 store.drop(layer, side, b[sel], h[sel], slots.view(-1)[sel])
         if channel:
-            self._seal_pending(layer, b, h, length)
+            if changed:
+                hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
+            self._seal_pending(layer, b, h, length, hi_s, hi_p)
 
-    def _seal_pending(self, layer, b, h, length) -> None:
+    def _seal_pending(self, layer, b, h, length, hi_s, hi_p) -> None:
         """Per-channel low tier in decode: once an entry has a page worth of high tokens that belong low, move the
-        least significant page of them into one new low page."""
+        least significant page of them into one new low page. hi_s, hi_p [B, H, S]: the high section's scores and
+        positions as they are now."""
         kv, store = self.kv, self.kv.store
-        B, H = kv.batch, store.num_kv_heads
-        hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
         pending = pending_low(kv.config.tiering, hi_s, hi_p, kv.n_pad, length)
         m = torch.where(pending, mean_score(hi_s, hi_p, length), torch.full_like(hi_s, float("inf")))
         for g in store.groups[layer]:

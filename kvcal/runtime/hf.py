@@ -168,6 +168,7 @@ class KvcalCache(Cache):
                 layer.cumulative_length = seen
             else:
                 key, value, score, real, statistics = records[i]
+                key, value = key.float(), value.float()         # as recorded (a probe keeps them in fp16)
                 if first and token_ids is not None:
                     self.observe_tokens(token_ids)
                 first = False

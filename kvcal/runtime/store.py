@@ -51,6 +51,7 @@ class SectionRead:
     score: torch.Tensor      # float32 [n, S]
     pos: torch.Tensor        # int64 [n, S], -1 = no token
     slot: torch.Tensor       # int64 [S]
+    word: torch.Tensor       # int64 [n, S] index of each slot's score in the arena as float32 words
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Gathered:
     score: torch.Tensor     # float32 [B, H, S] cumulative significance
     side: torch.Tensor      # int64 [B, H, S]  HIGH / LOW
     slot: torch.Tensor      # int64 [B, H, S]  slot within its section
+    word: torch.Tensor | None = None   # int64 [B, H, S] index of the slot's score in the arena as float32 words
 
 
 def _positions(pos, n: int, device) -> torch.Tensor:
@@ -422,21 +424,16 @@ class CompressedStore:
             self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
 
     def add_scores(self, layer: int, gathered: Gathered, delta: torch.Tensor) -> None:
-        """score += delta [B, H, S] for every stored token of `gathered` (the same layer, unchanged since)."""
-        valid = gathered.pos >= 0
-        if not bool(valid.any()):
-            return
-        b, h, _ = torch.nonzero(valid, as_tuple=True)
-        side, slot, new = gathered.side[valid], gathered.slot[valid], (gathered.score + delta)[valid]
-        if self.arena.shared:
-            self.own_layer(layer)
-        for s in (HIGH, LOW):
-            for g in self.groups[layer]:
-                sel = (side == s) & torch.isin(h, g.heads)
-                if bool(sel.any()):
-                    lay = g.layouts[s]
-                    base, idx = self.page_of(layer, s, b[sel], h[sel], slot[sel], lay)
-                    self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = new[sel]
+        """score += delta [B, H, S] for every stored token of `gathered` (the same layer, unchanged since, gathered
+        after `own_layer`: see `set_scores`)."""
+        self.set_scores(layer, gathered.word, gathered.pos, gathered.score + delta)
+
+    def set_scores(self, layer: int, word: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """Write `score` into the slots at score words `word` where pos >= 0 (all the same shape). The words come from
+        `gather` or `section_scores` of `layer` with no page change since, read after `own_layer(layer)`: copy on
+        write moves a shared page, so words read before it would write into the page the other sequence keeps."""
+        valid = pos >= 0
+        self._flat(torch.float32)[word[valid]] = score[valid].float()
 
     # ------------------------------------------------------------------------------------------------- reading
 
@@ -461,25 +458,40 @@ class CompressedStore:
     def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
         Reads only the score and position segments."""
+        return self.section_scores(layer, side, b, h)[:2]
+
+    def section_scores(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
+        """`section_meta` and where each score lives: (score float32 [n, S], pos int64 [n, S], word int64 [n, S]
+        the score's index in the arena as float32 words, for `set_scores`)."""
         parts = []
-        for g, sel in self.group_rows(layer, h):
+        groups = self.groups[layer]
+        rows = [(groups[0], None)] if len(groups) == 1 else self.group_rows(layer, h)
+        for g, sel in rows:
             lay = g.layouts[side]
-            pages = self.section_pages(layer, side, b[sel], h[sel])
+            eb, eh = (b, h) if sel is None else (b[sel], h[sel])
+            pages = self.section_pages(layer, side, eb, eh)
             n, P = pages.shape
-            word = (pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(lay.tokens,
-                                                                                         device=self.device)
-            score = self._flat(torch.float32)[word + lay.score_off // 4].reshape(n, P * lay.tokens)
-            pos = self._flat(torch.int32)[word + lay.pos_off // 4].reshape(n, P * lay.tokens).long()
-            fill = self.fill[layer, b[sel], h[sel], side]
+            if sel is None and P == 0:
+                empty = torch.zeros(n, 0, dtype=torch.int64, device=self.device)
+                return empty.float(), empty, empty
+            word = ((pages.clamp(min=0) * self.page_bytes // 4)[..., None]
+                    + torch.arange(lay.tokens, device=self.device)).reshape(n, P * lay.tokens)
+            score = self._flat(torch.float32)[word + lay.score_off // 4]
+            pos = self._flat(torch.int32)[word + lay.pos_off // 4].long()
+            fill = self.fill[layer, eb, eh, side]
             pos = torch.where(torch.arange(P * lay.tokens, device=self.device) < fill[:, None], pos, -1)
-            parts.append((sel, score, pos))
-        width = max([score.shape[1] for _, score, _ in parts], default=0)
+            if sel is None:
+                return score, pos, word + lay.score_off // 4
+            parts.append((sel, score, pos, word + lay.score_off // 4))
+        width = max([score.shape[1] for _, score, _, _ in parts], default=0)
         out_s = torch.zeros(len(b), width, device=self.device)
         out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
-        for sel, score, pos in parts:
+        out_w = torch.zeros((len(b), width), dtype=torch.int64, device=self.device)
+        for sel, score, pos, word in parts:
             out_s[sel, :score.shape[1]] = score
             out_p[sel, :pos.shape[1]] = pos
-        return out_s, out_p
+            out_w[sel, :word.shape[1]] = word
+        return out_s, out_p, out_w
 
     def read(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor):
         """Dequantized (keys [n, r_k max], values [n, r_v max], score [n], pos [n]) of given slots."""
@@ -546,11 +558,13 @@ class CompressedStore:
                 k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay, key_scales)
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
+                word = ((pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(
+                    lay.tokens, device=self.device)).reshape(pos.shape) + lay.score_off // 4
                 # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
                 parts.append(SectionRead(side=side, group=g, b=b, h=h, keys=k, values=v, score=score, pos=pos,
-                                         slot=slot))
+                                         slot=slot, word=word))
         if len(self.groups[layer]) == 1:
             return self._gather_one_group(parts)
         widths = {}
@@ -564,6 +578,7 @@ class CompressedStore:
             score=torch.zeros(B, H, S, device=self.device),
             side=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
             slot=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
+            word=torch.zeros(B, H, S, dtype=torch.int64, device=self.device),
         )
         for part in parts:
             start = 0 if part.side == HIGH else widths.get(HIGH, 0)
@@ -575,6 +590,7 @@ class CompressedStore:
             out.score[b, h, cols] = part.score
             out.side[b, h, cols] = part.side
             out.slot[b, h, cols] = part.slot
+            out.word[b, h, cols] = part.word
         return out
 
     def _gather_one_group(self, parts: list[SectionRead]) -> Gathered:
@@ -587,12 +603,12 @@ class CompressedStore:
             r_k, r_v = self.groups[self.layers[0]][0].r_k, self.groups[self.layers[0]][0].r_v
             empty = torch.zeros(B, H, 0, dtype=torch.int64, device=self.device)
             return Gathered(torch.zeros(B, H, 0, r_k, device=self.device), torch.zeros(B, H, 0, r_v,
-                            device=self.device), empty - 1, empty.float(), empty, empty)
+                            device=self.device), empty - 1, empty.float(), empty, empty, empty)
         side = torch.cat([torch.full((B, H, p.keys.shape[1]), p.side, dtype=torch.int64, device=self.device)
                           for p in parts], dim=2)
         slot = torch.cat([p.slot.expand(B, H, -1) for p in parts], dim=2)
         return Gathered(keys=cat("keys"), values=cat("values"), pos=cat("pos"), score=cat("score"), side=side,
-                        slot=slot)
+                        slot=slot, word=cat("word"))
 
     # ------------------------------------------------------------------------------------------------- beams, crop
 
