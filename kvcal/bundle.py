@@ -11,6 +11,13 @@ Tensors (L layers, H KV heads, d head dim):
     k.absmax     [L, H]       float32  optional: max |K| (post-RoPE) per head on calibration text
     v.absmax     [L, H]       float32  optional: max |V| per head on calibration text
     fastgen.recovery, fastgen.kept_fraction  [L, H, 4] float32  optional: FastGen pattern statistics (-1: not profiled)
+    k.range_low, k.range_high  [L, H, d] float32  optional (schema 2): per-channel clip range of K @ qk.rotation
+                                       (post-RoPE, columns of R, no mixing) at `calibration.key_ranges.percentile`,
+                                       for the static key tiers (`K4sV4`; kvcal.profile.key_ranges). Both or neither.
+
+Schema versions: 1 (the tensors above but the key ranges), 2 (with key ranges). A bundle is written with the lowest
+version that describes it, so a bundle without key ranges stays readable by kvcal versions that read only 1; this kvcal
+reads both.
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
@@ -37,7 +44,8 @@ from typing import Any
 import torch
 
 FORMAT = "kvcal-bundle"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2                  # the newest version this kvcal writes
+READABLE_VERSIONS = (1, 2)
 ORTHONORMAL_TOL = 1e-4   # max |R^T R - I| accepted on load (float32 storage of a float64 eigendecomposition)
 METADATA_HASH = "metadata.sha256"
 _HEADER_DTYPES = {"F32": torch.float32, "I32": torch.int32}   # the only dtypes a bundle tensor has
@@ -46,6 +54,8 @@ _RANGES = {   # name -> (low, high, extra allowed value): values whose meaning h
     "v.absmax": (0.0, float("inf"), None),
     "fastgen.recovery": (0.0, 1.0 + 1e-4, -1.0),        # fraction of attention retained; -1 = not profiled
     "fastgen.kept_fraction": (0.0, 1.0 + 1e-4, -1.0),   # fraction of tokens kept; -1 = not profiled
+    "k.range_low": (-65504.0, 65504.0, None),           # the fp16 range of the scales and zeros made from them
+    "k.range_high": (-65504.0, 65504.0, None),
 }
 
 # name -> (shape in symbols, dtype). Symbols: L layers, H KV heads, d head dim.
@@ -65,7 +75,12 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     # and kept fraction of tokens; -1 where a layer is not profiled (sliding-window layers)
     "fastgen.recovery": (("L", "H", "4"), torch.float32),
     "fastgen.kept_fraction": (("L", "H", "4"), torch.float32),
+    # static key tiers: per-channel clip range of K @ qk.rotation on calibration text (schema 2)
+    "k.range_low": (("L", "H", "d"), torch.float32),
+    "k.range_high": (("L", "H", "d"), torch.float32),
 }
+KEY_RANGES = ("k.range_low", "k.range_high")
+SCHEMA_2_TENSORS = KEY_RANGES      # a bundle holding any of these is written as schema 2
 _FIELDS = {name: name.replace(".", "_") for name in REQUIRED_TENSORS}
 
 
@@ -169,7 +184,7 @@ def _metadata_hash(meta: dict[str, str]) -> str:
 def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     meta = {
         "format": FORMAT,
-        "schema_version": str(SCHEMA_VERSION),
+        "schema_version": str(2 if any(name in tensors for name in SCHEMA_2_TENSORS) else 1),
         "kvcal.version": bundle.kvcal_version or _kvcal_version(),
         "created": bundle.created or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": json.dumps(bundle.model.__dict__),
@@ -263,14 +278,14 @@ def load_bundle(path: str | Path, *, fingerprint: str | None = None, weights_has
                 raise BundleError(f"`{path}` is a safetensors file but not a kvcal bundle (format="
                                   f"{_short(meta.get('format'))}); pass a file written by `kvcal calibrate`")
             version = meta.get("schema_version", "?")
-            if version != str(SCHEMA_VERSION):
+            if version not in [str(v) for v in READABLE_VERSIONS]:
                 newer = version.isdigit() and int(version) > SCHEMA_VERSION
                 fix = "upgrade kvcal" if newer else "recalibrate with this kvcal (`kvcal calibrate`)"
-                raise BundleError(f"`{path}` has bundle schema version {_short(version)}, this kvcal reads version "
-                                  f"{SCHEMA_VERSION}; {fix}")
+                raise BundleError(f"`{path}` has bundle schema version {_short(version)}, this kvcal reads versions "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}")
             problems = _validate_metadata(meta)
             if not problems:
-                problems = _validate_header(header, _dims(meta))
+                problems = _validate_header(header, _dims(meta)) + _validate_versioned(set(header), meta)
             if problems:
                 raise BundleError(f"`{path}` failed validation: {_summarise(problems)}; recalibrate with "
                                   "`kvcal calibrate`")
@@ -434,6 +449,18 @@ def _validate_header(header: dict[str, tuple[tuple[int, ...], str]], dims: dict[
     return problems
 
 
+def _validate_versioned(names: set[str], meta: dict[str, str]) -> list[str]:
+    """Tensors that come in sets, and the schema version they need."""
+    problems = []
+    present = [n for n in KEY_RANGES if n in names]
+    if len(present) == 1:
+        missing = next(n for n in KEY_RANGES if n not in names)
+        problems.append(f"tensor `{present[0]}` without `{missing}` (static key ranges come as a pair)")
+    if any(n in names for n in SCHEMA_2_TENSORS) and meta.get("schema_version") == "1":
+        problems.append("schema version 1 cannot hold static key ranges (`k.range_low/high`)")
+    return problems
+
+
 def _validate_tensor(name: str, t: torch.Tensor) -> list[str]:
     """Checks of one tensor that need its values: finite, inside its range, bases orthonormal, ranks in [1, d].
     Large tensors are checked one layer at a time, so memory stays near the tensor's own size."""
@@ -473,6 +500,8 @@ def _validate_contents(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
         rank = tensors[name]
         if rank.numel() and (rank.min() < 1 or rank.max() > d):
             problems.append(f"tensor `{name}` outside [1, {d}] (min {rank.min().item()}, max {rank.max().item()})")
+    if all(n in tensors for n in KEY_RANGES) and bool((tensors["k.range_low"] > tensors["k.range_high"]).any()):
+        problems.append("tensor `k.range_low` exceeds `k.range_high` somewhere (a clip range must have low <= high)")
     if meta["tensors.sha256"] != content_hash(tensors):
         problems.append("tensor bytes do not match `tensors.sha256` (file corrupted)")
     return problems
@@ -485,7 +514,7 @@ def _validate(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[st
         return problems
     header = {k: (tuple(t.shape), {v: k2 for k2, v in _HEADER_DTYPES.items()}.get(t.dtype, str(t.dtype)))
               for k, t in tensors.items()}
-    problems = _validate_header(header, _dims(meta))
+    problems = _validate_header(header, _dims(meta)) + _validate_versioned(set(header), meta)
     if problems:
         return problems
     for name, t in tensors.items():

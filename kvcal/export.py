@@ -391,6 +391,9 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     if target is not None:
         _check(bundle, target)
     cfg = config if config is not None else CompressionConfig.from_dict(bundle.settings)
+    if cfg.static_keys:
+        raise ValueError(f"the manifest format has no field for static key scales (tiers {cfg.high.name} / "
+                         f"{cfg.low.name}); export settings without `s` key tiers")
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,

@@ -80,7 +80,7 @@ def _rewrite_header(src, dst, edit):
 
 def test_wrong_schema_and_format_refused(bundle_path, tmp_path):
     p = tmp_path / "schema.safetensors"
-    _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(schema_version="2"))
+    _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(schema_version="3"))
     with pytest.raises(BundleError, match="upgrade kvcal"):
         load_bundle(p)
     _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(format="other"))

@@ -148,7 +148,7 @@ def test_v_ranks_are_rounded_up_to_the_value_group():
 def test_tier_format_names_round_trip():
     from kvcal.runtime.layout import TierFormat
 
-    for spec in ("K8V4", "K4cV2", "K8V4g32", "K8V4g16kg32", "K4cV2g16", "K16V16"):
+    for spec in ("K8V4", "K4cV2", "K8V4g32", "K8V4g16kg32", "K4cV2g16", "K16V16", "K4sV4", "K2sV2g16"):
         assert TierFormat.parse(spec).name == spec
     assert TierFormat.parse("K8V4g32").v_group == 32 and TierFormat.parse("K8V4g32").k_group is None
     import pytest

@@ -78,6 +78,9 @@ def calibrate(
     = CalibrationConfig.search_steps,
     search_chunk: Annotated[int, typer.Option(help="Continuation tokens per forward pass of the search's batched "
                                                    "probe (1: stepwise).")] = CalibrationConfig.search_chunk,
+    key_percentile: Annotated[float, typer.Option(help="Static key tiers (K4sV4): per-channel key ranges keep this "
+                                                  "percentile of calibration values in each tail.")]
+    = CalibrationConfig.key_percentile,
     accept_best: Annotated[bool, typer.Option("--accept-best", help="If no point checked on evaluation text meets "
                                               "the target, keep the best one and exit 0.")]
     = CalibrationConfig.accept_best,
@@ -99,6 +102,7 @@ def calibrate(
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
                                 context=context, search_chunk=search_chunk, accept_best=accept_best,
+                                key_percentile=key_percentile,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
         passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, quiet)
         tasks: dict[str, int] = {}

@@ -41,6 +41,13 @@ from kvcal.models import (
 )
 from kvcal.profile.capture import GramCollector, capturing
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
+from kvcal.profile.key_ranges import (
+    DEFAULT_PERCENTILE,
+    DEFAULT_WINDOWS,
+    KeyRangeCollector,
+    spread_windows,
+    tail_rows,
+)
 from kvcal.profile.quality import QualityTarget
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
@@ -99,6 +106,8 @@ class CalibrationConfig:
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
     fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
+    key_percentile: float = DEFAULT_PERCENTILE   # static key ranges clip each tail at 100 - this percent
+    key_range_windows: int = DEFAULT_WINDOWS     # calibration windows of the static key range pass
     overwrite: bool = False             # replace an existing bundle (and its report) at `out`
 
     def __post_init__(self):
@@ -114,8 +123,9 @@ class CalibrationConfig:
             raise ValueError(f"`--seq-len {self.seq_len}` must be at least 2")
         if self.max_position is not None and self.max_position < 2:
             raise ValueError(f"`--max-position {self.max_position}` must be at least 2")
+        tail_rows(1, self.key_percentile)                                       # its range check
         for name in ("search_windows", "search_prompt", "search_steps", "search_chunk", "eval_windows", "eval_steps",
-                     "max_checks"):  # search_prompt None: derived from the context
+                     "max_checks", "key_range_windows"):  # search_prompt None: derived from the context
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
         if self.search and self.removal_rate > 0:
@@ -302,6 +312,17 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
     return collector
 
 
+def key_range_pass(lm: LoadedModel, rotation: torch.Tensor, windows: torch.Tensor, offsets: list[int],
+                   percentile: float, checkpoint: Checkpoint | None = None,
+                   progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static key ranges (kvcal.profile.key_ranges) of K @ rotation [L, H, d, d] over calibration `windows` [n, S]
+    at their position `offsets`: (low, high) float32 [L, H, d]. A pass of its own, after the eigendecomposition,
+    because percentiles in R's columns need R (see kvcal.profile.key_ranges)."""
+    collector = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
+    run_pass(lm, "key-ranges", windows, offsets, collector, checkpoint, progress)
+    return collector.ranges()
+
+
 def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: dict) -> str:
     relevant = {k: v for k, v in asdict(cfg).items() if k in ("seed", "random_tokens", "text_tokens", "seq_len",
                                                               "dataset", "dtype")}
@@ -409,6 +430,13 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = eig_basis(random_stats.vv)
     else:
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
+    picked = spread_windows(len(text_ids), cfg.key_range_windows)
+    key_ids = text_ids[picked]
+    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked])
+    key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
+    range_low, range_high = key_range_pass(lm, rotation.float(), key_ids, [text_offsets[i] for i in picked],
+                                           cfg.key_percentile, key_checkpoint, progress)
+    checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
     v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
@@ -428,6 +456,10 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "removal_rate": cfg.removal_rate,
         "dtype": cfg.dtype,
         "token_independence": independence,
+        "key_ranges": {"percentile": cfg.key_percentile, "windows": len(key_ids), "rows": int(key_ids.numel()),
+                       "tail_rows": tail_rows(int(key_ids.numel()), cfg.key_percentile),
+                       "basis": "columns of qk.rotation, post-RoPE, no mixing",
+                       "text_offsets": [text_offsets[i] for i in picked]},
     }
     bundle = Bundle(
         model=ModelInfo(name=lm.name, fingerprint=model_fp, weights_hash=w_hash, tokenizer_hash=tok_hash,
@@ -440,7 +472,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
                 "fastgen.recovery": fastgen_stats.recovery.float().nan_to_num(-1.0),
-                "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0)},
+                "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0),
+                "k.range_low": range_low, "k.range_high": range_high},
         settings=unsearched.to_dict(searched=False),
     )
     report = None

@@ -204,16 +204,22 @@ class ChunkProbeAttention:
 
     def stored_like(self, store, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """keys [B, H, n, r_k max], values [B, H, n, r_v max] -> both as the high tier stores them."""
+        from kvcal.runtime import quant
         from kvcal.runtime.pages import HIGH
 
         kq, vq = torch.zeros_like(keys), torch.zeros_like(values)
         for g in store.groups[layer]:
             fmt = g.layouts[HIGH].fmt
-            if fmt.k_mode != "token":       # a high tier this probe cannot mirror: leave those tokens unquantized
+            if fmt.k_mode == "channel":     # a high tier this probe cannot mirror: leave those tokens unquantized
                 kq[:, g.heads], vq[:, g.heads] = keys[:, g.heads], values[:, g.heads]
                 continue
-            kq[:, g.heads, :, :g.r_k] = self._round_trip(keys[:, g.heads, :, :g.r_k], fmt.k_bits, fmt.k_group,
-                                                         store.raw16)
+            k = keys[:, g.heads, :, :g.r_k]
+            if fmt.k_mode == "static":
+                scale, zero = (t[:, None] for t in store.static_key_params(layer, HIGH, g.heads, g.r_k))  # [Hg, 1, r]
+                kq[:, g.heads, :, :g.r_k] = quant.dequantize_static(quant.quantize_static(k, scale, zero, fmt.k_bits),
+                                                                    scale, zero)
+            else:
+                kq[:, g.heads, :, :g.r_k] = self._round_trip(k, fmt.k_bits, fmt.k_group, store.raw16)
             vq[:, g.heads, :, :g.r_v] = self._round_trip(values[:, g.heads, :, :g.r_v], fmt.v_bits, fmt.v_group,
                                                          store.raw16)
         return kq, vq

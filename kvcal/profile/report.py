@@ -31,8 +31,8 @@ def tier_in_words(spec: str) -> str:
         return f"fp{f.k_bits} keys and values"
     k = f"fp{f.k_bits}" if f.k_bits >= 16 else f"{f.k_bits}-bit"
     v = f"fp{f.v_bits}" if f.v_bits >= 16 else f"{f.v_bits}-bit"
-    k_note = " per channel" if f.k_mode == "channel" else (f" with a scale per {f.k_group} channels" if f.k_group
-                                                           else "")
+    k_note = {"channel": " per channel", "static": " with calibrated per-channel scales"}.get(
+        f.k_mode, f" with a scale per {f.k_group} channels" if f.k_group else "")
     v_note = f" with a scale per {f.v_group} channels" if f.v_group else ""
     return f"{k} keys{k_note}, {v} values{v_note}"
 

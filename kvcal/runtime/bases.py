@@ -34,7 +34,12 @@ def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tens
     """The ranks and bases the runtime actually applies under `config`: rotation, basis [L, H, d, d] float32 with
     every column beyond the head's rank zeroed and, with mixing, the first rank columns multiplied by `_mixing`;
     rank_k, rank_v [L, H] (full when `use_ranks` is off). K is stored as K @ rotation[l, h][:, :rank_k[l, h]]. The
-    manifest export writes exactly these, so another runtime reads and writes the same bytes."""
+    manifest export writes exactly these, so another runtime reads and writes the same bytes.
+
+    With static keys in either tier (`config.static_keys`) the key rotation is not mixed: static key ranges are
+    calibrated per column of the bundle's rotation (bundle `k.range_low/high`), which holds at every rank because
+    cutting to a rank only drops columns, whereas the mixing is seeded by the rank and would change every column.
+    Per-channel scales need no mixing: they fit each coordinate's own range, outlier or not."""
     L, H, d, _ = rotation.shape
     if not config.use_ranks:
         rank_k = rank_v = torch.full((L, H), d, dtype=torch.int32)
@@ -48,8 +53,9 @@ def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tens
         keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
         R = (rotation[layer].float() * keep_k)[..., :rk]                                   # [H, d, rk]
         Bv = (basis[layer].float() * keep_v)[..., :rv]                                     # [H, d, rv]
-        if config.mix and config.rotate:
+        if config.mix and config.rotate and not config.static_keys:
             R = torch.stack([R[h] @ _mixing(rk, int(rank_k[layer, h])) for h in range(H)])
+        if config.mix and config.rotate:
             Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
         out_r[layer, :, :, :rk], out_b[layer, :, :, :rv] = R, Bv
     return rank_k, rank_v, out_r, out_b

@@ -40,10 +40,16 @@ class CompressedKV:
 
     def __init__(self, rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                 raw16: torch.dtype = torch.float16, token_classes: tuple | None = None):
+                 raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
+                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None):
         """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
-        tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation."""
+        tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation. key_ranges: (low,
+        high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
+        keys."""
         L, H, d, _ = rotation.shape
+        if config.static_keys and not config.rotate:
+            raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
+                             "(K…s tiers) with `rotate=True`")
         self.config, self.batch, self.device = config, batch, torch.device(device)
         self.layers = [i for i in range(L) if not sliding[i]]
         rank_k, rank_v, rotation, basis = served_bases(rotation, basis, rank_k, rank_v, config)
@@ -58,7 +64,8 @@ class CompressedKV:
         self.backend = select_backend(config.backend, str(self.device), (config.high, config.low), d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
-                                     writer=self.backend if self.backend.writes_cache else None)
+                                     writer=self.backend if self.backend.writes_cache else None,
+                                     key_ranges=key_ranges)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
@@ -68,8 +75,11 @@ class CompressedKV:
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
                     raw16: torch.dtype = torch.float16, token_classes: tuple | None = None) -> CompressedKV:
+        ranges = None
+        if "k.range_low" in bundle.extras:
+            ranges = (bundle.extras["k.range_low"], bundle.extras["k.range_high"])
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
-                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes)
+                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""

@@ -72,6 +72,11 @@ class CompressionConfig:
                    rotate=False)
 
     @property
+    def static_keys(self) -> bool:
+        """Whether a tier stores keys with static calibrated per-channel scales (k_mode "static")."""
+        return "static" in (self.high.k_mode, self.low.k_mode)
+
+    @property
     def value_group(self) -> int:
         """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
         return max(self.high.v_group or 1, self.low.v_group or 1)

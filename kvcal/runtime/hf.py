@@ -204,7 +204,8 @@ class KvcalCache(Cache):
 
     def memory(self) -> dict[str, float]:
         """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus dense
-        sliding layers, against an fp16 dense cache of the same tokens."""
+        sliding layers, against an fp16 dense cache of the same tokens. `fixed_bytes`: the per-model cost that does
+        not grow with tokens (static key scales), reported apart and not in `total_bytes` or the ratio."""
         paged = self.kv.store.bytes_in_use() if self.kv else 0
         dense = dense_fp16 = 0
         for layer, sliding in zip(self.layers, self.sliding):
@@ -218,7 +219,8 @@ class KvcalCache(Cache):
             dense_fp16 += tokens * len(L) * H * d * 2 * 2
         total = paged + dense
         return {"paged_bytes": paged, "dense_bytes": dense, "total_bytes": total, "fp16_bytes": dense_fp16,
-                "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan")}
+                "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
+                "fixed_bytes": self.kv.store.static_key_bytes() if self.kv else 0}
 
     def release(self) -> int:
         """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can

@@ -6,6 +6,8 @@ in order, each starting on a 16-byte boundary (T = tokens per page):
     k      uint8 [T, k_bytes]          K·R[:, :r_k], packed codes (or raw float for 16/32-bit tiers)
     k_meta fp16  [T, k_groups, 2]      (scale, zero) per token and channel group          -- key mode "token"
            fp16  [r_k, 2]              (scale, zero) per channel over the page's tokens    -- key mode "channel"
+           (none)                      key mode "static": per-channel (scale, zero) fixed per (layer, KV head),
+                                       calibrated offline (bundle `k.range_low/high`), held once by the store
     v      uint8 [T, v_bytes]          V·B[:, :r_v], packed codes
     v_meta fp16  [T, v_groups, 2]      (scale, zero) per token and channel group
     score  fp32  [T]                   cumulative attention probability received (max over the query heads)
@@ -24,6 +26,8 @@ from kvcal.runtime.quant import packed_size
 ALIGN = 16
 RAW_BITS = (16, 32)
 QUANT_BITS = (2, 4, 8)
+K_MODES = ("token", "channel", "static")
+_MODE_LETTER = {"token": "", "channel": "c", "static": "s"}
 
 
 def _align(n: int) -> int:
@@ -32,11 +36,13 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class TierFormat:
-    """How one tier stores a token. `k_mode` "channel" = KIVI-style per-channel key scales over the page's tokens."""
+    """How one tier stores a token. `k_mode` "channel" = KIVI-style per-channel key scales over the page's tokens;
+    "static" = per-channel key scales calibrated offline (KVQuant-style), the same for every token of a (layer, KV
+    head), so a key is written on its own (any tier, no page grouping) and the page holds its codes only."""
 
     k_bits: int = 8                  # 2, 4, 8, or 16/32 for raw floats
     v_bits: int = 4
-    k_mode: str = "token"            # "token" or "channel"
+    k_mode: str = "token"            # "token", "channel" or "static"
     k_group: int | None = None       # channels per (scale, zero) for per-token keys; None = the whole vector
     v_group: int | None = None       # channels per (scale, zero) for values; None = the whole vector
 
@@ -44,31 +50,34 @@ class TierFormat:
         for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
             if bits not in QUANT_BITS + RAW_BITS:
                 raise ValueError(f"`{name}={bits}` is not one of {QUANT_BITS + RAW_BITS}")
-        if self.k_mode not in ("token", "channel"):
-            raise ValueError(f"`k_mode={self.k_mode}` must be `token` or `channel`")
-        if self.k_mode == "channel" and self.k_bits in RAW_BITS:
-            raise ValueError("per-channel keys need quantized keys (k_bits 2, 4 or 8)")
+        if self.k_mode not in K_MODES:
+            raise ValueError(f"`k_mode={self.k_mode}` must be one of {', '.join(K_MODES)}")
+        if self.k_mode != "token" and self.k_bits in RAW_BITS:
+            raise ValueError(f"{self.k_mode} key scales need quantized keys (k_bits 2, 4 or 8)")
+        if self.k_mode != "token" and self.k_group is not None:
+            raise ValueError(f"`k_group` groups per-token key scales; {self.k_mode} keys have one scale per channel")
 
     @property
     def name(self) -> str:
-        k = f"K{self.k_bits}{'c' if self.k_mode == 'channel' else ''}"
+        k = f"K{self.k_bits}{_MODE_LETTER[self.k_mode]}"
         group = f"g{self.v_group}" if self.v_group else ""
         kgroup = f"kg{self.k_group}" if self.k_group else ""
         return f"{k}V{self.v_bits}{group}{kgroup}"
 
     @classmethod
     def parse(cls, spec: str) -> TierFormat:
-        """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys; 'K16V16' / 'K32V32' -> raw; a suffix 'g32' quantizes
-        values in groups of 32 channels (one scale and zero each), 'kg32' the same for per-token keys."""
+        """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys over a page; 'K4sV4' -> static (calibrated)
+        per-channel keys; 'K16V16' / 'K32V32' -> raw; a suffix 'g32' quantizes values in groups of 32 channels (one
+        scale and zero each), 'kg32' the same for per-token keys."""
         import re
 
-        m = re.fullmatch(r"[Kk](\d+)(c?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?", spec.strip())
+        m = re.fullmatch(r"[Kk](\d+)([cs]?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?", spec.strip())
         if not m:
-            raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys), K8V4g32 (values in "
-                             "groups of 32 channels) or K16V16")
+            raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys), K4sV4 (s = static "
+                             "calibrated per-channel keys), K8V4g32 (values in groups of 32 channels) or K16V16")
         group = lambda i: int(m.group(i)) if m.group(i) else None      # noqa: E731
-        return cls(int(m.group(1)), int(m.group(3)), "channel" if m.group(2) else "token", k_group=group(5),
-                   v_group=group(4))
+        mode = {v: k for k, v in _MODE_LETTER.items()}[m.group(2)]
+        return cls(int(m.group(1)), int(m.group(3)), mode, k_group=group(5), v_group=group(4))
 
 
 def _groups(n: int, group: int | None) -> int:

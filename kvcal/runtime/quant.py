@@ -1,12 +1,15 @@
 """Asymmetric min-max quantization of KV-cache tensors, plus bit packing.
 
-Two layouts, following KIVI:
+Three layouts, the first two following KIVI:
 
 * per-token (values): each token's vector ``x: [..., n]`` is split into groups of ``group_size`` consecutive channels;
   each group gets one ``scale`` and ``zero`` -> ``codes: [..., n]``, ``scale, zero: [..., n // group_size]``.
 * per-channel (keys): a block of ``T`` tokens ``x: [..., T, n]`` gets one ``scale`` / ``zero`` per channel, computed
   over the tokens -> ``codes: [..., T, n]``, ``scale, zero: [..., n]``. This isolates outlier channels, which dominate
   the key cache, so they do not blow up the step size of every other channel.
+* static per-channel (keys, KVQuant-style): ``scale, zero: [..., n]`` come from a clip range calibrated offline
+  (:func:`static_scale_zero`), so each token is quantized alone (:func:`quantize_static`) and values outside the
+  range saturate.
 
 Quantization is ``codes = clamp(round((x - zero) / scale), 0, 2**bits - 1)`` with
 ``scale = (max - min) / (2**bits - 1)`` and ``zero = min``. Scale and zero are stored as float16 and rounded to float16
@@ -223,3 +226,47 @@ def dequantize_per_channel(
     _check_params(codes, scale, zero, (*codes.shape[:-2], codes.shape[-1]))
     x_hat = codes.to(torch.float32) * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
     return x_hat.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- static per-channel
+
+def static_scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel clip range [low, high] (float32 [..., n], calibrated offline) -> fp16 (scale, zero) [..., n].
+
+    Rounded outwards: zero is ``low`` rounded down to fp16 and scale is rounded up, so the codes cover
+    ``[zero, zero + (2**bits - 1) * scale] ⊇ [low, high]``; the fp16 rounding never clips a value the range admits
+    (round to nearest could pull the grid in by up to half an fp16 ulp at each end).
+    """
+    _check_bits(bits)
+    low, high = low.float(), high.float()
+    if low.shape != high.shape or bool((low > high).any()):
+        raise ValueError("static key ranges need low <= high of the same shape")
+    m = float(torch.maximum(low.abs(), high.abs()).amax()) if low.numel() else 0.0
+    if not math.isfinite(m) or m > _FP16_MAX:
+        raise ValueError(f"static key range reaches {m:g}, beyond the float16 range (max {_FP16_MAX:g}) of scale/zero")
+    zero = low.to(torch.float16)
+    zero = torch.where(zero.float() > low, torch.nextafter(zero, torch.full_like(zero, -math.inf)), zero)
+    step = (high - zero.float()) / ((1 << bits) - 1)
+    scale = step.to(torch.float16)
+    scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"static key range {m:g} overflows a float16 scale at bits={bits}")
+    return scale, zero
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """x float [..., n], fp16 scale/zero broadcastable to x (`static_scale_zero`) -> codes uint8 [..., n]. Values
+    outside the calibrated range saturate at code 0 or 2**bits - 1."""
+    _check_bits(bits)
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x must be finite, got NaN or inf")
+    return _encode(x.to(torch.float32), scale, zero, bits)
+
+
+def dequantize_static(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes uint8 [..., n], scale/zero fp16 broadcastable to codes -> dtype [..., n]."""
+    _check_uint8(codes, "codes")
+    return (codes.to(torch.float32) * scale.float() + zero.float()).to(dtype)

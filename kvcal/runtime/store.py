@@ -8,6 +8,9 @@ Heads of one layer may have different ranks and therefore different page layouts
 *group* and are processed together (vectorized over sequences and heads; a layer has at most H groups, usually one).
 Rotated vectors are passed around zero-padded to the layer's largest rank, which leaves dot products unchanged.
 
+Static keys (k_mode "static"): each (layer, KV head) has one per-channel fp16 (scale, zero) per static tier, made
+once from the bundle's calibrated clip ranges (`key_ranges`) and held here, not in the pages (`static_key_bytes`).
+
 Slots: a section's slot s lives in its page s // T at index s % T. `fill[layer, b, h, side]` counts slots ever
 written; a slot below `fill` with position -1 is a hole (a pruned or moved token). High-section holes are reused by
 new tokens; per-channel low pages are written whole and never rewritten, so their holes stay until the sequence ends.
@@ -76,6 +79,8 @@ class CompressedStore:
     writer: an attention backend that writes the cache itself (`AttentionBackend.writes_cache`): `write` and
     `write_pages` hand it the bytes, after the store did the bookkeeping (pages reserved, slots counted). None: the
     torch writer here.
+    key_ranges: (low, high) float32 [L, H, >= r_k] per-channel clip ranges of the stored keys (bundle
+    `k.range_low` / `k.range_high`); required when a tier has static keys, ignored otherwise.
 
     Public addressing for backends: `entries` (the (sequence, head) pairs of a head group), `section_pages`,
     `page_of` (byte offset of a slot's page), `reserve_pages`, `reserve_low_page`.
@@ -84,9 +89,11 @@ class CompressedStore:
     def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
-                 initial_tokens: int = 2048, writer=None):
-        if high.k_mode != "token":
-            raise ValueError("the high tier needs per-token keys (it holds the recent window, written token by token)")
+                 initial_tokens: int = 2048, writer=None,
+                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if high.k_mode == "channel":
+            raise ValueError("the high tier needs keys written token by token (per-token or static keys): it holds "
+                             "the recent window")
         self.high, self.low = high, low
         self.writer = writer
         self.layers = list(layers)
@@ -109,6 +116,7 @@ class CompressedStore:
             self.groups[layer] = groups
         self.r_k_max = {layer: max(g.r_k for g in gs) for layer, gs in self.groups.items()}
         self.r_v_max = {layer: max(g.r_v for g in gs) for layer, gs in self.groups.items()}
+        self.static_keys = self._static_keys(key_ranges, rank_k)
         # page-table rows start with room for `initial_tokens` per entry and widen on demand (PageArena.grow_table):
         # a row sized for any context up front costs [B, L, H, 65536] int32 = hundreds of MB per cache
         max_pages = -(-initial_tokens // min(min_tokens)) * 2
@@ -125,6 +133,46 @@ class CompressedStore:
         # reuse only there, so the common decode step (no tiers, no eviction) never reads `holes`
         self._holey: set[tuple[int, int]] = set()
         self._every: tuple[torch.Tensor, torch.Tensor] | None = None       # every_entry, until the batch changes
+
+    def _static_keys(self, key_ranges, rank_k) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """(layer, side) -> fp16 (scale, zero) [H, r_k max] of each static-key tier (empty when none is static)."""
+        static = [(side, fmt) for side, fmt in ((HIGH, self.high), (LOW, self.low)) if fmt.k_mode == "static"]
+        if not static:
+            return {}
+        names = " and ".join(fmt.name for _, fmt in static)
+        if key_ranges is None:
+            raise ValueError(f"tier {names} needs calibrated static key ranges, and none were given; use a bundle "
+                             "with `k.range_low` / `k.range_high` (written by `kvcal calibrate`)")
+        low, high = key_ranges
+        L, H = rank_k.shape
+        need = max(self.r_k_max.values(), default=0)
+        if low.shape != high.shape or low.dim() != 3 or tuple(low.shape[:2]) != (L, H) or low.shape[2] < need:
+            raise ValueError(f"static key ranges have shapes {tuple(low.shape)} and {tuple(high.shape)}; tier {names} "
+                             f"needs two of [{L}, {H}, >= {need}] (layers, KV heads, stored key channels)")
+        out = {}
+        for layer in self.layers:
+            r = self.r_k_max[layer]
+            for side, fmt in static:
+                scale, zero = quant.static_scale_zero(low[layer, :, :r], high[layer, :, :r], fmt.k_bits)
+                out[layer, side] = (scale.to(self.device), zero.to(self.device))
+        return out
+
+    def static_key_params(self, layer: int, side: int, h: torch.Tensor, r_k: int):
+        """fp16 (scale, zero) [n, r_k] of the static-key tier on `side` for KV heads h [n]."""
+        scale, zero = self.static_keys[layer, side]
+        return scale[h, :r_k], zero[h, :r_k]
+
+    def static_key_bytes(self) -> int:
+        """Bytes of the static key (scale, zero) pairs: a fixed cost per model and tier format, not per token (fp16
+        scale and zero per stored key channel of each (layer, KV head), per static tier)."""
+        return sum(4 * int(self.rank_k_of(layer).sum()) for layer, _ in self.static_keys)
+
+    def rank_k_of(self, layer: int) -> torch.Tensor:
+        """int64 [H]: stored key rank of each KV head of `layer`."""
+        r = torch.zeros(self.num_kv_heads, dtype=torch.int64)
+        for g in self.groups[layer]:
+            r[g.heads.cpu()] = g.r_k
+        return r
 
     # ------------------------------------------------------------------------------------------------- addressing
 
@@ -209,10 +257,17 @@ class CompressedStore:
             lay = g.layouts[side]
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             fmt = lay.fmt
-            assert fmt.k_mode == "token", "per-channel pages are written whole (write_pages)"
+            assert fmt.k_mode != "channel", "per-channel pages are written whole (write_pages)"
             k, v = keys[sel, :g.r_k].float(), values[sel, :g.r_v].float()
-            self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
-                              lay.k_groups)
+            if fmt.k_mode == "static":
+                scale, zero = self.static_key_params(layer, side, h[sel], g.r_k)
+                codes = quant.pack(quant.quantize_static(k, scale, zero, fmt.k_bits), fmt.k_bits)
+                b_idx = (base + lay.k_off)[:, None] + idx[:, None] * lay.k_bytes + torch.arange(lay.k_bytes,
+                                                                                             device=k.device)
+                self._flat(torch.uint8)[b_idx] = codes
+            else:
+                self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
+                                  lay.k_groups)
             self._put_vectors(base, idx, v, fmt.v_bits, fmt.v_group, lay.v_off, lay.v_meta_off, lay.v_bytes,
                               lay.v_groups)
             self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
@@ -312,7 +367,7 @@ class CompressedStore:
         """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append. pos
         [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the fused
         append (`_append_every`)."""
-        assert side == HIGH or self.low.k_mode == "token", "per-channel low pages are written whole"
+        assert side == HIGH or self.low.k_mode != "channel", "per-channel low pages are written whole"
         if (layer, side) not in self._holey:                           # the common case: nothing to reuse
             if every_entry:
                 self._append_every(layer, side, keys, values, pos, score)
@@ -448,7 +503,8 @@ class CompressedStore:
             lay = g.layouts[side]
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             pages = (base // self.page_bytes)[:, None]
-            k, v, sc, ps = self._dequantize(self.arena.arena[pages], lay)                      # [m, 1 * T, ...]
+            key_scales = self.static_key_params(layer, side, h[sel], g.r_k) if lay.fmt.k_mode == "static" else None
+            k, v, sc, ps = self._dequantize(self.arena.arena[pages], lay, key_scales)          # [m, 1 * T, ...]
             pick = idx[:, None]
             keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
             values[sel, :g.r_v] = v.gather(1, pick[..., None].expand(-1, -1, g.r_v)).squeeze(1)
@@ -456,8 +512,9 @@ class CompressedStore:
             pos[sel] = ps.gather(1, pick).squeeze(1)
         return keys, values, score, pos
 
-    def _dequantize(self, data: torch.Tensor, lay: PageLayout):
-        """data uint8 [n, P, page_bytes] -> keys [n, P*T, r_k], values [n, P*T, r_v] float32, score, pos [n, P*T]."""
+    def _dequantize(self, data: torch.Tensor, lay: PageLayout, key_scales=None):
+        """data uint8 [n, P, page_bytes] -> keys [n, P*T, r_k], values [n, P*T, r_v] float32, score, pos [n, P*T].
+        key_scales: static keys' fp16 (scale, zero) [n, r_k] of each row's head (`static_key_params`)."""
         n, P, _ = data.shape
         T, fmt = lay.tokens, lay.fmt
 
@@ -476,6 +533,9 @@ class CompressedStore:
             codes = quant.unpack(seg(lay.k_off, T * lay.k_bytes).view(n, P, T, lay.k_bytes), fmt.k_bits, lay.r_k)
             meta = seg(lay.k_meta_off, lay.r_k * 4).view(torch.float16).view(n, P, lay.r_k, 2)
             keys = quant.dequantize_per_channel(codes, meta[..., 0], meta[..., 1]).reshape(n, P * T, lay.r_k)
+        elif fmt.k_mode == "static":
+            codes = quant.unpack(seg(lay.k_off, T * lay.k_bytes).view(n, P * T, lay.k_bytes), fmt.k_bits, lay.r_k)
+            keys = quant.dequantize_static(codes, key_scales[0][:, None], key_scales[1][:, None])
         else:
             keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k)
         values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v)
@@ -494,7 +554,8 @@ class CompressedStore:
                 if pages.shape[1] == 0:
                     continue
                 lay = g.layouts[side]
-                k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay)
+                key_scales = self.static_key_params(layer, side, h, g.r_k) if lay.fmt.k_mode == "static" else None
+                k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay, key_scales)
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
                 word = ((pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(

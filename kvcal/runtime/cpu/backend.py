@@ -124,9 +124,11 @@ class CpuBackend(AttentionBackend):
 
     @classmethod
     def supports_formats(cls, formats: tuple, head_dim: int) -> list[str]:
+        reasons = [f"{fmt.name}: the CPU kernels read per-token or per-page key scales, not static calibrated ones"
+                   for fmt in formats if fmt.k_mode == "static"]
         if head_dim > MAX_RANK:
-            return [f"head dim {head_dim} exceeds the CPU kernels' limit of {MAX_RANK} stored dims"]
-        return []
+            reasons.append(f"head dim {head_dim} exceeds the CPU kernels' limit of {MAX_RANK} stored dims")
+        return reasons
 
     prefill = staticmethod(TorchBackend.prefill)
 
@@ -150,7 +152,7 @@ class CpuBackend(AttentionBackend):
         """As CompressedStore.write: b, h, slot, pos [n]; keys [n, >= r_k]; values [n, >= r_v]; score [n]."""
         if len(b) == 0:
             return
-        assert side != LOW or store.low.k_mode == "token", "per-channel pages are written whole (write_pages)"
+        assert side != LOW or store.low.k_mode != "channel", "per-channel pages are written whole (write_pages)"
         b, h, slot, pos = (t.to(torch.int64).contiguous() for t in (b, h, slot, pos))
         keys, values, score = (t.float().contiguous() for t in (keys, values, score))
         bad = ctypes.c_float(0.0)
@@ -164,7 +166,7 @@ class CpuBackend(AttentionBackend):
         """The decode step's append (CompressedStore._append_every): one token per entry, in every_entry order, at
         the end of its section, and fill += 1, in one call. keys [B * H, >= r_k]; values [B * H, >= r_v];
         score [B * H]; pos: every token's position. Pages must exist; none may be shared."""
-        assert side != LOW or store.low.k_mode == "token", "per-channel pages are written whole (write_pages)"
+        assert side != LOW or store.low.k_mode != "channel", "per-channel pages are written whole (write_pages)"
         keys, values, score = (t.float().contiguous() for t in (keys, values, score))
         bad = ctypes.c_float(0.0)
         rc = load_library().kvcal_append_every(*_layer_args(store, layer), side, _ptr(keys), keys.shape[-1],

@@ -37,6 +37,9 @@ MAX_RANK = 256        # stored rank per head (decode_attention.cu THREADS * DIMS
 def format_limits(fmt, rank: int) -> list[str]:
     """Reasons the kernels cannot serve tier format `fmt` (a TierFormat) at stored ranks up to `rank`."""
     reasons = []
+    if fmt.k_mode == "static":       # PageDesc has no field for them, so the emulation cannot serve them either
+        reasons.append(f"{fmt.name}: the CUDA kernels read per-token or per-page key scales, not static calibrated "
+                       "ones")
     if rank > MAX_RANK:
         reasons.append(f"stored rank {rank} exceeds the CUDA kernels' limit of {MAX_RANK}")
     # (bits, channels per group, whether the group gives per-token (scale, zero) pairs); per-channel keys have none
