@@ -189,7 +189,8 @@ class ResidualProbe:
         self.calls.append((low.name, p.alpha_high, p.window, p.alpha_low))
         ok = (low.k_bits >= 4 and not (low.k_bits == 4 and p.alpha_high > 100) and p.window >= 32
               and p.alpha_low <= 0.5)
-        ratio = 0.2 + 0.02 * low.k_bits + 0.01 * low.v_bits + p.window / 1e3 - 0.01 * p.alpha_low - 1e-5 * p.alpha_high
+        ratio = (0.2 + 0.02 * low.k_bits + 0.01 * low.v_bits + p.window / 1e3 - 0.01 * p.alpha_low
+                 - 1e-5 * min(p.alpha_high, 100))
         return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
                         prompt_tokens=1, memory={"ratio_to_fp16": ratio}, tiers={})
 
@@ -207,3 +208,30 @@ def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruni
     assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
     # a search whose residual family misses everywhere keeps none of it
     assert Search(ResidualProbe(), _bundle(), QualityTarget()).residual(BASE.with_tiering(window=8)) is None
+
+
+class TableProbe:
+    """A fake probe reading (low tier, alpha_high) -> (feasible, bytes) from a table; anything else misses."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        ok, ratio = self.table.get((config.low.name, config.tiering.alpha_high), (False, 0.9))
+        ok = ok and config.tiering.window == 64 and config.tiering.alpha_low == 0.0
+        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
+                        prompt_tokens=1, memory={"ratio_to_fp16": ratio}, tiers={})
+
+
+def test_residual_family_keeps_the_cheaper_tier_when_a_cheaper_format_passes_only_at_more_bytes():
+    """Measured on smollm2-135m at 4k: K4cV4 passes at alpha 16 (0.385 of fp16), K4cV2 only at alpha 4, where it
+    keeps so many fp16 heavy hitters that it costs 0.491; the search must keep K4cV4."""
+    from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
+
+    table = {("K8cV4", EVERY_TOKEN_LOW): (True, 0.467), ("K4cV4", EVERY_TOKEN_LOW): (False, 0.346),
+             ("K4cV4", 16.0): (True, 0.385), ("K4cV2", EVERY_TOKEN_LOW): (False, 0.284),
+             ("K4cV2", 16.0): (False, 0.327), ("K4cV2", 4.0): (True, 0.491)}
+    best = Search(TableProbe(table), _bundle(), QualityTarget()).residual(BASE)
+    assert (best.config.low.name, best.config.tiering.alpha_high, best.bytes_ratio) == ("K4cV4", 16.0, 0.385)

@@ -252,7 +252,8 @@ class Search:
                     break
             if found is None:       # cheaper low tiers quantize harder: assumed infeasible too
                 break
-            chosen = found
+            # a cheaper low tier may pass only by keeping more heavy hitters in fp16, which can cost more in all
+            chosen = found if chosen is None or found.bytes_ratio < chosen.bytes_ratio else chosen
         if chosen is None:
             return None
         chosen = self._bisect(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.tiering.window])
