@@ -268,11 +268,13 @@ def item6_edited_policy_refused(env, tmp_path, monkeypatch):
 
 
 def item6_old_bundles_still_load(env, tmp_path, monkeypatch):
-    """Bundles written before `metadata.sha256` existed (the shipped artefact, old v1 files) load and serve as
-    before."""
+    """Bundles written before `metadata.sha256` existed (old v1 files) load and serve as before; the shipped artefact
+    loads and its settings build a runtime config."""
+    from kvcal.runtime.config import CompressionConfig
+
     shipped = ROOT / "artifacts" / "smollm2-135m.kvcal.safetensors"
     b = load_bundle(shipped)
-    assert b.shape == (30, 3, 64) and b.settings["high"] == "K8V4g16"
+    assert b.shape == (30, 3, 64) and CompressionConfig.from_dict(b.settings).to_dict() == b.settings
     old = rewrite(env["bundle"], tmp_path / "old.kvcal.safetensors", meta=lambda m: m.pop("metadata.sha256"),
                   rehash=False)
     a, o = load_bundle(env["bundle"]), load_bundle(old)

@@ -95,8 +95,13 @@ def test_kvcal_bundle_inside_the_kvpress_pipeline(smol):
         exact = pipe(context, questions=questions, cache=cache, max_new_tokens=6)["answers"]
         context_len = cache.get_seq_length()
         mem = cache.memory()
-        cache = KvcalCache.from_bundle(bundle, model, tokenizer=tok)                      # the bundle's settings
+        # K8V4 without tiers: the pipeline crops each answer away, and only high-tier tokens can be cropped
+        cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(), tokenizer=tok)
         packed = pipe(context, questions=questions, cache=cache, max_new_tokens=6)["answers"]
+        tiered = KvcalCache.from_bundle(bundle, model, tokenizer=tok)                     # the bundle's settings
+        assert CompressionConfig.from_dict(bundle.settings).tiering.tiered
+        with pytest.raises(ValueError, match="cannot crop the cache .* no longer at the high tier"):
+            pipe(context, questions=questions, cache=tiered, max_new_tokens=6)
     assert exact == dense                       # each answer cropped away exactly before the next question
     assert context_len == dense_cache.get_seq_length() > 150      # back to the context after each answer
     assert mem["total_bytes"] == mem["paged_bytes"] > 0
