@@ -38,13 +38,14 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(x, [1 / r["bytes_ratio"] for r in rows], "o-")
     left.set(xscale="log", xlabel="context (tokens)", ylabel="compression (fp16 bytes / kvcal bytes)",
-             title="compression")
+             title="compression", ylim=(0, max(1 / r["bytes_ratio"] for r in rows) * 1.2))
     right.plot(x, [r["top1"] for r in rows], "o-", label="top-1")
     right.plot(x, [r["top1_bound"] for r in rows], "s--", label="top-1 lower bound")
     right.axhline(rows[0]["target_top1"], color="grey", lw=0.8, label="target")
     right.set(xscale="log", xlabel="context (tokens)", ylabel="top-1 agreement with dense", title="quality")
     right.legend(fontsize=8)
     for ax in (left, right):
+        ax.minorticks_off()
         ax.set_xticks(x, [str(c) for c in x])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -97,8 +98,8 @@ def main() -> None:
                            "steps": args.steps, "chunk": args.chunk, "split": "eval", "threads":
                            torch.get_num_threads(), "machine": platform.machine(), "rows": rows}, fh, indent=2)
     if args.png and rows:
-        plot(rows, f"{bundle.model.name}: {config.high.name} settings of {args.bundle.rsplit('/', 1)[-1]}",
-             args.png)
+        plot(rows, f"{bundle.model.name}: the settings of {args.bundle.rsplit('/', 1)[-1]} "
+             f"({config.high.name} high tier, {config.low.name} low tier)", args.png)
 
 
 if __name__ == "__main__":
