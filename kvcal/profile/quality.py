@@ -344,17 +344,17 @@ class DecodeProbe:
         recording.record = True
         model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
         self.records = dict(recording.kv.recorder)
+        sliding = list(recording.sliding)
         for i, layer in enumerate(recording.layers):
-            if recording.sliding[i]:
+            if sliding[i]:
                 self.records[i] = (layer.keys, layer.values, layer.cumulative_length)
         recording.release()
         self.ref = reference_logits(model, self.records, continuation)
         # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more than
         # fp16 once the reference is made: half the probe's largest allocation (4 x 4k tokens of a 30-layer model
         # are 0.7 GB in float32). Sliding layers keep their window as the model's cache held it.
-        for i, record in self.records.items():
-            if len(record) == 5:
-                key, value, *rest = record
+        for i, (key, value, *rest) in self.records.items():
+            if not sliding[i]:
                 self.records[i] = (key.half(), value.half(), *rest)
 
     @torch.inference_mode()

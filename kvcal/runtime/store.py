@@ -64,7 +64,7 @@ class Gathered:
     score: torch.Tensor     # float32 [B, H, S] cumulative significance
     side: torch.Tensor      # int64 [B, H, S]  HIGH / LOW
     slot: torch.Tensor      # int64 [B, H, S]  slot within its section
-    word: torch.Tensor | None = None   # int64 [B, H, S] index of the slot's score in the arena as float32 words
+    word: torch.Tensor      # int64 [B, H, S]  index of the slot's score in the arena as float32 words
 
 
 def _positions(pos, n: int, device) -> torch.Tensor:
@@ -161,6 +161,10 @@ class CompressedStore:
         """fp16 (scale, zero) [n, r_k] of the static-key tier on `side` for KV heads h [n]."""
         scale, zero = self.static_keys[layer, side]
         return scale[h, :r_k], zero[h, :r_k]
+
+    def _key_scales(self, layer: int, side: int, h: torch.Tensor, g: HeadGroup):
+        """What `_dequantize` needs to read group g's keys on `side`: `static_key_params` for static keys, else None."""
+        return self.static_key_params(layer, side, h, g.r_k) if g.layouts[side].fmt.k_mode == "static" else None
 
     def static_key_bytes(self) -> int:
         """Bytes of the static key (scale, zero) pairs: a fixed cost per model and tier format, not per token (fp16
@@ -261,10 +265,8 @@ class CompressedStore:
             k, v = keys[sel, :g.r_k].float(), values[sel, :g.r_v].float()
             if fmt.k_mode == "static":
                 scale, zero = self.static_key_params(layer, side, h[sel], g.r_k)
-                codes = quant.pack(quant.quantize_static(k, scale, zero, fmt.k_bits), fmt.k_bits)
-                b_idx = (base + lay.k_off)[:, None] + idx[:, None] * lay.k_bytes + torch.arange(lay.k_bytes,
-                                                                                             device=k.device)
-                self._flat(torch.uint8)[b_idx] = codes
+                self._put_bytes(base, idx, quant.pack(quant.quantize_static(k, scale, zero, fmt.k_bits), fmt.k_bits),
+                                lay.k_off, lay.k_bytes)
             else:
                 self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
                                   lay.k_groups)
@@ -283,8 +285,12 @@ class CompressedStore:
             m_idx = (base + meta_off)[:, None] // 2 + idx[:, None] * (ngroups * 2) + torch.arange(ngroups * 2,
                                                                                              device=x.device)
             self._flat(torch.float16)[m_idx] = meta
-        b_idx = (base + off)[:, None] + idx[:, None] * nbytes + torch.arange(nbytes, device=x.device)
-        self._flat(torch.uint8)[b_idx] = data
+        self._put_bytes(base, idx, data, off, nbytes)
+
+    def _put_bytes(self, base, idx, data: torch.Tensor, off: int, nbytes: int) -> None:
+        """data uint8 [n, nbytes] into slot idx [n] of the segment at `off` of the pages at byte offsets base [n]."""
+        self._flat(torch.uint8)[(base + off)[:, None] + idx[:, None] * nbytes + torch.arange(nbytes,
+                                                                                          device=data.device)] = data
 
     def reserve_low_page(self, layer: int, b: torch.Tensor, h: torch.Tensor, lay: PageLayout) -> torch.Tensor:
         """Per-channel low tier: the bookkeeping of one whole new low page per entry (b, h) [n] of one head group
@@ -455,6 +461,13 @@ class CompressedStore:
         # an entry with fewer pages on this side must not read the other side's pages in those columns
         return torch.where(torch.arange(P, device=self.device) < count[:, None], pages, -1).long()
 
+    def _slot_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
+        """pages int64 [n, P] (-1 = none) -> int64 [n, P * T]: each slot's index among the arena's 4-byte words,
+        counted from its page's start (add a segment's offset // 4 to address its score or position)."""
+        n, P = pages.shape
+        return ((pages.clamp(min=0) * self.page_bytes // 4)[..., None]
+                + torch.arange(lay.tokens, device=self.device)).reshape(n, P * lay.tokens)
+
     def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
         Reads only the score and position segments."""
@@ -469,20 +482,15 @@ class CompressedStore:
         for g, sel in rows:
             lay = g.layouts[side]
             eb, eh = (b, h) if sel is None else (b[sel], h[sel])
-            pages = self.section_pages(layer, side, eb, eh)
-            n, P = pages.shape
-            if sel is None and P == 0:
-                empty = torch.zeros(n, 0, dtype=torch.int64, device=self.device)
-                return empty.float(), empty, empty
-            word = ((pages.clamp(min=0) * self.page_bytes // 4)[..., None]
-                    + torch.arange(lay.tokens, device=self.device)).reshape(n, P * lay.tokens)
-            score = self._flat(torch.float32)[word + lay.score_off // 4]
-            pos = self._flat(torch.int32)[word + lay.pos_off // 4].long()
+            slots = self._slot_words(self.section_pages(layer, side, eb, eh), lay)
+            word = slots + lay.score_off // 4
+            score = self._flat(torch.float32)[word]
+            pos = self._flat(torch.int32)[slots + lay.pos_off // 4].long()
             fill = self.fill[layer, eb, eh, side]
-            pos = torch.where(torch.arange(P * lay.tokens, device=self.device) < fill[:, None], pos, -1)
+            pos = torch.where(torch.arange(slots.shape[1], device=self.device) < fill[:, None], pos, -1)
             if sel is None:
-                return score, pos, word + lay.score_off // 4
-            parts.append((sel, score, pos, word + lay.score_off // 4))
+                return score, pos, word
+            parts.append((sel, score, pos, word))
         width = max([score.shape[1] for _, score, _, _ in parts], default=0)
         out_s = torch.zeros(len(b), width, device=self.device)
         out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
@@ -503,8 +511,8 @@ class CompressedStore:
             lay = g.layouts[side]
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             pages = (base // self.page_bytes)[:, None]
-            key_scales = self.static_key_params(layer, side, h[sel], g.r_k) if lay.fmt.k_mode == "static" else None
-            k, v, sc, ps = self._dequantize(self.arena.arena[pages], lay, key_scales)          # [m, 1 * T, ...]
+            scales = self._key_scales(layer, side, h[sel], g)
+            k, v, sc, ps = self._dequantize(self.arena.arena[pages], lay, scales)              # [m, 1 * T, ...]
             pick = idx[:, None]
             keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
             values[sel, :g.r_v] = v.gather(1, pick[..., None].expand(-1, -1, g.r_v)).squeeze(1)
@@ -554,12 +562,11 @@ class CompressedStore:
                 if pages.shape[1] == 0:
                     continue
                 lay = g.layouts[side]
-                key_scales = self.static_key_params(layer, side, h, g.r_k) if lay.fmt.k_mode == "static" else None
-                k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay, key_scales)
+                k, v, score, pos = self._dequantize(self.arena.arena[pages.clamp(min=0)], lay,
+                                                    self._key_scales(layer, side, h, g))
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
-                word = ((pages.clamp(min=0) * self.page_bytes // 4)[..., None] + torch.arange(
-                    lay.tokens, device=self.device)).reshape(pos.shape) + lay.score_off // 4
+                word = self._slot_words(pages, lay) + lay.score_off // 4
                 # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
