@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcal.bench.caches import memory_dict, tensor_bytes
+from kvcal.runtime.hf import cache_argument
 
 # bench key -> (display name, how the press is built from a compression ratio), kvpress's own classes
 PRESSES = {
@@ -86,8 +87,9 @@ def _attention_layers(model):
 
 def _press_hook(module, args, kwargs, output):
     """After an attention layer: run the `PressedCache`'s press (kvpress code, unchanged) with `cache_position`
-    restored; other caches pass through untouched."""
-    cache = kwargs.get("past_key_values")
+    restored and the cache under the name kvpress reads (`past_key_values`, which transformers 5.24 renamed
+    `cache`); other caches pass through untouched."""
+    cache = cache_argument(kwargs)
     if not isinstance(cache, PressedCache):
         return output
     q_len = kwargs["hidden_states"].shape[1]
@@ -96,7 +98,8 @@ def _press_hook(module, args, kwargs, output):
     if past > 0:                                                         # decode: kvpress leaves it alone
         return output
     cache.press.compression_ratio = cache.compression_ratio(q_len, kwargs["hidden_states"].element_size())
-    kw = dict(kwargs, cache_position=torch.arange(q_len, device=kwargs["hidden_states"].device))
+    kw = dict(kwargs, cache_position=torch.arange(q_len, device=kwargs["hidden_states"].device),
+              past_key_values=cache)
     module.masked_key_indices = None
     output = cache.press.forward_hook(module, args, kw, output)
     masked = getattr(module, "masked_key_indices", None)

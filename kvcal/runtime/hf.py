@@ -31,11 +31,17 @@ KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
 
 
+def cache_argument(kwargs: dict):
+    """The cache a transformers module was called with: `cache` from transformers 5.24 on, `past_key_values`
+    before."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def _hand_token_ids(module, args, kwargs) -> None:
     """Forward pre-hook on the decoder: a KvcalCache in this call gets the ids of the tokens the call adds (FastGen
     classifies tokens by id; attention functions see only K/V). The ids go to the cache of this very call, so any
     number of caches can take turns on one model."""
-    cache = kwargs.get("past_key_values")
+    cache = cache_argument(kwargs)
     if isinstance(cache, KvcalCache):
         cache.observe_tokens(kwargs.get("input_ids", args[0] if args else None))
 

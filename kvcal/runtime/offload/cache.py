@@ -56,6 +56,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvcal.runtime.adapters import adapter_for
+from kvcal.runtime.hf import cache_argument
 from kvcal.runtime.offload import kvpr
 
 logger = logging.getLogger(__name__)
@@ -314,7 +315,7 @@ class OffloadedCache(Cache):
 
     def _pre_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
-            if kwargs.get("past_key_values") is not self:
+            if cache_argument(kwargs) is not self:
                 return None                   # the model runs with another cache: not ours to capture
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]      # [B, n, hidden]
             rope = kwargs.get("position_embeddings")
