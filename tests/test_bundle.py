@@ -176,6 +176,7 @@ def test_calibrate_with_search_writes_a_ready_bundle_and_report(tiny_dir, text_f
     search = b.calibration["search"]
     assert len(search["path"]) >= 3 and search["chosen"]["settings"] == res.summary["search"]["chosen"]["settings"]
     assert search["held_out"]["predictions"] == 12
+    assert search["families"]["joint (kvcal)"] == search["chosen"]     # the report's joint row is what is stored
     assert set(b.settings) >= {"high", "window"}
     CompressionConfig.from_dict(b.settings)                       # the recorded policy is readable by the runtime
     paths = report_paths(out)

@@ -4,12 +4,13 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 
 * uniform per-token quantization K8V8 / K4V4 / K2V2: the high tier only, no tiers, full rank, no rotation (plain
   per-token asymmetric min-max in the model's basis, one fp16 scale/zero per token and head);
-* KIVI-style K4V2 / K2V2 (Liu et al., ICML 2024, arXiv 2402.02750): keys per channel, values per token, recent
-  tokens in fp16. High tier = `K16V16` (the fp16 residual), low tier = `K4cV2` / `K2cV2`, and a token policy that
-  sends every token leaving the 64-token window low (alpha_high = 1e9, nothing pruned). Pages are sized to hold 32
-  low tokens, so keys are quantized per channel in groups of 32 tokens (KIVI's G = 32); a group is written once 32
-  tokens wait, so the fp16 residual holds the last 64 tokens plus fewer than 32 waiting (KIVI: R = 128, flushed
-  whole). No rotation;
+* KIVI-style K4V4 / K4V2 / K2V2 (Liu et al., ICML 2024, arXiv 2402.02750): keys per channel, values per token,
+  recent tokens in fp16. High tier = `K16V16` (the fp16 residual), low tier = `K4cV4` / `K4cV2` / `K2cV2`, and a
+  token policy that sends every token leaving the 64-token window low (alpha_high = 1e9, nothing pruned). Pages are
+  sized to hold 32 low tokens, so keys are quantized per channel in groups of 32 tokens (KIVI's G = 32); a group is
+  written once 32 tokens wait, so the fp16 residual holds the last 64 tokens plus fewer than 32 waiting (KIVI:
+  R = 128, flushed whole). No rotation. kvcal's search tries the same layout (its residual family, with heavy
+  hitters on top), so a bundle searched at the bench's context is never worse than these on the search text;
 * each seed method alone, as the bundle's calibration search measured it (`bundle.calibration["search"]
   ["families"]`, rebuilt with `CompressionConfig.from_dict`): FDC ranks only (a `K16V16` store with the
   searched removal rates), DiffKV tiers only (full rank; the runtime's rotation and mixing are on, as in the
@@ -46,6 +47,7 @@ from kvcal.runtime.streamingllm import StreamingLLMConfig
 KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
 KIVI_ALPHA = EVERY_TOKEN_LOW   # alpha_high: every token that leaves the window goes to the low tier
+KIVI_BITS = ((4, 4), (4, 2), (2, 2))   # (key, value) bits of the low tier; the paper's K2V2 and K4V2, and K4V4
 
 FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family (window: the bundle's)
     "rank-only (FDC)": CompressionConfig(high=TierFormat(16, 16), qk_removal_rate=0.04, v_removal_rate=0.04),
@@ -87,6 +89,15 @@ class Method:
         return self.factory(reserve)
 
 
+def kivi_config(k_bits: int, v_bits: int, window: int = KIVI_WINDOW, group: int = KIVI_GROUP,
+                backend: str = "auto") -> CompressionConfig:
+    """KIVI's layout in the kvcal store, in the model's basis at full rank: an fp16 residual of `window` tokens (plus
+    fewer than `group` waiting), every older token in the low tier K{k}cV{v}, keys per channel over `group` tokens."""
+    return CompressionConfig(high=TierFormat(16, 16), low=TierFormat(k_bits, v_bits, "channel"), page_tokens=group,
+                             use_ranks=False, rotate=False, mix=False, backend=backend,
+                             tiering=TieringConfig(window=window, alpha_high=KIVI_ALPHA, alpha_low=0.0))
+
+
 def with_ranks(bundle: Bundle, config: CompressionConfig) -> Bundle:
     """`bundle` with the ranks of `config`'s removal rates (0: full rank), as the search measured them."""
     qk_rank, v_rank = ranks_of(bundle, config)
@@ -111,11 +122,10 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
         out.append(Method(f"uniform-k{bits}v{bits}", f"K{bits}V{bits} per-token", "quantization",
                           "uniform per-token", f"every token K{bits}V{bits}, per-token min-max in the model basis",
                           {"high": f"K{bits}V{bits}"}, plain.with_(high=TierFormat(bits, bits)), bundle))
-    for k_bits in (4, 2):
-        low = TierFormat(k_bits, 2, "channel")
-        cfg = plain.with_(high=TierFormat(16, 16), low=low, page_tokens=KIVI_GROUP,
-                          tiering=TieringConfig(window=KIVI_WINDOW, alpha_high=KIVI_ALPHA, alpha_low=0.0))
-        out.append(Method(f"kivi-k{k_bits}v2", f"KIVI K{k_bits}V2", "quantization", "KIVI-style",
+    for k_bits, v_bits in KIVI_BITS:
+        cfg = kivi_config(k_bits, v_bits, backend=backend)
+        low = cfg.low
+        out.append(Method(f"kivi-k{k_bits}v{v_bits}", f"KIVI K{k_bits}V{v_bits}", "quantization", "KIVI-style",
                           f"keys per channel (groups of {KIVI_GROUP} tokens), values per token, fp16 residual of "
                           f"{KIVI_WINDOW} + <{KIVI_GROUP} tokens",
                           {"high": "K16V16", "low": low.name, "window": KIVI_WINDOW, "group": KIVI_GROUP}, cfg, bundle))

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvcal.bench import methods as M
+from kvcal.bench.kvtuner import kvtuner_methods
 from kvcal.bench.report import SCHEMA_VERSION, summarise
 from kvcal.bundle import Bundle
 from kvcal.data import load_corpus, token_windows
@@ -61,12 +62,12 @@ class BenchSettings:
     passkey_tokens: int = 8               # greedy tokens generated for the answer
     contexts: tuple[int, ...] = (1024, 4096, 16384)   # speed: context lengths
     speed_steps: int = 16                 # speed: decode steps averaged per context
-    palu_windows: int = 4                 # calibration windows (of `prompt` tokens) for Palu's whitening Gram
+    calib_windows: int = 4                # calibration windows (of `prompt` tokens): Palu, KVTuner-style sensitivity
     methods: tuple[str, ...] | None = None   # keys / families / series to run (None: all); kvcal joint always runs
     command: str | None = None            # the command line, recorded in the report
 
     QUICK = {"windows": 4, "prompt": 512, "steps": 32, "passkey_lengths": (1024,), "contexts": (1024,),
-             "speed_steps": 8, "palu_windows": 2}
+             "speed_steps": 8, "calib_windows": 2}
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> BenchSettings:
@@ -75,7 +76,7 @@ class BenchSettings:
         return cls(quick=quick, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
     def __post_init__(self):
-        for name in ("windows", "prompt", "steps", "passkey_tokens", "speed_steps", "palu_windows"):
+        for name in ("windows", "prompt", "steps", "passkey_tokens", "speed_steps", "calib_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}={getattr(self, name)}` must be >= 1")
         if any(c < 1 for c in (*self.contexts, *self.passkey_lengths)):
@@ -291,11 +292,23 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
         if "factors" not in palu_state:
             from kvcal.bench.lowrank import palu_factors as compute
 
-            say(f"Palu: whitened SVD of W_K / W_V from {s.palu_windows} calibration windows")
-            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.palu_windows, s.prompt, s.seed + 5)
+            say(f"Palu: whitened SVD of W_K / W_V from {s.calib_windows} calibration windows")
+            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows, s.prompt, s.seed + 5)
             palu_state["factors"] = compute(model, adapter, calib)
         return palu_state["factors"]
 
+    tuner_state: dict = {}
+
+    def tuner_sensitivity():
+        if "error" not in tuner_state:
+            from kvcal.bench.kvtuner import layer_sensitivity
+
+            say(f"KVTuner-style: attention-error sensitivity from {s.calib_windows} calibration windows")
+            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows, s.prompt, s.seed + 6)
+            tuner_state["error"] = layer_sensitivity(model, adapter, calib, M.KIVI_WINDOW, M.KIVI_GROUP)
+        return tuner_state["error"]
+
+    base += kvtuner_methods(model, adapter, bundle, tuner_sensitivity, M.KIVI_WINDOW, M.KIVI_GROUP, s.backend)
     everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend, shortest_prompt) + sweep
     if s.methods:
         known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}

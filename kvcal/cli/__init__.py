@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import typer
 
@@ -47,4 +48,7 @@ def main() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
+    # transformers 5.24 renamed the model's `past_key_values` keyword `cache` and warns on each call with the old one,
+    # which kvcal's own calls keep using so that transformers 5.0-5.23 work too (the cap in pyproject.toml is 5.40)
+    warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
     app()
