@@ -20,9 +20,12 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 
 The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.streamingllm`,
 `h2o`, `snapkv`) on a `K16V16` store at full rank without rotation, so their bytes are the pages they really hold.
-The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`): dense (model dtype),
-transformers' `QuantizedCache` for each backend that runs offline, and Palu. Eviction and Palu are "matched": built
-once kvcal joint's bytes ratio is measured, with that ratio as their memory budget (`eviction_fraction`).
+The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`, `kvcal.bench.turboquant`): dense
+(model dtype), transformers' `QuantizedCache` for each backend that runs offline, Palu, and TurboQuant-style
+quantization (Zandieh et al. 2025, arXiv 2504.19874; no calibration): a fixed random rotation, an fp16 norm per
+vector and b-bit Lloyd-Max codes per coordinate, K4V4 / K4V2 / K2V2, and K2V2 with the recent 64 tokens in fp16.
+Eviction and Palu are "matched": built once kvcal joint's bytes ratio is measured, with that ratio as their memory
+budget (`eviction_fraction`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 from kvcal.bench import caches
 from kvcal.bench.lowrank import PaluCache, unsupported_reason
+from kvcal.bench.turboquant import turboquant_methods
 from kvcal.bundle import Bundle
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
@@ -196,7 +200,7 @@ def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
 
 
 def cache_methods(model) -> list[Method]:
-    """Dense, and transformers' QuantizedCache per backend (unavailable ones say why)."""
+    """Dense, transformers' QuantizedCache per backend (unavailable ones say why), and TurboQuant-style caches."""
     out = [Method("dense", "dense", "dense", "dense", f"transformers DynamicCache in the model dtype ({model.dtype})",
                   {"dtype": str(model.dtype).removeprefix("torch.")},
                   factory=lambda reserve: caches.DenseCache(config=model.config))]
@@ -214,7 +218,7 @@ def cache_methods(model) -> list[Method]:
         except (ImportError, ValueError) as e:
             m.unavailable = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         out.append(m)
-    return out
+    return out + turboquant_methods(model)
 
 
 EVICTION_STORE = CompressionConfig(high=TierFormat(16, 16), use_ranks=False, rotate=False, mix=False)   # fp16, as is
