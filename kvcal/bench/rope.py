@@ -39,7 +39,7 @@ class RopeTable:
         self._cos = self._sin = None
 
     def __call__(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] < n or self._cos.device != torch.device(device):
+        if self._cos is None or self._cos.shape[0] < n:
             size = max(n, 2 * (self._cos.shape[0] if self._cos is not None else 0), 64)
             pos = torch.arange(size, device=device)[None]
             cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=device), pos, **self.kwargs)
