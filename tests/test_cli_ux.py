@@ -98,13 +98,15 @@ def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     from conftest import random_bundle
 
     from kvcal.bench import methods as M
+    from kvcal.bench.kvquant import kvquant_methods
     from kvcal.cli.bench import METHOD_FAMILIES, METHOD_KEYS
     from kvcal.models import load_model
 
     lm = load_model(str(tiny_dir), dtype="float32")
     bundle = random_bundle(lm.model, lm.tokenizer)
     built = (M.cache_methods(lm.model) + M.store_methods(bundle)
-             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None, bundle))
+             + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None, bundle)
+             + kvquant_methods(lm.model, lm.adapter, lambda: None, 1, 64))
     assert {m.key for m in built} == set(METHOD_KEYS)
     assert {m.family for m in built} == set(METHOD_FAMILIES)
     text = " ".join(_help(["bench"], 100).split())

@@ -15,6 +15,9 @@ Protocol, per method (all against the same dense model, same token ids):
   cache, then `speed_steps` + 1 teacher-forced decode steps; decode ms/step is the mean over the last `speed_steps`
   (the first step warms up). Lengths past the model's window are skipped, and the report says so.
 
+Calibrated baselines (Palu's whitening, KVQuant's key ranges and codebooks) are fitted on first use on windows of the
+corpus's calib split, never on the eval split measured here.
+
 Matched memory: kvcal joint is measured first; its bytes ratio on the quality run is the budget of the eviction and
 Palu baselines (kvcal.bench.methods). Seeds: windows come from `seed`, passkeys from `seed` too; nothing else is
 random (the runtime's mixing rotation is seeded by its rank).
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kvcal.bench import kvquant as KQ
 from kvcal.bench import methods as M
 from kvcal.bench.report import SCHEMA_VERSION, summarise
 from kvcal.bundle import Bundle
@@ -62,11 +66,12 @@ class BenchSettings:
     contexts: tuple[int, ...] = (1024, 4096, 16384)   # speed: context lengths
     speed_steps: int = 16                 # speed: decode steps averaged per context
     palu_windows: int = 4                 # calibration windows (of `prompt` tokens) for Palu's whitening Gram
+    kvquant_windows: int = 4              # calibration windows (of `prompt` tokens) for KVQuant's ranges and codebooks
     methods: tuple[str, ...] | None = None   # keys / families / series to run (None: all); kvcal joint always runs
     command: str | None = None            # the command line, recorded in the report
 
     QUICK = {"windows": 4, "prompt": 512, "steps": 32, "passkey_lengths": (1024,), "contexts": (1024,),
-             "speed_steps": 8, "palu_windows": 2}
+             "speed_steps": 8, "palu_windows": 2, "kvquant_windows": 2}
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> BenchSettings:
@@ -75,7 +80,7 @@ class BenchSettings:
         return cls(quick=quick, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
     def __post_init__(self):
-        for name in ("windows", "prompt", "steps", "passkey_tokens", "speed_steps", "palu_windows"):
+        for name in ("windows", "prompt", "steps", "passkey_tokens", "speed_steps", "palu_windows", "kvquant_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}={getattr(self, name)}` must be >= 1")
         if any(c < 1 for c in (*self.contexts, *self.passkey_lengths)):
@@ -282,7 +287,17 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     filler = "\n\n".join(load_corpus("pydoc", "all").documents) if cases else ""
 
     # ---- methods
-    base = M.cache_methods(model) + M.store_methods(bundle, s.backend)
+    kvquant_state: dict = {}
+
+    def kvquant_calibration():
+        if "calibration" not in kvquant_state:
+            say(f"KVQuant: per-channel key ranges and nuq codebooks from {s.kvquant_windows} calibration windows")
+            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.kvquant_windows, s.prompt, s.seed + 5)
+            kvquant_state["calibration"] = KQ.kvquant_calibration(model, adapter, calib, seed=s.seed)
+        return kvquant_state["calibration"]
+
+    kvquant = KQ.kvquant_methods(model, adapter, kvquant_calibration, s.kvquant_windows, s.kvquant_windows * s.prompt)
+    base = M.cache_methods(model) + M.store_methods(bundle, s.backend) + kvquant
     joint = next(m for m in base if m.key == "kvcal-joint")
     sweep = M.sweep_methods(bundle, joint, s.quick)
     palu_state: dict = {}
