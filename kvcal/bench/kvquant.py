@@ -125,20 +125,28 @@ def decode_keys(q: dict[str, torch.Tensor], center: torch.Tensor, half: torch.Te
     return k.scatter(-1, q["idx"].long(), q["out"].float())
 
 
-def encode_values(v: torch.Tensor, book: torch.Tensor, bits: int, m: int,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Values float32 [B, H, n, d] -> {"codes", "out", "idx" as in `encode_keys`, "norm": `dtype` [B, H, n, 2] each
-    token's (centre, half-range) of its d - m inliers}. The outliers are the m largest |v| (values have no
-    calibrated per-channel scale, so raw magnitude is the normalised one up to the token's own scale)."""
+def value_norm(v: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values float32 [..., d] -> (idx int64 [..., m] the m largest |v|, norm `dtype` [..., 2] the (centre, half-range)
+    of the other d - m). Values have no calibrated per-channel scale, so raw magnitude picks the outliers."""
     idx = _outliers(v, m)
     out = torch.zeros_like(v, dtype=torch.bool).scatter_(-1, idx, True)
     lo = v.masked_fill(out, math.inf).amin(-1)
     hi = v.masked_fill(out, -math.inf).amax(-1)
-    norm = torch.stack([(hi + lo) / 2, (hi - lo) / 2], -1).to(dtype)       # rounded first: decode sees these values
+    return idx, torch.stack([(hi + lo) / 2, (hi - lo) / 2], -1).to(dtype)
+
+
+def _normalise_values(v: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     center, half = norm[..., :1].float(), norm[..., 1:].float()
-    u = (v - center) / torch.where(half > 0, half, 1.0)
-    return {"codes": _nuq(u, book, bits), "out": v.gather(-1, idx).to(dtype), "idx": idx.to(torch.uint8),
-            "norm": norm}
+    return (v - center) / torch.where(half > 0, half, 1.0)
+
+
+def encode_values(v: torch.Tensor, book: torch.Tensor, bits: int, m: int,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Values float32 [B, H, n, d] -> {"codes", "out", "idx" as in `encode_keys`, "norm": `dtype` [B, H, n, 2]
+    (`value_norm`)}. The codes are computed from the stored (rounded) norm, which is what decoding sees."""
+    idx, norm = value_norm(v, m, dtype)
+    return {"codes": _nuq(_normalise_values(v, norm), book, bits), "out": v.gather(-1, idx).to(dtype),
+            "idx": idx.to(torch.uint8), "norm": norm}
 
 
 def decode_values(q: dict[str, torch.Tensor], book: torch.Tensor, bits: int, d: int) -> torch.Tensor:
@@ -211,10 +219,9 @@ def kvquant_calibration(model, adapter, windows: torch.Tensor, bits: tuple[int, 
         k_samples.append(x)
         k_weights.append(wt)
         v = torch.cat(values.pop(i), 1)[None]                                             # [1, H, N, d]
-        q = encode_values(v, torch.zeros(2), 1, m, torch.float32)                         # normalisation only
-        norm = q["norm"]
-        u = (v - norm[..., :1]) / torch.where(norm[..., 1:] > 0, norm[..., 1:], 1.0)
-        inlier = torch.ones_like(u, dtype=torch.bool).scatter_(-1, q["idx"].long(), False)
+        idx, norm = value_norm(v, m, torch.float32)
+        u = _normalise_values(v, norm)
+        inlier = torch.ones_like(u, dtype=torch.bool).scatter_(-1, idx, False)
         x, wt = _sample(u[inlier], (norm[..., 1:] ** 2).expand_as(u)[inlier], samples, g)
         v_samples.append(x)
         v_weights.append(wt)
