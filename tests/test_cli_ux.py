@@ -98,6 +98,7 @@ def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     from conftest import random_bundle
 
     from kvcal.bench import methods as M
+    from kvcal.bench.kvquant import kvquant_methods
     from kvcal.bench.kvtuner import kvtuner_methods
     from kvcal.cli.bench import METHOD_FAMILIES, METHOD_KEYS
     from kvcal.models import load_model
@@ -106,7 +107,8 @@ def test_bench_help_lists_every_method_key_a_bench_builds(tiny_dir):
     bundle = random_bundle(lm.model, lm.tokenizer)
     built = (M.cache_methods(lm.model) + M.store_methods(bundle)
              + M.matched_methods(lm.model, lm.adapter, 0.5, lambda: None, bundle)
-             + kvtuner_methods(lm.model, lm.adapter, bundle, lambda: None, M.KIVI_WINDOW, M.KIVI_GROUP))
+             + kvtuner_methods(lm.model, lm.adapter, bundle, lambda: None, M.KIVI_WINDOW, M.KIVI_GROUP)
+             + kvquant_methods(lm.model, lm.adapter, lambda: None, 1, 64))
     assert {m.key for m in built} == set(METHOD_KEYS)
     assert {m.family for m in built} == set(METHOD_FAMILIES)
     text = " ".join(_help(["bench"], 100).split())

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcal.bench.caches import memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 
 PALU_FAMILIES = ("llama", "qwen2")
 
@@ -90,11 +91,6 @@ def palu_factors(model, adapter, windows: torch.Tensor, eps: float = 1e-6) -> Pa
     return PaluFactors(bases["k"], bases["v"], biases["k"], biases["v"], int(windows.numel()))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 class PaluLayer(CacheLayerMixin):
     """Latents lat_k, lat_v [B, H, seen, r] in the store dtype."""
 
@@ -122,15 +118,14 @@ class PaluLayer(CacheLayerMixin):
         o, i = self.owner, self.layer_idx
         cos, sin = o.rope(self.seen + n, key_states.device)                             # [N, d] float32
         c, s = cos[self.seen:], sin[self.seen:]
-        k = key_states.float()
-        k_pre = (k * c - _rotate_half(k) * s) / (c * c + s * s)                         # RoPE undone
+        k_pre = undo_rope(key_states.float(), c, s)
         lat_k = torch.einsum("bhnd,hdr->bhnr", k_pre - o.k_bias[i][None, :, None], o.k_proj[i])
         lat_v = torch.einsum("bhnd,hdr->bhnr", value_states.float() - o.v_bias[i][None, :, None], o.v_proj[i])
         self.lat_k = torch.cat([self.lat_k, lat_k.to(self.lat_k.dtype)], dim=2)
         self.lat_v = torch.cat([self.lat_v, lat_v.to(self.lat_v.dtype)], dim=2)
         self.seen += n
         keys = torch.einsum("bhnr,hdr->bhnd", self.lat_k.float(), o.k_proj[i]) + o.k_bias[i][None, :, None]
-        keys = keys * cos + _rotate_half(keys) * sin                                     # RoPE at every position
+        keys = apply_rope(keys, cos, sin)                                                # RoPE at every position
         values = torch.einsum("bhnr,hdr->bhnd", self.lat_v.float(), o.v_proj[i]) + o.v_bias[i][None, :, None]
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
@@ -162,21 +157,11 @@ class PaluCache(Cache):
         if any(t == "sliding_attention" for t in layer_types):
             raise ValueError("the Palu baseline does not support sliding-window layers")
         self.rank, self.head_dim = rank, d
-        self.rotary = model.model.rotary_emb
+        self.rope = RopeTable(model.model.rotary_emb)
         self.k_proj = factors.k_basis[..., :rank]                                       # [L, H, d, r]
         self.v_proj = factors.v_basis[..., :rank]
         self.k_bias, self.v_bias = factors.k_bias, factors.v_bias
-        self._cos = self._sin = None
         super().__init__(layers=[PaluLayer(self, i) for i in range(len(layer_types))])
-
-    def rope(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin float32 [n, d] of positions 0 .. n-1 (the model's own rotary embedding, grown by doubling)."""
-        if self._cos is None or self._cos.shape[0] < n:
-            size = max(n, 2 * (self._cos.shape[0] if self._cos is not None else 0), 64)
-            pos = torch.arange(size, device=device)[None]
-            cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=device), pos)
-            self._cos, self._sin = cos[0].float(), sin[0].float()
-        return self._cos[:n], self._sin[:n]
 
     def memory(self) -> dict[str, float]:
         total = fp16 = 0

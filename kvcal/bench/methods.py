@@ -18,6 +18,10 @@ Methods that are special cases of the kvcal store run on `KvcalCache` with a `Co
 * kvcal joint: `CompressionConfig.from_dict(bundle.settings)` with the bundle's ranks; and a sweep of alpha_high x
   {0.5, 1, 2} and alpha_low around it (alpha_low x {0, 1, 2}, or {0, 0.25, 0.5} when the joint prunes nothing).
 
+KVQuant-style K4V4 / K3V3 / K2V2 (Hooper et al., NeurIPS 2024, arXiv 2401.18079) are a cache of their own,
+`kvcal.bench.kvquant`: pre-RoPE per-channel keys and per-token values on per-layer non-uniform codebooks, 1% outliers
+and the first token exact, all calibrated on the corpus's calib split (`kvquant_methods`, added by `run_bench`).
+
 The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.streamingllm`,
 `h2o`, `snapkv`) on a `K16V16` store at full rank without rotation, so their bytes are the pages they really hold.
 The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`, `kvcal.bench.turboquant`): dense

@@ -15,6 +15,9 @@ Protocol, per method (all against the same dense model, same token ids):
   cache, then `speed_steps` + 1 teacher-forced decode steps; decode ms/step is the mean over the last `speed_steps`
   (the first step warms up). Lengths past the model's window are skipped, and the report says so.
 
+Calibrated baselines (Palu's whitening, KVQuant's key ranges and codebooks) are fitted on first use on windows of the
+corpus's calib split, never on the eval split measured here.
+
 Matched memory: kvcal joint is measured first; its bytes ratio on the quality run is the budget of the eviction and
 Palu baselines (kvcal.bench.methods). Seeds: windows come from `seed`, passkeys from `seed` too; nothing else is
 random (the runtime's mixing rotation is seeded by its rank).
@@ -30,11 +33,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvcal.bench import kvquant as KQ
 from kvcal.bench import methods as M
-from kvcal.bench.kvtuner import kvtuner_methods
+from kvcal.bench.kvtuner import kvtuner_methods, layer_sensitivity
 from kvcal.bench.report import SCHEMA_VERSION, summarise
 from kvcal.bundle import Bundle
 from kvcal.data import load_corpus, token_windows
@@ -283,32 +288,36 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     filler = "\n\n".join(load_corpus("pydoc", "all").documents) if cases else ""
 
     # ---- methods
-    base = M.cache_methods(model) + M.store_methods(bundle, s.backend)
+    calibrated: dict = {}
+
+    def on_first_use(name: str, what: str, compute: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        """A function returning `compute(calibration windows)`, computed on its first call only (a baseline that
+        is not run costs nothing); every baseline calibrates on the same windows of the corpus's calib split."""
+        def get():
+            if name not in calibrated:
+                say(f"{what} from {s.calib_windows} calibration windows")
+                if "windows" not in calibrated:
+                    calibrated["windows"] = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows,
+                                                          s.prompt, s.seed + 5)
+                calibrated[name] = compute(calibrated["windows"])
+            return calibrated[name]
+        return get
+
+    def palu(windows):
+        from kvcal.bench.lowrank import palu_factors
+
+        return palu_factors(model, adapter, windows)
+
+    palu_factors = on_first_use("palu", "Palu: whitened SVD of W_K / W_V", palu)
+    kvquant = on_first_use("kvquant", "KVQuant: per-channel key ranges and nuq codebooks",
+                           lambda w: KQ.kvquant_calibration(model, adapter, w, seed=s.seed))
+    sensitivity = on_first_use("kvtuner", "KVTuner-style: attention-error sensitivity",
+                               lambda w: layer_sensitivity(model, adapter, w, M.KIVI_WINDOW, M.KIVI_GROUP))
+    base = (M.cache_methods(model) + M.store_methods(bundle, s.backend)
+            + KQ.kvquant_methods(model, adapter, kvquant, s.calib_windows, s.calib_windows * s.prompt)
+            + kvtuner_methods(model, adapter, bundle, sensitivity, M.KIVI_WINDOW, M.KIVI_GROUP, s.backend))
     joint = next(m for m in base if m.key == "kvcal-joint")
     sweep = M.sweep_methods(bundle, joint, s.quick)
-    palu_state: dict = {}
-
-    def palu_factors():
-        if "factors" not in palu_state:
-            from kvcal.bench.lowrank import palu_factors as compute
-
-            say(f"Palu: whitened SVD of W_K / W_V from {s.calib_windows} calibration windows")
-            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows, s.prompt, s.seed + 5)
-            palu_state["factors"] = compute(model, adapter, calib)
-        return palu_state["factors"]
-
-    tuner_state: dict = {}
-
-    def tuner_sensitivity():
-        if "error" not in tuner_state:
-            from kvcal.bench.kvtuner import layer_sensitivity
-
-            say(f"KVTuner-style: attention-error sensitivity from {s.calib_windows} calibration windows")
-            calib = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows, s.prompt, s.seed + 6)
-            tuner_state["error"] = layer_sensitivity(model, adapter, calib, M.KIVI_WINDOW, M.KIVI_GROUP)
-        return tuner_state["error"]
-
-    base += kvtuner_methods(model, adapter, bundle, tuner_sensitivity, M.KIVI_WINDOW, M.KIVI_GROUP, s.backend)
     everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend, shortest_prompt) + sweep
     if s.methods:
         known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}
@@ -437,8 +446,8 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
                                  "new_tokens": s.passkey_tokens, "filler": "pydoc"},
                      "speed": {"contexts": list(speed_ids), "decode_steps": s.speed_steps, "batch": 1},
                      "matched_ratio": ratio, "backend": s.backend,
-                     "palu_calibration_tokens": (palu_state["factors"].calibration_tokens
-                                                 if "factors" in palu_state else 0)},
+                     "palu_calibration_tokens": (calibrated["palu"].calibration_tokens
+                                                 if "palu" in calibrated else 0)},
         "skipped": skipped,
         "methods": [rows[m.key] for m in everything],
     }

@@ -48,8 +48,8 @@ METHOD_FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvc
 METHOD_KEYS = ("dense", "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8", "uniform-k8v8", "uniform-k4v4",
                "uniform-k2v2", "kivi-k4v4", "kivi-k4v2", "kivi-k2v2", "kvtuner-4bit", "kvtuner-3bit",
                "kvtuner-2.5bit", "turboquant-k4v4", "turboquant-k4v2", "turboquant-k2v2", "turboquant-k2v2-w64",
-               "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint", "streamingllm", "h2o", "snapkv", "palu",
-               "kvpress-snapkv", "kvpress-streamingllm",
+               "kvquant-k4v4", "kvquant-k3v3", "kvquant-k2v2", "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint",
+               "streamingllm", "h2o", "snapkv", "palu", "kvpress-snapkv", "kvpress-streamingllm",
                "kvpress-expected-attention", "kvpress-tova", "kvpress-knorm", "kvpress-adakv")
 METHODS_HELP = (f"Comma-separated method keys or families to run; kvcal-joint always runs. Families: "
                 f"{', '.join(METHOD_FAMILIES)}. Keys: {', '.join(METHOD_KEYS)}, and kvcal-aH-L for the threshold "
@@ -69,8 +69,9 @@ def bench(
     backend: Annotated[Backend, typer.Option(help="kvcal attention backend.")] = Backend.auto,
     dtype: Annotated[str, typer.Option(help="Model dtype while measuring (float32: bf16 arithmetic alone flips "
                                             "about 2% of top-1).", metavar="DTYPE")] = "float32",
-    dataset: Annotated[str, typer.Option(help="Corpus for held-out text (its eval split) and Palu's whitening "
-                                              "(calib split): packaged name or a .txt/.jsonl file or folder.",
+    dataset: Annotated[str, typer.Option(help="Corpus for held-out text (its eval split) and Palu's and "
+                                              "KVQuant's calibration (calib split): packaged name or a .txt/.jsonl "
+                                              "file or folder.",
                                          metavar="DATASET")]
     = "default",
     methods: Annotated[str | None, typer.Option(help=METHODS_HELP, metavar="KEYS", show_default="all")] = None,
