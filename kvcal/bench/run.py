@@ -304,9 +304,9 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
         return get
 
     def palu(windows):
-        from kvcal.bench.lowrank import palu_factors
+        from kvcal.bench.lowrank import palu_factors as whitened_svd
 
-        return palu_factors(model, adapter, windows)
+        return whitened_svd(model, adapter, windows)
 
     palu_factors = on_first_use("palu", "Palu: whitened SVD of W_K / W_V", palu)
     kvquant = on_first_use("kvquant", "KVQuant: per-channel key ranges and nuq codebooks",
