@@ -127,3 +127,23 @@ def random_bundle(model, tok, rank_k=None, rank_v=None, seed=0):
         qk_rotation=R.float(), qk_spectrum=sr.float(), qk_rank=full if rank_k is None else rank_k,
         v_basis=Bv.float(), v_spectrum=sv.float(), v_rank=full if rank_v is None else rank_v,
         qk_source="random-tokens", qk_weighting="trace", v_source="activations-text")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy machine makes two threads spin (use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@torch.inference_mode()
+def decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prefill ids[:, :prompt] through `cache`, then teacher-force the rest one token per step: logits
+    [B, S - prompt + 1, vocab], the prefill's last position first."""
+    logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits, dim=1)

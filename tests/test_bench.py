@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_model, random_text
+from conftest import decode_logits, make_model, random_text
 from typer.testing import CliRunner
 
 from kvcal.bench import caches as C
@@ -21,13 +21,7 @@ from kvcal.runtime.layout import PageLayout, TierFormat
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and a busy machine makes two threads spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +56,6 @@ def _held(obj) -> int:
     return total
 
 
-@torch.inference_mode()
-def _decode(model, cache, ids, prompt):
-    """Prefill ids[:, :prompt] through `cache`, then one token per step; logits [B, S - prompt + 1, vocab]."""
-    logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
-    for t in range(prompt, ids.shape[1]):
-        logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(logits, dim=1)
-
-
 # --------------------------------------------------------------------------------------------- baselines
 
 
@@ -80,7 +65,7 @@ def test_dense_baseline_reproduces_the_models_own_logits(tiny):
     with torch.inference_mode():
         ref = model(input_ids=ids).logits[:, 39:]
     cache = C.DenseCache(config=model.config)
-    got = _decode(model, cache, ids, 40)
+    got = decode_logits(model, cache, ids, 40)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     mem = cache.memory()
     B, S = ids.shape
@@ -193,9 +178,9 @@ def test_palu_at_full_rank_is_dense_and_counts_its_latents(tiny):
     with torch.inference_mode():
         ref = model(input_ids=ids).logits[:, 39:]
     full = PaluCache(model, factors, a.head_dim, list(a.layer_types))
-    torch.testing.assert_close(_decode(model, full, ids, 40), ref, atol=2e-3, rtol=0)    # fp16 latents
+    torch.testing.assert_close(decode_logits(model, full, ids, 40), ref, atol=2e-3, rtol=0)    # fp16 latents
     half = PaluCache(model, factors, a.head_dim // 2, list(a.layer_types))
-    _decode(model, half, ids, 40)
+    decode_logits(model, half, ids, 40)
     mem = half.memory()
     assert mem["total_bytes"] == sum(_held(layer) for layer in half.layers)
     assert mem["ratio_to_fp16"] == 0.5
@@ -205,7 +190,7 @@ def test_transformers_quantized_cache_fp8_counts_its_bytes(tiny):
     model, tok, a = tiny
     ids = _ids(tok)
     cache = C.MeasuredQuantizedCache("fp8", model.config)
-    _decode(model, cache, ids, 40)
+    decode_logits(model, cache, ids, 40)
     mem = cache.memory()
     held = sum(_held(layer) for layer in cache.layers)
     assert mem["total_bytes"] == held

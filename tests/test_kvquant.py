@@ -3,7 +3,7 @@ packing, error falling with bits, bytes equal to the layout's formula, and decod
 
 import pytest
 import torch
-from conftest import make_model, random_text
+from conftest import decode_logits, make_model, random_text
 from transformers import DynamicCache
 
 from kvcal.bench import kvquant as KQ
@@ -11,13 +11,7 @@ from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.models import adapter_for
 from kvcal.runtime.quant import pack
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(tok, n_seq=2, n_words=70, seed=0):
@@ -33,15 +27,6 @@ def tiny():
     a = adapter_for(model.config)
     calib = _ids(tok, n_seq=2, n_words=100, seed=50)
     return model, tok, a, KQ.kvquant_calibration(model, a, calib)
-
-
-@torch.inference_mode()
-def _teacher_forced(model, cache, ids, prompt):
-    """Prefill ids[:, :prompt], then one token per step; logits [B, S - prompt + 1, vocab]."""
-    logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
-    for t in range(prompt, ids.shape[1]):
-        logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(logits, dim=1)
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -149,7 +134,7 @@ def test_memory_is_the_layouts_formula(family, bits):
     calib = KQ.kvquant_calibration(model, a, _ids(tok, n_words=100, seed=50))
     ids = _ids(tok, n_words=50)
     cache = KQ.KVQuantCache(model, calib, bits, bits, list(a.layer_types))
-    _teacher_forced(model, cache, ids, 40)
+    decode_logits(model, cache, ids, 40)
     B, S = ids.shape
     H, d, m = a.num_kv_heads, a.head_dim, KQ.outlier_count(a.head_dim)
     assert m == 1 and calib.outliers == m
@@ -177,7 +162,7 @@ def test_decoding_tracks_dense_better_at_4_bits_than_at_2(tiny):
         ref = model(input_ids=ids).logits[:, 39:].log_softmax(-1)
     kl = {}
     for bits in (2, 4):
-        got = _teacher_forced(model, KQ.KVQuantCache(model, calib, bits, bits, list(a.layer_types)), ids, 40)
+        got = decode_logits(model, KQ.KVQuantCache(model, calib, bits, bits, list(a.layer_types)), ids, 40)
         kl[bits] = float((ref.exp() * (ref - got.log_softmax(-1))).sum(-1).mean())
     assert 0 < kl[4] < kl[2] / 4, kl
     with torch.inference_mode():                                         # and it serves `generate`

@@ -3,20 +3,14 @@ layer-wise cache on tiny random models."""
 
 import pytest
 import torch
-from conftest import make_model, random_bundle
+from conftest import decode_logits, make_model, random_bundle
 
 from kvcal.bench import methods as M
 from kvcal.bench.kvtuner import PAIRS, LayerwiseKvcalCache, allocate, layer_sensitivity
 from kvcal.models import adapter_for
 from kvcal.runtime.hf import KvcalCache
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text"])
@@ -63,24 +57,19 @@ def test_allocation_meets_the_budget_and_gives_bits_to_the_sensitive_layer():
         allocate(error, compressed, 1.5)
 
 
-def _run(model, cache, ids, steps=6):
-    with torch.no_grad():
-        out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
-        for t in range(steps):
-            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(out)
+PROMPT = 110     # decode_logits: prefill this many tokens, then one per step
 
 
 def test_layerwise_cache_with_one_format_is_the_kvcal_cache(tiny):
     model, tok, a = tiny
     bundle = random_bundle(model, tok)
-    ids = torch.randint(3, len(tok), (2, 120), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, len(tok), (2, 116), generator=torch.Generator().manual_seed(1))
     config = M.kivi_config(4, 2, window=16, group=8)
     plain = KvcalCache.from_bundle(bundle, model, config)
-    want = _run(model, plain, ids)
+    want = decode_logits(model, plain, ids, PROMPT)
     configs = [None if a.is_sliding(i) else config for i in range(a.num_layers)]
     layerwise = LayerwiseKvcalCache(bundle, a, configs)
-    torch.testing.assert_close(_run(model, layerwise, ids), want, rtol=0, atol=0)
+    torch.testing.assert_close(decode_logits(model, layerwise, ids, PROMPT), want, rtol=0, atol=0)
     assert layerwise.memory()["total_bytes"] == plain.memory()["total_bytes"]
     assert layerwise.memory()["fp16_bytes"] == plain.memory()["fp16_bytes"]
 
@@ -90,14 +79,14 @@ def test_layerwise_cache_holds_each_layers_format(tiny):
     the all-precise and all-cheap caches' outputs in error."""
     model, tok, a = tiny
     bundle = random_bundle(model, tok)
-    ids = torch.randint(3, len(tok), (1, 150), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, len(tok), (1, 116), generator=torch.Generator().manual_seed(2))
     full = [i for i in range(a.num_layers) if not a.is_sliding(i)]
     if len(full) < 2:
         pytest.skip(f"{a.family}'s tiny model has {len(full)} full-attention layer: nothing to mix")
     precise, cheap = M.kivi_config(8, 8, window=16, group=8), M.kivi_config(2, 2, window=16, group=8)
     mixed = [None if a.is_sliding(i) else (precise if i == full[0] else cheap) for i in range(a.num_layers)]
     cache = LayerwiseKvcalCache(bundle, a, mixed)
-    got = _run(model, cache, ids)
+    got = decode_logits(model, cache, ids, PROMPT)
     assert len(cache.groups) == 2
     paged = sum(g.kv.store.bytes_in_use() for g in cache.groups)
     mem = cache.memory()
@@ -106,12 +95,12 @@ def test_layerwise_cache_holds_each_layers_format(tiny):
     for g, fmt in zip(cache.groups, ("K8cV8", "K2cV2")):
         assert g.kv.store.low.name == fmt
     with torch.no_grad():
-        dense = torch.stack([model(input_ids=torch.cat([ids, ids[:, :t]], 1)).logits[:, -1] for t in range(7)])
+        dense = torch.stack([model(input_ids=ids[:, :t]).logits[:, -1] for t in range(PROMPT, ids.shape[1] + 1)], 1)
 
     def err(x):
         return (x - dense).pow(2).sum().item()
 
-    all_precise = _run(model, LayerwiseKvcalCache(bundle, a, [c and precise for c in mixed]), ids)
-    all_cheap = _run(model, LayerwiseKvcalCache(bundle, a, [c and cheap for c in mixed]), ids)
+    all_precise = decode_logits(model, LayerwiseKvcalCache(bundle, a, [c and precise for c in mixed]), ids, PROMPT)
+    all_cheap = decode_logits(model, LayerwiseKvcalCache(bundle, a, [c and cheap for c in mixed]), ids, PROMPT)
     assert err(all_precise) < err(got) < err(all_cheap)
     assert cache.release() > 0 and cache.memory()["total_bytes"] == 0

@@ -13,7 +13,7 @@ sliding-window layer (Gemma3) counts the tokens it holds, since a dense cache is
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, QuantizedCache
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, QuantizedCache
 
 # --------------------------------------------------------------------------------------------- accounting
 
@@ -42,6 +42,35 @@ def memory_dict(total: int, fp16: int) -> dict[str, float]:
 def store_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype a baseline stores K/V in: the model's if it is 16-bit, else fp16 (as the kvcal store's raw tier)."""
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class CountingLayer(CacheLayerMixin):
+    """Base of the bench's own compressed layers (Palu, KVQuant, TurboQuant): a full-attention layer that keeps its
+    own form of the tokens and counts them in `seen`; the attention mask covers all of them. Not for beam search."""
+
+    is_sliding = False
+    is_compileable = False
+    method = "this"                  # the baseline's name, for the error beam search gets
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(f"the bench's {self.method} cache does not support beam search")
 
 
 class DenseCache(DynamicCache):

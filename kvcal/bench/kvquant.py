@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.methods import Method
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.profile.codebooks import encode, fit_codebooks
@@ -237,18 +237,16 @@ def kvquant_calibration(model, adapter, windows: torch.Tensor, bits: tuple[int, 
 # --------------------------------------------------------------------------------------------- the cache
 
 
-class KVQuantLayer(CacheLayerMixin):
+class KVQuantLayer(CountingLayer):
     """One full-attention layer. Token 0 of each sequence: `sink_k` (post-RoPE) and `sink_v` [B, H, 1, d] in the
     store dtype. Tokens 1 .. seen-1: `k` = {"codes", "out", "idx"} and `v` = {..., "norm"} as `encode_keys` /
     `encode_values` return them, concatenated along the token axis (dim 2)."""
 
-    is_sliding = False
-    is_compileable = False
+    method = "KVQuant"
 
     def __init__(self, owner: KVQuantCache, index: int):
         super().__init__()
         self.owner, self.index = owner, index          # index among the full-attention layers
-        self.seen = 0
         self.sink_k = self.sink_v = None
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
@@ -300,23 +298,10 @@ class KVQuantLayer(CacheLayerMixin):
     def held_bytes(self) -> int:
         return tensor_bytes(self.sink_k) + tensor_bytes(self.sink_v) + tensor_bytes(self.k) + tensor_bytes(self.v)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
-        self.is_initialized = False
+        super().reset()
         self.sink_k = self.sink_v = None
         self.k, self.v = {}, {}
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("the bench's KVQuant cache does not support beam search")
 
 
 class KVQuantCache(Cache):

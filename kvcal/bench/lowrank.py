@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from kvcal.bench.caches import memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 
 PALU_FAMILIES = ("llama", "qwen2")
@@ -91,16 +91,14 @@ def palu_factors(model, adapter, windows: torch.Tensor, eps: float = 1e-6) -> Pa
     return PaluFactors(bases["k"], bases["v"], biases["k"], biases["v"], int(windows.numel()))
 
 
-class PaluLayer(CacheLayerMixin):
+class PaluLayer(CountingLayer):
     """Latents lat_k, lat_v [B, H, seen, r] in the store dtype."""
 
-    is_sliding = False
-    is_compileable = False
+    method = "Palu"
 
     def __init__(self, owner: PaluCache, layer_idx: int):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
-        self.seen = 0
         self.lat_k = self.lat_v = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -129,22 +127,9 @@ class PaluLayer(CacheLayerMixin):
         values = torch.einsum("bhnr,hdr->bhnd", self.lat_v.float(), o.v_proj[i]) + o.v_bias[i][None, :, None]
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
-        self.is_initialized = False
+        super().reset()
         self.lat_k = self.lat_v = None
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("the bench's Palu cache does not support beam search")
 
 
 class PaluCache(Cache):

@@ -30,9 +30,9 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
 from kvcal.runtime.quant import pack, packed_size, unpack
 
 if TYPE_CHECKING:                  # methods.py imports this module to list its methods
@@ -164,18 +164,16 @@ class TurboQuantizer:
 # --------------------------------------------------------------------------------------------- the cache
 
 
-class TurboQuantLayer(CacheLayerMixin):
+class TurboQuantLayer(CountingLayer):
     """One full-attention layer: codes_k [B, H, n, ceil(d b_K / 8)], codes_v [B, H, n, ceil(d b_V / 8)] uint8,
     norm_k, norm_v [B, H, n, 1] fp16 for the n oldest tokens, and tail_k, tail_v [B, H, <= window, d] in fp16 (the
     model's dtype if 16-bit) for the most recent ones (empty when window = 0)."""
 
-    is_sliding = False
-    is_compileable = False
+    method = "TurboQuant"
 
     def __init__(self, owner: TurboQuantCache):
         super().__init__()
         self.owner = owner
-        self.seen = 0
         self.codes_k = self.codes_v = self.norm_k = self.norm_v = self.tail_k = self.tail_v = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -222,22 +220,9 @@ class TurboQuantLayer(CacheLayerMixin):
     def held_bytes(self) -> int:
         return tensor_bytes([self.codes_k, self.codes_v, self.norm_k, self.norm_v, self.tail_k, self.tail_v])
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
-        self.is_initialized = False
+        super().reset()
         self.codes_k = self.codes_v = self.norm_k = self.norm_v = self.tail_k = self.tail_v = None
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("the bench's TurboQuant cache does not support beam search")
 
 
 class TurboQuantCache(Cache):
