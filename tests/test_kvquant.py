@@ -184,4 +184,4 @@ def test_methods_calibrate_once_on_first_use(tiny):
     assert {m.family for m in methods} == {"quantization"} and {m.series for m in methods} == {"KVQuant-style"}
     cache = methods[2].make_cache(model, tok)
     assert len(calls) == 1 and cache.k_bits == cache.v_bits == 2
-    assert methods[2].settings["fixed_bytes"] == KQ.fixed_bytes(a.num_layers, a.num_kv_heads, a.head_dim, 2, 2)
+    assert cache.memory()["fixed_bytes"] == KQ.fixed_bytes(a.num_layers, a.num_kv_heads, a.head_dim, 2, 2)

@@ -358,8 +358,7 @@ def kvquant_methods(model, adapter, calibration: Callable[[], KVQuantCalibration
                     calibration_windows: int, calibration_tokens: int) -> list[Method]:
     """KVQuant-style K4V4, K3V3 and K2V2 (family "quantization"). `calibration()` returns the KVQuantCalibration,
     computed on first use from `calibration_windows` calib-split windows (`calibration_tokens` tokens in all)."""
-    L, H, d = adapter.num_layers, adapter.num_kv_heads, adapter.head_dim
-    full = sum(not adapter.is_sliding(i) for i in range(L))
+    d = adapter.head_dim
     m = outlier_count(d)
     out = []
     for bits in (4, 3, 2):
@@ -369,7 +368,6 @@ def kvquant_methods(model, adapter, calibration: Callable[[], KVQuantCalibration
             "per vector exact, first token exact",
             {"k_bits": bits, "v_bits": bits, "outliers_per_vector": m, "outlier_fraction": OUTLIER_FRACTION,
              "key_percentile": KEY_PERCENTILE, "codebook_weight": "normalisation half-range squared", "sink_tokens": 1,
-             "calibration_windows": calibration_windows, "calibration_tokens": calibration_tokens,
-             "fixed_bytes": fixed_bytes(full, H, d, bits, bits)},
+             "calibration_windows": calibration_windows, "calibration_tokens": calibration_tokens},
             factory=lambda reserve, b=bits: KVQuantCache(model, calibration(), b, b, list(adapter.layer_types))))
     return out

@@ -3,7 +3,8 @@
 Files in the output folder: `bench.json`, `bench.md`, `pareto.png` (quality vs bytes, each method a series, the
 Pareto front drawn through the best points), `decode_time.png` (decode ms/step and prefill tokens/s vs context).
 
-JSON schema, version 1 (`SCHEMA_VERSION`). Numbers are JSON numbers; `null` where a value does not apply.
+JSON schema, version 2 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`). Numbers are JSON numbers; `null` where a
+value does not apply.
 
     schema_version int, kind "kvcal-bench", created str, command str, seed int, quick bool, wall_seconds number
     model        {name, family, fingerprint, weights_hash, dtype: str; num_layers, num_kv_heads, num_q_heads,
@@ -19,7 +20,9 @@ JSON schema, version 1 (`SCHEMA_VERSION`). Numbers are JSON numbers; `null` wher
     skipped      [{what: "speed"|"passkey", length: int, reason: str}]
     methods      [{key, name, family, series, description: str; settings: dict; available: bool;
                    unavailable_reason, note: str|null;
-                   memory: {bytes_per_token, ratio_to_fp16: number; total_bytes, fp16_bytes, tokens: int}|null,
+                   memory: {bytes_per_token, ratio_to_fp16: number; total_bytes, fp16_bytes, tokens,
+                            fixed_bytes: int}|null,   (fixed_bytes: per-model constants such as codebooks and
+                            calibrated scales, not in total_bytes or the ratio)
                    quality: {kl, top1, ppl_ratio, ppl, ppl_dense, decode_ms_per_step: number; predictions: int;
                              meets_target: bool; tiers: dict}|null,
                    passkey: {accuracy: number, cases: {"<length>@<depth>": bool}}|null,
@@ -47,7 +50,7 @@ from pathlib import Path
 
 from kvcal.runtime.config import CompressionConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
 BASELINE_FAMILIES = ("quantization", "eviction", "low-rank", "seed")
 
@@ -77,7 +80,7 @@ SCHEMA = {
                   "available": bool, "unavailable_reason": _OPT_STR, "note": _OPT_STR, "memory": _OPT_DICT,
                   "quality": _OPT_DICT, "passkey": _OPT_DICT, "speed": list, "seconds": _NUM},
     "methods[].memory": {"bytes_per_token": _NUM, "ratio_to_fp16": _NUM, "total_bytes": int, "fp16_bytes": int,
-                         "tokens": int},
+                         "tokens": int, "fixed_bytes": int},
     "methods[].quality": {"kl": _NUM, "top1": _NUM, "ppl_ratio": _NUM, "ppl": _NUM, "ppl_dense": _NUM,
                           "decode_ms_per_step": _NUM, "predictions": int, "meets_target": bool, "tiers": dict},
     "methods[].passkey": {"accuracy": _NUM, "cases": dict},

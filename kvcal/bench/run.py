@@ -98,10 +98,11 @@ def _release(cache) -> None:
         cache.release()
 
 
-def _memory(cache, tokens: int) -> dict:
-    mem = cache.memory()
+def _memory(mem: dict, tokens: int) -> dict:
+    """A row's memory (report schema) from a cache's `memory()` over `tokens` tokens."""
     return {"bytes_per_token": mem["total_bytes"] / tokens, "ratio_to_fp16": mem["ratio_to_fp16"],
-            "total_bytes": int(mem["total_bytes"]), "fp16_bytes": int(mem["fp16_bytes"]), "tokens": int(tokens)}
+            "total_bytes": int(mem["total_bytes"]), "fp16_bytes": int(mem["fp16_bytes"]), "tokens": int(tokens),
+            "fixed_bytes": int(mem.get("fixed_bytes", 0))}
 
 
 @torch.inference_mode()
@@ -126,8 +127,7 @@ def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer,
         mem = cache.memory()
         _release(cache)
     tokens = B * (P + steps)
-    memory = {"bytes_per_token": mem["total_bytes"] / tokens, "ratio_to_fp16": mem["ratio_to_fp16"],
-              "total_bytes": int(mem["total_bytes"]), "fp16_bytes": int(mem["fp16_bytes"]), "tokens": tokens}
+    memory = _memory(mem, tokens)
     quality = {"kl": fid.kl, "top1": fid.top1, "ppl_ratio": fid.ppl_ratio, "ppl": fid.ppl, "ppl_dense": fid.ppl_dense,
                "predictions": fid.predictions, "decode_ms_per_step": fid.decode_ms_per_step,
                "meets_target": target.met(fid),
@@ -147,7 +147,7 @@ def measure_speed(method: M.Method, model, tokenizer, ids: torch.Tensor, context
         t0 = time.perf_counter()
         model(input_ids=ids[:, context + t:context + t + 1], past_key_values=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
-    mem = _memory(cache, context + steps + 1)
+    mem = _memory(cache.memory(), context + steps + 1)
     _release(cache)
     return {"context": context, "prefill_tokens_per_s": context / prefill,
             "decode_ms_per_step": 1000 * sum(times[1:]) / steps, "bytes_per_token": mem["bytes_per_token"],
