@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcal.bench.caches import memory_dict, tensor_bytes
-from kvcal.runtime.hf import cache_argument
+from kvcal.runtime.hf import cache_argument, dense_bytes
 
 # bench key -> (display name, how the press is built from a compression ratio), kvpress's own classes
 PRESSES = {
@@ -64,17 +64,17 @@ class PressedCache(DynamicCache):
         self.mask_bytes: dict[int, int] = {}      # layer -> bytes of AdaKV's masked key indices
         self.seen: dict[int, int] = {}            # layer -> tokens seen (prompt + decode), for the fp16 reference
 
-    def compression_ratio(self, n: int, element_size: int) -> float:
-        """kvpress's fraction of the n prompt tokens to drop so that (kept + reserve) tokens in the model dtype hold
-        `ratio` of the fp16 bytes of n + reserve tokens."""
-        kept = self.ratio * (n + self.reserve) * 2 / element_size - self.reserve
+    def compression_ratio(self, n: int) -> float:
+        """kvpress's fraction of the n prompt tokens to drop so that (kept + reserve) tokens hold `ratio` of the
+        fp16 bytes of n + reserve tokens (dense tokens count at 16 bits, `dense_bytes`)."""
+        kept = self.ratio * (n + self.reserve) - self.reserve
         return min(max(1.0 - math.floor(kept) / n, 0.0), 1.0 - 1.0 / n)
 
     def memory(self) -> dict[str, float]:
         total = fp16 = 0
         for i, layer in enumerate(self.layers):
             if layer.is_initialized and layer.keys is not None and layer.keys.numel():
-                total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+                total += dense_bytes(layer.keys, layer.values)
                 B, H, _, d = layer.keys.shape
                 fp16 += B * H * self.seen.get(i, 0) * d * 2 * 2
         return memory_dict(total + sum(self.mask_bytes.values()), fp16)
@@ -97,7 +97,7 @@ def _press_hook(module, args, kwargs, output):
     cache.seen[module.layer_idx] = past + q_len
     if past > 0:                                                         # decode: kvpress leaves it alone
         return output
-    cache.press.compression_ratio = cache.compression_ratio(q_len, kwargs["hidden_states"].element_size())
+    cache.press.compression_ratio = cache.compression_ratio(q_len)
     kw = dict(kwargs, cache_position=torch.arange(q_len, device=kwargs["hidden_states"].device),
               past_key_values=cache)
     module.masked_key_indices = None

@@ -143,7 +143,7 @@ def test_memory_is_the_layouts_formula(family, bits):
     # the value's fp16 centre and half-range, and m outliers of K and of V (fp16 value + uint8 index)
     per = 2 * d * 2 + (S - 1) * 2 * ((d * bits + 7) // 8)
     per += (S - 1) * (2 * 2 + 2 * m * (2 + 1))
-    sliding = sum(layer.keys.numel() * 4 * 2 for i, layer in enumerate(cache.layers) if a.is_sliding(i))
+    sliding = sum(layer.keys.numel() * 2 * 2 for i, layer in enumerate(cache.layers) if a.is_sliding(i))  # 16-bit
     mem = cache.memory()
     assert mem["total_bytes"] == len(full) * B * H * per + sliding
     sliding_fp16 = sum(layer.keys.numel() * 2 * 2 for i, layer in enumerate(cache.layers) if a.is_sliding(i))

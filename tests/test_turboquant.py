@@ -152,7 +152,7 @@ def test_gemma3_sliding_layers_stay_dense():
     assert [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers] == [True, True, False]
     sliding = cache.layers[0].keys.shape[2]
     assert sliding < 40                                     # the window (16) bounds the dense layers
-    dense = 2 * sliding * 32 * 2 * 4                         # two sliding layers, float32 model dtype
+    dense = 2 * sliding * 32 * 2 * 2                         # two sliding layers, counted at 16 bits as served
     assert cache.memory()["total_bytes"] == dense + 40 * (16 + 16 + 4)
     assert cache.memory()["fp16_bytes"] == 2 * sliding * 32 * 2 * 2 + 40 * 32 * 2 * 2
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, QuantizedCache
 
+from kvcal.runtime.hf import dense_bytes
+
 # --------------------------------------------------------------------------------------------- accounting
 
 
@@ -74,13 +76,14 @@ class CountingLayer(CacheLayerMixin):
 
 
 class DenseCache(DynamicCache):
-    """transformers' DynamicCache (model dtype) with `memory()`: the dense baseline, bit-identical to the model."""
+    """transformers' DynamicCache (model dtype) with `memory()`: the dense baseline, bit-identical to the model,
+    counted at 16 bits (`dense_bytes`)."""
 
     def memory(self) -> dict[str, float]:
         total = fp16 = 0
         for layer in self.layers:
             if layer.is_initialized and layer.keys is not None:
-                total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+                total += dense_bytes(layer.keys, layer.values)
                 fp16 += layer.keys.numel() * 2 * 2
         return memory_dict(total, fp16)
 
@@ -97,7 +100,7 @@ class MeasuredQuantizedCache(QuantizedCache):
                 continue
             total += tensor_bytes(getattr(layer, "_quantized_keys", None))
             total += tensor_bytes(getattr(layer, "_quantized_values", None))
-            total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)        # residual window (quanto / hqq)
+            total += dense_bytes(layer.keys, layer.values)                        # residual window (quanto / hqq)
             B, H, d = _dims(layer)
             fp16 += B * H * layer.get_seq_length() * d * 2 * 2
         return memory_dict(total, fp16)

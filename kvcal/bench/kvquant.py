@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.methods import Method
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.profile.codebooks import encode, fit_codebooks
@@ -336,7 +336,7 @@ class KVQuantCache(Cache):
                 total += layer.held_bytes()
                 fp16 += B * H * layer.seen * self.head_dim * 2 * 2
             else:
-                total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+                total += dense_bytes(layer.keys, layer.values)
                 fp16 += layer.keys.numel() * 2 * 2
         return {**memory_dict(total, fp16),
                 "fixed_bytes": tensor_bytes([self.key_center, self.key_half, self.key_books, self.value_books])}

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import memory_dict
+from kvcal.bench.caches import dense_bytes, memory_dict
 from kvcal.bench.methods import Method, kivi_config
 from kvcal.profile.capture import capturing
 from kvcal.runtime.config import CompressionConfig
@@ -169,7 +169,7 @@ class LayerwiseKvcalCache(Cache):
                 total, fp16 = total + m["total_bytes"], fp16 + m["fp16_bytes"]
         for layer, config in zip(self.layers, self.configs):
             if config is None and layer.is_initialized:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
+                total += dense_bytes(layer.keys, layer.values)
                 fp16 += layer.keys.numel() * 2 * 2
         return memory_dict(total, fp16)
 

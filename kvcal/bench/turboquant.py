@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
 from kvcal.runtime.quant import pack, packed_size, unpack
 
 if TYPE_CHECKING:                  # methods.py imports this module to list its methods
@@ -248,7 +248,7 @@ class TurboQuantCache(Cache):
             if not layer.is_initialized:
                 continue
             if sliding:
-                total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+                total += dense_bytes(layer.keys, layer.values)
                 fp16 += layer.keys.numel() * 2 * 2
             else:
                 B, H, _, d = layer.tail_k.shape

@@ -31,6 +31,13 @@ KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
 
 
+def dense_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of dense K/V tensors as served: 16 bits per element (fp16, or the model's own 16-bit dtype). The bench
+    and the search run the model in float32 only to measure; counting its dense tensors (sliding layers, residual
+    windows, the dense baseline) at 4 bytes would charge that precision to the method."""
+    return sum(t.numel() * 2 for t in tensors if t is not None)
+
+
 def cache_argument(kwargs: dict):
     """The cache a transformers module was called with: `cache` from transformers 5.24 on, `past_key_values`
     before."""
@@ -211,12 +218,14 @@ class KvcalCache(Cache):
     def memory(self) -> dict[str, float]:
         """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus dense
         sliding layers, against an fp16 dense cache of the same tokens. `fixed_bytes`: the per-model cost that does
-        not grow with tokens (static key scales), reported apart and not in `total_bytes` or the ratio."""
+        not grow with tokens (static key scales), reported apart and not in `total_bytes` or the ratio.
+
+        Sliding layers count at 16 bits, as served (`dense_bytes`), as kvcal's own raw tiers do."""
         paged = self.kv.store.bytes_in_use() if self.kv else 0
         dense = dense_fp16 = 0
         for layer, sliding in zip(self.layers, self.sliding):
             if sliding and layer.is_initialized:
-                dense += layer.keys.numel() * layer.keys.element_size() * 2
+                dense += dense_bytes(layer.keys, layer.values)
                 dense_fp16 += layer.keys.numel() * 2 * 2
         if self.kv is not None:
             L = self.kv.layers
