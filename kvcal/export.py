@@ -50,7 +50,7 @@ PROVENANCE_FILE = "kvcal_export.json"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_TENSORS = "kvcal_bases.safetensors"
 MANIFEST_FORMAT = "kvcal-manifest"
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2      # 2: `tracked` per layout; score_off = pos_off = -1 when false
 
 
 @dataclass
@@ -348,7 +348,7 @@ def _layout_dict(lay) -> dict[str, Any]:
             "tokens_per_page": lay.tokens, "bytes_per_token": lay.bytes_per_token, "k_bytes": lay.k_bytes,
             "v_bytes": lay.v_bytes, "k_groups": lay.k_groups, "v_groups": lay.v_groups, "k_off": lay.k_off,
             "k_meta_off": lay.k_meta_off, "v_off": lay.v_off, "v_meta_off": lay.v_meta_off,
-            "score_off": lay.score_off, "pos_off": lay.pos_off, "end": lay.end}
+            "score_off": lay.score_off, "pos_off": lay.pos_off, "end": lay.end, "tracked": lay.tracked}
 
 
 def _tier_dict(fmt) -> dict[str, Any]:
@@ -408,7 +408,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
             entry: dict[str, Any] = {"kv_head": h, "qk_rank": r_k, "v_rank": r_v, "high": None, "low": None}
             if compressed:
                 entry["high"] = _layout_dict(PageLayout.build(cfg.high, r_k, r_v, page_bytes))
-                entry["low"] = _layout_dict(PageLayout.build(cfg.low, r_k, r_v, page_bytes))
+                entry["low"] = _layout_dict(PageLayout.build(cfg.low, r_k, r_v, page_bytes, cfg.low_tracked))
             heads.append(entry)
         layers.append({"layer": layer, "layer_type": bundle.model.layer_types[layer], "compressed": compressed,
                        "heads": heads})

@@ -112,3 +112,24 @@ def test_the_residual_family_reads_in_words_without_the_sentinel_alpha():
     assert "for the 32 newest tokens," in words and "1e+09" not in words and "pages of 32 tokens" in words
     tiered = settings_in_words(CompressionConfig().with_tiering(alpha_high=2.0).to_dict())
     assert "mean attention >= 2/N" in tiered
+
+
+def test_low_tokens_that_never_move_keep_no_score_or_position():
+    from kvcal.runtime.diffkv import TieringConfig
+    from kvcal.runtime.layout import PageLayout, default_page_bytes
+    from kvcal.runtime.snapkv import SnapKVConfig
+
+    residual = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32,
+                                 tiering=TieringConfig(window=16, alpha_high=16.0))
+    assert not residual.low_tracked                                    # nothing prunes or evicts a low token
+    for moving in (residual.with_tiering(alpha_low=0.5), residual.with_(fastgen=FastGenConfig(0.9)),
+                   residual.with_(snapkv=SnapKVConfig(0.5)), CompressionConfig()):   # untiered: no low tier at all
+        assert moving.low_tracked
+    # d = 64, pages of 32 low tokens: 32 B key codes + 32 B value codes + 4 B value scale/zero + 8 B of per-channel
+    # key scale/zero over the page = 76 B a token; tracked adds the fp32 score and int32 position (84 B)
+    for tracked, per_token in ((False, 76), (True, 84)):
+        page = default_page_bytes(64, residual.low, 32, tracked)
+        lay = PageLayout.build(residual.low, 64, 64, page, tracked)
+        assert (lay.tokens, lay.bytes_per_token, lay.tracked) == (32, per_token, tracked)
+        assert (lay.score_off < 0) == (lay.pos_off < 0) == (not tracked)
+    assert residual.page_size(64) == default_page_bytes(64, residual.low, 32, tracked=False)

@@ -220,6 +220,9 @@ CONFIGS = {
                                               tiering=TIERED),
     "tiers + FastGen": CompressionConfig(tiering=TIERED, fastgen=FastGenConfig(recovery=0.5)),
     "raw": CompressionConfig.none(),
+    "residual family, untracked low": CompressionConfig(high=TierFormat(16, 16), low=TierFormat.parse("K4cV4"),
+                                                        tiering=TieringConfig(window=4, alpha_high=1.5),
+                                                        page_tokens=8),
 }
 
 

@@ -35,7 +35,8 @@ ARCHS = ("sm_80", "sm_90")      # A100, H100/H200
 REGISTER_BUDGET = 128           # per thread: 128 threads x 128 registers keeps 4 blocks per SM
 SPILL_BUDGET = (0, 0)           # (store, load) bytes per function: local-memory traffic in the inner loops is a bug
 
-MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K16V16", "K4cV2")]   # (high, low) tiers
+# (high, low) tiers; a trailing "u": the low tier is untracked (no score or position in its pages)
+MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K16V16", "K4cV2"), ("K16V16", "K4cV4u"), ("K8V4", "K4V2u")]
 
 
 # ---------------------------------------------------------------- random stores of mixed tiers and ranks
@@ -44,12 +45,15 @@ MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K16V16", "K4cV2")]   # (high, lo
 def random_store(high: str, low: str, *, seed: int = 0, B: int = 2, H: int = 3, d: int = 16, device="cpu",
                  max_high: int = 40, max_low_pages: int = 2, holes: float = 0.15,
                  raw16: torch.dtype = torch.float16) -> CompressedStore:
-    """Ragged lengths per (sequence, head), three rank groups, both tiers, and holes (pos -1) in both sections."""
+    """Ragged lengths per (sequence, head), three rank groups, both tiers, and holes (pos -1) in both sections (not
+    in an untracked low tier, `low` ending in "u")."""
     gen = torch.Generator().manual_seed(seed)
     rank_k = torch.tensor([[16, 8, 12][:H]])
     rank_v = torch.tensor([[12, 16, 8][:H]])
-    store = CompressedStore(rank_k, rank_v, [0], high=TierFormat.parse(high), low=TierFormat.parse(low),
-                            head_dim=d, batch=B, page_bytes=512, initial_pages=4, device=device, raw16=raw16)
+    tracked = not low.endswith("u")
+    store = CompressedStore(rank_k, rank_v, [0], high=TierFormat.parse(high), low=TierFormat.parse(low.rstrip("u")),
+                            head_dim=d, batch=B, page_bytes=512, initial_pages=4, device=device, raw16=raw16,
+                            low_tracked=tracked)
     dev = store.device
     pos = 0
     for side, fmt in ((LOW, store.low), (HIGH, store.high)):
@@ -71,7 +75,7 @@ def random_store(high: str, low: str, *, seed: int = 0, B: int = 2, H: int = 3, 
                              torch.randn(n, d, generator=gen).to(dev), torch.arange(pos, pos + n, device=dev),
                              torch.rand(n, generator=gen).to(dev))
                 pos += n
-    for side in (HIGH, LOW):                          # punch holes
+    for side in (HIGH, LOW) if tracked else (HIGH,):  # punch holes
         b, h = torch.arange(B).repeat_interleave(H), torch.arange(H).repeat(B)
         _, p = store.section_meta(0, side, b.to(dev), h.to(dev))
         drop = (p >= 0).cpu() & (torch.rand(p.shape, generator=gen) < holes)
@@ -180,7 +184,7 @@ def test_decode_plan_tasks_cover_pages_longest_first():
     assert build_decode_plan(store, 0, target_blocks=4).chunk == ceil_div(total, 4)
 
 
-@pytest.mark.parametrize("high,low", [("K8V4", "K2V2"), ("K16V16", "K4V2"), ("K32V32", "K8V8")])
+@pytest.mark.parametrize("high,low", [("K8V4", "K2V2"), ("K16V16", "K4V2"), ("K32V32", "K8V8"), ("K8V4", "K4V2u")])
 def test_write_plan_bytes_match_store_write(high, low):
     """write_tokens' targets and segment offsets, emulated byte for byte against CompressedStore.write."""
     store = random_store(high, low, seed=5, holes=0.0)

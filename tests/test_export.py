@@ -28,6 +28,7 @@ from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import PageLayout, TierFormat
 from kvcal.runtime.pages import HIGH, LOW
+from kvcal.runtime.store import HELD
 
 runner = CliRunner()
 
@@ -271,6 +272,9 @@ CONFIGS = {
                                     tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
     "K16V16+K4V2g4": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 2, k_group=4, v_group=4),
                                        page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
+    # nothing is pruned: the low tier keeps no score or position (untracked)
+    "K16V16+K4cV4 untracked": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 4, "channel"),
+                                                page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6)),
 }
 
 
@@ -282,7 +286,7 @@ def test_manifest_offsets_equal_page_layout(tmp_path):
     res = export_manifest(bundle, tmp_path / "m", cfg, model=model)
     assert sorted(res.files) == ["kvcal_bases.safetensors", "manifest.json"]
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    assert (man["format"], man["schema_version"]) == ("kvcal-manifest", 1)
+    assert (man["format"], man["schema_version"]) == ("kvcal-manifest", 2)
     assert man["config"]["page_bytes"] == 1024 and man["config"]["high"]["name"] == "K8V4"
     assert [entry["compressed"] for entry in man["layers"]] == [False, False, True]   # sliding layers stay dense
     for entry in man["layers"]:
@@ -348,6 +352,9 @@ def _decode_page(page: torch.Tensor, lay: dict, tier: dict):
     else:
         keys = vectors("k", lay["r_k"], tier["k_bits"], tier["k_group"])
     values = vectors("v", lay["r_v"], tier["v_bits"], tier["v_group"])
+    if not lay["tracked"]:
+        assert lay["score_off"] == lay["pos_off"] == -1
+        return keys, values, None, None
     score = seg(lay["score_off"], 4 * T).view(torch.float32)
     pos = seg(lay["pos_off"], 4 * T).view(torch.int32).long()
     return keys, values, score, pos
@@ -387,8 +394,11 @@ def test_manifest_offsets_match_the_runtime_store_bytes(tmp_path, name):
                         page = arena.arena[int(arena.page_table[b, layer, h, col])]
                         keys, values, score, pos = _decode_page(page, lay, man["config"][tier])
                         j = slot % lay["tokens_per_page"]
-                        assert int(pos[j]) == int(got.pos[b, h, i])
-                        assert float(score[j]) == float(got.score[b, h, i])
+                        if pos is None:                    # untracked: a held token, no position or score
+                            assert int(got.pos[b, h, i]) == HELD and float(got.score[b, h, i]) == 0.0
+                        else:
+                            assert int(pos[j]) == int(got.pos[b, h, i])
+                            assert float(score[j]) == float(got.score[b, h, i])
                         torch.testing.assert_close(keys[j], got.keys[b, h, i, :r_k], rtol=1e-6, atol=1e-6)
                         torch.testing.assert_close(values[j], got.values[b, h, i, :r_v], rtol=1e-6, atol=1e-6)
                         checked[side] += 1

@@ -27,6 +27,10 @@ POLICIES = {
     "residual: fp16 window, per-channel low": CompressionConfig(
         high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_tiering(
         window=8, alpha_high=1e9, alpha_low=0.5),
+    # no pruning and no eviction: the low tier keeps no score or position (untracked); heavy hitters stay fp16
+    "residual, untracked low": CompressionConfig(
+        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_tiering(
+        window=8, alpha_high=2.0),
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_tiering(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_tiering(
         **TIERS),
@@ -68,27 +72,44 @@ def _serve(config: CompressionConfig, prompt: int = 40, steps: int = 12):
     counts = cache.kv.tier_counts()
     total = 2 * (prompt + steps) * len(cache.kv.layers) * cache.kv.store.num_kv_heads
     tiers = {"high": counts["high"], "low": counts["low"], "pruned": total - counts["high"] - counts["low"]}
-    return torch.stack(logits, 1), tiers, cache.kv.backend.name()
+    return torch.stack(logits, 1), tiers, cache.kv.backend.name(), cache.memory()["total_bytes"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_policy_serves_the_same_on_each_backend(policy, backend):
     config = POLICIES[policy].with_(backend=backend)
-    logits, tiers, served_by = _serve(config)
+    logits, tiers, served_by, _ = _serve(config)
     assert served_by == backend
     # each policy does what it is for on this input (so the comparison below covers its decisions)
     if policy == "none":
         assert tiers["low"] == tiers["pruned"] == 0
     if "diffkv" in policy:
         assert tiers["low"] > 0                 # per-channel: whole low pages were sealed
-    if "residual" in policy:                    # fp16 holds the window and tokens waiting for a low page, no more
+    if policy.startswith("residual:"):          # fp16 holds the window and tokens waiting for a low page, no more
         assert tiers["low"] > tiers["high"] > 0
-    if policy != "none" and "per-channel" not in policy:
+    if "untracked" in policy:                   # fp16 also holds the heavy hitters
+        assert tiers["low"] > 0 and tiers["high"] > 0
+    if policy != "none" and "per-channel" not in policy and "untracked" not in policy:
         assert tiers["pruned"] > 0
-    ref_logits, ref_tiers, _ = _serve(POLICIES[policy].with_(backend="torch"))
+    ref_logits, ref_tiers, _, _ = _serve(POLICIES[policy].with_(backend="torch"))
     assert tiers == ref_tiers
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_untracked_low_tier_serves_the_same_tokens_in_fewer_bytes(backend, monkeypatch):
+    """Dropping the score and position of low tokens that can never move changes no logit and no tier, only the
+    bytes (the layouts' sizes: tests/test_config.py). Full rank: a page sized for 8 full-rank low tokens holds more
+    lower-rank ones, and how many more depends on the bytes a token takes, so ragged ranks would group differently."""
+    config = POLICIES["residual, untracked low"].with_(backend=backend, use_ranks=False)
+    assert not config.low_tracked
+    logits, tiers, _, held = _serve(config)
+    monkeypatch.setattr(CompressionConfig, "low_tracked", property(lambda self: True))
+    ref_logits, ref_tiers, _, ref_held = _serve(config)
+    assert tiers == ref_tiers and tiers["low"] > 0
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)     # summation order only (page widths)
+    assert held < ref_held
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])

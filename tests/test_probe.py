@@ -61,7 +61,9 @@ def test_batched_probe_tracks_stepwise_with_tiers_and_fastgen():
     probe = _probe("llama", fastgen=fast, words=150)
     tiers = CompressionConfig(low=TierFormat(4, 2, "channel"), tiering=TieringConfig(window=16, alpha_high=1.6,
                                                                                   alpha_low=0.5))
-    for cfg in (tiers, tiers.with_(fastgen=fast)):
+    untracked = tiers.with_tiering(alpha_low=0.0)     # nothing pruned: low pages keep no score or position
+    assert not untracked.low_tracked
+    for cfg in (tiers, tiers.with_(fastgen=fast), untracked):
         step, batched = probe.measure(cfg, chunk=1), probe.measure(cfg, chunk=8)
         assert step.predictions == batched.predictions == 2 * (probe.continuation.shape[1] - 1)
         assert abs(step.top1 - batched.top1) <= 0.05

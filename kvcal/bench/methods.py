@@ -55,7 +55,7 @@ from kvcal.runtime.streamingllm import StreamingLLMConfig
 KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
 KIVI_ALPHA = EVERY_TOKEN_LOW   # alpha_high: every token that leaves the window goes to the low tier
-KIVI_BITS = ((4, 4), (4, 2), (2, 2))   # (key, value) bits of the low tier; the paper's K2V2 and K4V2, and K4V4
+KIVI_BITS = ((8, 4), (4, 4), (4, 2), (2, 2))   # (key, value) bits of the low tier: the paper's K2V2 and K4V2, and wider
 
 FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a family (window: the bundle's)
     "rank-only (FDC)": CompressionConfig(high=TierFormat(16, 16), qk_removal_rate=0.04, v_removal_rate=0.04),

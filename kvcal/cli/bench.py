@@ -46,7 +46,7 @@ def _ints(spec: str | None, name: str) -> tuple[int, ...] | None:
 # `--help` needs neither (tests/test_cli_ux.py checks this list against the methods a bench really builds)
 METHOD_FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
 METHOD_KEYS = ("dense", "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8", "uniform-k8v8", "uniform-k4v4",
-               "uniform-k2v2", "kivi-k4v4", "kivi-k4v2", "kivi-k2v2", "kvtuner-4bit", "kvtuner-3bit",
+               "uniform-k2v2", "kivi-k8v4", "kivi-k4v4", "kivi-k4v2", "kivi-k2v2", "kvtuner-4bit", "kvtuner-3bit",
                "kvtuner-2.5bit", "turboquant-k4v4", "turboquant-k4v2", "turboquant-k2v2", "turboquant-k2v2-w64",
                "kvquant-k4v4", "kvquant-k3v3", "kvquant-k2v2", "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint",
                "streamingllm", "h2o", "snapkv", "palu", "kvpress-snapkv", "kvpress-streamingllm",

@@ -276,7 +276,8 @@ class ScoreCatchUp:
             return
         N = start + n                                    # delta by cache index; index N collects empty slots
         delta = torch.zeros(B, H, N + 1, device=top.device)
-        delta.scatter_add_(-1, torch.where(stored_pos >= 0, stored_pos, N), top[:, :, i, :S])
+        # held tokens of an untracked tier (position HELD) keep no score: collected at N like empty slots
+        delta.scatter_add_(-1, torch.where((stored_pos >= 0) & (stored_pos < N), stored_pos, N), top[:, :, i, :S])
         delta[:, :, start:start + i] += top[:, :, i, S:S + i]
         store = self.kv.store
         store.own_layer(layer)
@@ -286,8 +287,8 @@ class ScoreCatchUp:
             if pos.shape[-1] == 0:
                 continue
             pos = pos.view(B, H, -1)
-            store.set_scores(layer, word.view(B, H, -1), pos,
-                             score.view(B, H, -1) + delta.gather(-1, torch.where(pos >= 0, pos, N)))
+            at = torch.where((pos >= 0) & (pos < N), pos, N)                # N: empty slots and held ones (HELD)
+            store.set_scores(layer, word.view(B, H, -1), pos, score.view(B, H, -1) + delta.gather(-1, at))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,

@@ -65,7 +65,7 @@ class CompressedKV:
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
-                                     key_ranges=key_ranges)
+                                     key_ranges=key_ranges, low_tracked=config.low_tracked)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)

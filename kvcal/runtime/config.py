@@ -77,6 +77,15 @@ class CompressionConfig:
         return "static" in (self.high.k_mode, self.low.k_mode)
 
     @property
+    def low_tracked(self) -> bool:
+        """Whether low-tier pages keep each token's score and position (`layout` module docstring). A low token
+        moves only when something drops it: pruning (alpha_low > 0) or a token policy (FastGen, H2O, SnapKV,
+        StreamingLLM). Without those its score is never read and its slot's place below the fill is all attention
+        needs, so the 8 bytes a token would spend on them are not stored."""
+        policies = (self.fastgen, self.h2o, self.snapkv, self.streamingllm)
+        return not self.tiering.tiered or self.tiering.alpha_low > 0 or any(p is not None for p in policies)
+
+    @property
     def value_group(self) -> int:
         """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
         return max(self.high.v_group or 1, self.low.v_group or 1)
@@ -86,7 +95,7 @@ class CompressionConfig:
         if self.page_bytes:
             return self.page_bytes
         if self.page_tokens:
-            return default_page_bytes(head_dim, self.low, self.page_tokens)
+            return default_page_bytes(head_dim, self.low, self.page_tokens, self.low_tracked)
         return default_page_bytes(head_dim, self.high)
 
     def with_(self, **changes) -> CompressionConfig:

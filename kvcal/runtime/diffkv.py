@@ -198,7 +198,10 @@ class DiffKVTiers(CachePolicy):
             # empty (`decode_actions`), only the pending low page matters
             self._seal_pending(layer, b, h, length, hi_s, hi_p)
             return
-        lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
+        if kv.config.low_tracked:
+            lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
+        else:                                   # nothing is pruned: no low token is ever a victim
+            lo_s, lo_p = hi_s[..., :0], hi_p[..., :0]
         acts = decode_actions(tiering, hi_s, hi_p, lo_s, lo_p, kv.n_pad, length, channel)
         moving = acts.high_to_low.view(-1) >= 0
         changed = bool(moving.any()) or bool((acts.prune_high >= 0).any()) or bool((acts.prune_low >= 0).any())

@@ -13,6 +13,10 @@ in order, each starting on a 16-byte boundary (T = tokens per page):
     score  fp32  [T]                   cumulative attention probability received (max over the query heads)
     pos    int32 [T]                   cache index of the token; -1 marks an empty or dropped slot
 
+Score and position are *tracked* metadata: a token policy reads them to move or drop the token. A tier whose tokens
+can never move or be dropped (the low tier with no pruning and no eviction policy: `CompressionConfig.low_tracked`)
+has neither segment (offsets -1): its slots below the section's fill all hold tokens, and attention needs no more.
+
 Raw tiers (16 or 32 bits) store floats and have no meta segments. All offsets are computed here once, in Python, and
 handed to every reader and writer (the torch store and the CUDA kernels), so no layout is written twice.
 """
@@ -107,22 +111,23 @@ class PageLayout:
     v_off: int
     v_meta_off: int
     score_off: int
-    pos_off: int
+    pos_off: int         # score_off, pos_off: -1 when the tier is not tracked
     end: int             # bytes actually used (<= page_bytes)
+    tracked: bool = True  # score and position segments present (module docstring)
 
     @classmethod
-    def build(cls, fmt: TierFormat, r_k: int, r_v: int, page_bytes: int) -> PageLayout:
+    def build(cls, fmt: TierFormat, r_k: int, r_v: int, page_bytes: int, tracked: bool = True) -> PageLayout:
         """The layout with the most tokens per page that fits `page_bytes`."""
         sizes = _sizes(fmt, r_k, r_v)
         k_bytes, v_bytes, k_groups, v_groups = sizes
-        T = max(1, page_bytes // (k_bytes + v_bytes + 4 * (k_groups + v_groups) + 8))
-        while T > 1 and _offsets(fmt, r_k, sizes, T)[-1] > page_bytes:   # alignment padding can overflow
+        T = max(1, page_bytes // (k_bytes + v_bytes + 4 * (k_groups + v_groups) + 8 * tracked))
+        while T > 1 and _offsets(fmt, r_k, sizes, T, tracked)[-1] > page_bytes:   # alignment padding can overflow
             T -= 1
-        offs = _offsets(fmt, r_k, sizes, T)
+        offs = _offsets(fmt, r_k, sizes, T, tracked)
         if offs[-1] > page_bytes:
             raise ValueError(f"a page of {page_bytes} B cannot hold one {fmt.name} token at ranks ({r_k}, {r_v}); "
                              f"raise `page_bytes` to at least {offs[-1]}")
-        return cls(fmt, r_k, r_v, page_bytes, T, *sizes, *offs)
+        return cls(fmt, r_k, r_v, page_bytes, T, *sizes, *offs, tracked)
 
     @property
     def bytes_per_token(self) -> float:
@@ -140,18 +145,22 @@ def _sizes(fmt: TierFormat, r_k: int, r_v: int) -> tuple[int, int, int, int]:
     return elem_bytes(fmt.k_bits, r_k), elem_bytes(fmt.v_bits, r_v), k_groups, v_groups
 
 
-def _offsets(fmt: TierFormat, r_k: int, sizes: tuple[int, int, int, int], T: int) -> tuple[int, ...]:
+def _offsets(fmt: TierFormat, r_k: int, sizes: tuple[int, int, int, int], T: int,
+             tracked: bool = True) -> tuple[int, ...]:
     """(k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, end) for T tokens per page"""
     k_bytes, v_bytes, k_groups, v_groups = sizes
     k_meta = r_k * 4 if fmt.k_mode == "channel" else T * k_groups * 4
     k_meta_off = _align(T * k_bytes)
     v_off = _align(k_meta_off + k_meta)
     v_meta_off = _align(v_off + T * v_bytes)
-    score_off = _align(v_meta_off + T * v_groups * 4)
+    v_end = v_meta_off + T * v_groups * 4
+    if not tracked:
+        return 0, k_meta_off, v_off, v_meta_off, -1, -1, v_end
+    score_off = _align(v_end)
     pos_off = _align(score_off + T * 4)
     return 0, k_meta_off, v_off, v_meta_off, score_off, pos_off, pos_off + T * 4
 
 
-def default_page_bytes(head_dim: int, fmt: TierFormat, tokens: int = 32) -> int:
+def default_page_bytes(head_dim: int, fmt: TierFormat, tokens: int = 32, tracked: bool = True) -> int:
     """Page size that holds `tokens` full-rank tokens of `fmt` (DiffKV's geometry: 32 K8V4 tokens per page)."""
-    return _offsets(fmt, head_dim, _sizes(fmt, head_dim, head_dim), tokens)[-1]
+    return _offsets(fmt, head_dim, _sizes(fmt, head_dim, head_dim), tokens, tracked)[-1]

@@ -14,6 +14,10 @@ once from the bundle's calibrated clip ranges (`key_ranges`) and held here, not 
 Slots: a section's slot s lives in its page s // T at index s % T. `fill[layer, b, h, side]` counts slots ever
 written; a slot below `fill` with position -1 is a hole (a pruned or moved token). High-section holes are reused by
 new tokens; per-channel low pages are written whole and never rewritten, so their holes stay until the sequence ends.
+
+An untracked low tier (`low_tracked=False`, kvcal.runtime.layout) stores no score or position: its tokens never move,
+so it has no holes. Reads give its slots below the fill position `HELD` (a token is there; its cache index is not
+recorded) and score 0, and their score word is -1 (`set_scores` skips it).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvcal.runtime.layout import RAW_BITS, PageLayout, TierFormat, default_page_
 from kvcal.runtime.pages import HIGH, LOW, PageArena
 
 _RAW_DTYPES = {32: torch.float32, 16: torch.float16}
+HELD = 2**31 - 1       # the position read from an untracked slot that holds a token: >= 0, but no cache index
 
 
 @dataclass
@@ -81,6 +86,8 @@ class CompressedStore:
     torch writer here.
     key_ranges: (low, high) float32 [L, H, >= r_k] per-channel clip ranges of the stored keys (bundle
     `k.range_low` / `k.range_high`); required when a tier has static keys, ignored otherwise.
+    low_tracked: False when low tokens never move (`CompressionConfig.low_tracked`): low pages then hold no score or
+    position.
 
     Public addressing for backends: `entries` (the (sequence, head) pairs of a head group), `section_pages`,
     `page_of` (byte offset of a slot's page), `reserve_pages`, `reserve_low_page`.
@@ -90,7 +97,7 @@ class CompressedStore:
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
                  initial_tokens: int = 2048, writer=None,
-                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True):
         if high.k_mode == "channel":
             raise ValueError("the high tier needs keys written token by token (per-token or static keys): it holds "
                              "the recent window")
@@ -109,8 +116,8 @@ class CompressedStore:
             groups = []
             for r_k, r_v in pairs:
                 heads = [h for h in range(H) if (int(rank_k[layer, h]), int(rank_v[layer, h])) == (r_k, r_v)]
-                lay = (PageLayout.build(high, r_k, r_v, self.page_bytes), PageLayout.build(low, r_k, r_v,
-                                                                                       self.page_bytes))
+                lay = (PageLayout.build(high, r_k, r_v, self.page_bytes),
+                       PageLayout.build(low, r_k, r_v, self.page_bytes, low_tracked))
                 groups.append(HeadGroup(torch.tensor(heads, device=self.device), lay, r_k, r_v))
                 min_tokens += [lay[HIGH].tokens, lay[LOW].tokens]
             self.groups[layer] = groups
@@ -272,8 +279,9 @@ class CompressedStore:
                                   lay.k_groups)
             self._put_vectors(base, idx, v, fmt.v_bits, fmt.v_group, lay.v_off, lay.v_meta_off, lay.v_bytes,
                               lay.v_groups)
-            self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
-            self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = pos[sel].to(torch.int32)
+            if lay.tracked:
+                self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
+                self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = pos[sel].to(torch.int32)
 
     def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, ngroups) -> None:
         if bits in RAW_BITS:
@@ -330,8 +338,9 @@ class CompressedStore:
             v = values[sel, :, :g.r_v].reshape(-1, g.r_v).float()
             self._put_vectors(base.repeat_interleave(T), idx, v, lay.fmt.v_bits, lay.fmt.v_group, lay.v_off,
                               lay.v_meta_off, lay.v_bytes, lay.v_groups)
-            self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
-            self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
+            if lay.tracked:
+                self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
+                self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
 
     def append(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, keys, values, pos, score,
                distinct: bool = False) -> None:
@@ -426,6 +435,9 @@ class CompressedStore:
                               torch.ones(n, dtype=torch.int64, device=self.device), accumulate=True)
         for g, sel in self.group_rows(layer, h):
             lay = g.layouts[side]
+            if not lay.tracked:
+                raise RuntimeError("a token policy dropped a token of an untracked tier (CompressionConfig."
+                                   "low_tracked is wrong for this policy)")
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
 
@@ -435,10 +447,11 @@ class CompressedStore:
         self.set_scores(layer, gathered.word, gathered.pos, gathered.score + delta)
 
     def set_scores(self, layer: int, word: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Write `score` into the slots at score words `word` where pos >= 0 (all the same shape). The words come from
-        `gather` or `section_scores` of `layer` with no page change since, read after `own_layer(layer)`: copy on
-        write moves a shared page, so words read before it would write into the page the other sequence keeps."""
-        valid = pos >= 0
+        """Write `score` into the slots at score words `word` where pos >= 0 and word >= 0 (all the same shape). The
+        words come from `gather` or `section_scores` of `layer` with no page change since, read after
+        `own_layer(layer)`: copy on write moves a shared page, so words read before it would write into the page the
+        other sequence keeps."""
+        valid = (pos >= 0) & (word >= 0)
         self._flat(torch.float32)[word[valid]] = score[valid].float()
 
     # ------------------------------------------------------------------------------------------------- reading
@@ -468,6 +481,13 @@ class CompressedStore:
         return ((pages.clamp(min=0) * self.page_bytes // 4)[..., None]
                 + torch.arange(lay.tokens, device=self.device)).reshape(n, P * lay.tokens)
 
+    def _score_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
+        """int64 [n, P * T]: each slot's score as an arena float32 word; -1 in an untracked tier."""
+        if not lay.tracked:
+            return torch.full((pages.shape[0], pages.shape[1] * lay.tokens), -1, dtype=torch.int64,
+                              device=self.device)
+        return self._slot_words(pages, lay) + lay.score_off // 4
+
     def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
         Reads only the score and position segments."""
@@ -482,12 +502,15 @@ class CompressedStore:
         for g, sel in rows:
             lay = g.layouts[side]
             eb, eh = (b, h) if sel is None else (b[sel], h[sel])
-            slots = self._slot_words(self.section_pages(layer, side, eb, eh), lay)
-            word = slots + lay.score_off // 4
-            score = self._flat(torch.float32)[word]
-            pos = self._flat(torch.int32)[slots + lay.pos_off // 4].long()
+            pages = self.section_pages(layer, side, eb, eh)
+            word = self._score_words(pages, lay)
+            if lay.tracked:
+                score = self._flat(torch.float32)[word]
+                pos = self._flat(torch.int32)[self._slot_words(pages, lay) + lay.pos_off // 4].long()
+            else:
+                score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
             fill = self.fill[layer, eb, eh, side]
-            pos = torch.where(torch.arange(slots.shape[1], device=self.device) < fill[:, None], pos, -1)
+            pos = torch.where(torch.arange(word.shape[1], device=self.device) < fill[:, None], pos, -1)
             if sel is None:
                 return score, pos, word
             parts.append((sel, score, pos, word))
@@ -547,6 +570,9 @@ class CompressedStore:
         else:
             keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k)
         values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v)
+        if not lay.tracked:
+            return keys, values, torch.zeros(n, P * T, device=data.device), \
+                torch.full((n, P * T), HELD, dtype=torch.int64, device=data.device)
         score = seg(lay.score_off, 4 * T).view(torch.float32).reshape(n, P * T)
         pos = seg(lay.pos_off, 4 * T).view(torch.int32).reshape(n, P * T).long()
         return keys, values, score, pos
@@ -566,7 +592,7 @@ class CompressedStore:
                                                     self._key_scales(layer, side, h, g))
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
-                word = self._slot_words(pages, lay) + lay.score_off // 4
+                word = self._score_words(pages, lay)
                 # never-written slots hold stale bytes (NaN as raw floats): zero them, 0 * NaN would poison attention
                 live = (pos >= 0)[..., None]
                 k, v = torch.where(live, k, 0.0), torch.where(live, v, 0.0)
@@ -665,10 +691,9 @@ class CompressedStore:
         b = torch.arange(B, device=self.device).repeat_interleave(H)
         h = torch.arange(H, device=self.device).repeat(B)
         hi = self.section_meta(layer, HIGH, b, h)[1]
-        lo = self.section_meta(layer, LOW, b, h)[1]
         expected = (length - torch.maximum(torch.full_like(n_pad, keep), n_pad)).clamp(min=0)   # real tokens [B]
-        found = (hi >= keep).sum(-1).view(B, H)
-        if bool((lo >= keep).any()) or bool((found < expected[:, None]).any()):
+        found = (hi >= keep).sum(-1).view(B, H)     # fewer than expected: one moved low or was pruned
+        if bool((found < expected[:, None]).any()):
             return (f"layer {layer} holds a token at cache index >= {keep} that is no longer at the high tier (moved "
                     f"to the low tier or pruned)")
         return None

@@ -46,6 +46,11 @@ def _i32(page: torch.Tensor, off: int, n: int) -> torch.Tensor:
     return page[off:off + 4 * n].contiguous().view(torch.int32)
 
 
+def _valid(page: torch.Tensor, D: dict, fill: int) -> torch.Tensor:
+    """bool [fill]: which slots below the fill hold a token (an untracked tier has no holes)."""
+    return _i32(page, D["pos_off"], fill) >= 0 if D["pos_off"] >= 0 else torch.ones(fill, dtype=torch.bool)
+
+
 def _exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """exp(a - b), 0 where a = -inf (also when b = -inf: the kernels' guard)."""
     return torch.where(a == _NEG_INF, 0.0, torch.exp(a - torch.where(b == _NEG_INF, 0.0, b)))
@@ -69,7 +74,7 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, n
     def page_of(p: int):
         D = _desc(plan.descs, int(plan.page_desc[p]))
         off = int(plan.page_off[p])
-        return D, flat[off:off + D["pos_off"] + 4 * D["tokens"]], int(plan.page_fill[p])
+        return D, flat[off:off + D["end"]], int(plan.page_fill[p])
 
     # ---- decode_split: one task = online softmax over its pages
     for task in range(plan.num_tasks):
@@ -77,7 +82,7 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, n
         m, l, acc = torch.full((qn,), _NEG_INF), torch.zeros(qn), torch.zeros(qn, rv)
         for p in range(int(plan.task_begin[task]), int(plan.task_end[task])):
             D, page, fill = page_of(p)
-            valid = _i32(page, D["pos_off"], fill) >= 0                                    # [fill]
+            valid = _valid(page, D, fill)                                                  # [fill]
             k = _vectors(page, D, "k", fill)                                               # [fill, r_k]
             x = (q[item, :, :D["r_k"]] @ k.T).masked_fill(~valid, _NEG_INF)               # [qn, fill]
             logits[p, :fill] = x.T
@@ -110,7 +115,9 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, n
         new_score[item] = p_new.view(g, n, n).amax(0).sum(0)
         for p in range(int(plan.item_page_start[item]), int(plan.item_page_start[item + 1])):
             D, page, fill = page_of(p)
-            valid = _i32(page, D["pos_off"], fill) >= 0
+            if D["score_off"] < 0:                                                         # untracked: no scores
+                continue
+            valid = _valid(page, D, fill)
             prob = torch.exp(logits[p, :fill] - M) * Linv                                 # [fill, qn]
             delta = prob.view(fill, g, n).amax(1).sum(1)
             score = page[D["score_off"]:D["score_off"] + 4 * fill].view(torch.float32)    # a view into the arena
@@ -125,7 +132,7 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
     flat = arena.view(-1)
     for i in range(len(plan.slot)):
         D = _desc(plan.descs, int(plan.desc[i]))
-        page = flat[int(plan.page_off[i]):int(plan.page_off[i]) + D["pos_off"] + 4 * D["tokens"]]
+        page = flat[int(plan.page_off[i]):int(plan.page_off[i]) + D["end"]]
         t = int(plan.slot[i])
         for which, x in (("k", keys[i]), ("v", values[i])):
             if which == "k" and (not write_keys or D["k_channel"]):
@@ -143,8 +150,9 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
                 page[off:off + 4 * groups] = torch.stack([s, z], -1).reshape(-1).view(torch.uint8)
             off = D[f"{which}_off"] + t * nbytes
             page[off:off + nbytes] = data
-        page[D["score_off"] + 4 * t:D["score_off"] + 4 * t + 4] = score[i:i + 1].float().view(torch.uint8)
-        page[D["pos_off"] + 4 * t:D["pos_off"] + 4 * t + 4] = pos[i:i + 1].to(torch.int32).view(torch.uint8)
+        if D["pos_off"] >= 0:                                                              # tracked tiers only
+            page[D["score_off"] + 4 * t:D["score_off"] + 4 * t + 4] = score[i:i + 1].float().view(torch.uint8)
+            page[D["pos_off"] + 4 * t:D["pos_off"] + 4 * t + 4] = pos[i:i + 1].to(torch.int32).view(torch.uint8)
 
 
 def emulate_channel_keys(descs: torch.Tensor, arena: torch.Tensor, base: torch.Tensor, rows: torch.Tensor,
@@ -156,7 +164,7 @@ def emulate_channel_keys(descs: torch.Tensor, arena: torch.Tensor, base: torch.T
         D = _desc(descs, int(rows[i]))
         r, bits, T = D["r_k"], D["k_bits"], D["tokens"]
         codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits)     # [1, T, r], [1, r]
-        page = flat[int(base[i]):int(base[i]) + D["pos_off"] + 4 * T]
+        page = flat[int(base[i]):int(base[i]) + D["end"]]
         data = quant.pack(codes[0], bits).reshape(-1)
         page[D["k_off"]:D["k_off"] + len(data)] = data
         page[D["k_meta_off"]:D["k_meta_off"] + 4 * r] = torch.stack([s[0], z[0]], -1).reshape(-1).view(torch.uint8)

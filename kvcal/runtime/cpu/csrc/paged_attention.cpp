@@ -284,10 +284,15 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const Desc& D = descs[ref.desc];
                 const uint8_t* page = arena + ref.off;
                 const int cnt = ref.count;
-                const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                 dequantize(page, D, 0, cnt, kbuf.data());
                 bool any = false;
-                for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
+                if (D.pos_off < 0) {                                  // untracked tier: no holes below the fill
+                    for (int t = 0; t < cnt; ++t) valid[t] = true;
+                    any = cnt > 0;
+                } else {
+                    const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
+                    for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
+                }
                 for (int64_t row = 0; row < qn; ++row) {
                     float* xr = &x[row * t_max];
                     for (int t = 0; t < cnt; ++t)
@@ -376,6 +381,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const PageRef& ref = pages[p];
                 const Desc& D = descs[ref.desc];
                 uint8_t* page = arena + ref.off;
+                if (D.score_off < 0) continue;                            // untracked tier: no scores to keep
                 const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                 float* score = reinterpret_cast<float*>(page + D.score_off);
                 const float* x = &logits[p * t_max * qn];                // [qn, t_max]
@@ -465,9 +471,11 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
                 }
             }
         }
-        std::memcpy(page + D.score_off + 4 * t, &score[i], 4);
-        const int32_t p32 = (int32_t)pos[i];
-        std::memcpy(page + D.pos_off + 4 * t, &p32, 4);
+        if (D.pos_off >= 0) {                                         // tracked tiers keep score and position
+            std::memcpy(page + D.score_off + 4 * t, &score[i], 4);
+            const int32_t p32 = (int32_t)pos[i];
+            std::memcpy(page + D.pos_off + 4 * t, &p32, 4);
+        }
     }
     return 0;
 }

@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) write_tokens(
                    keys + (long long)i * k_stride, L.r_k, sz[warp]);
     put_vector(page, L.v_off, L.v_meta_off, L.v_bytes, L.v_bits, L.v_group, L.v_groups, L.raw_bf16, t,
                values + (long long)i * v_stride, L.r_v, sz[warp]);
-    if (lane == 0) {
+    if (lane == 0 && L.pos_off >= 0) {          // untracked tiers keep no score or position
         reinterpret_cast<float*>(page + L.score_off)[t] = score[i];
         reinterpret_cast<int*>(page + L.pos_off)[t] = pos[i];
     }

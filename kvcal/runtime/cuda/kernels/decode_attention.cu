@@ -73,11 +73,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_split(
             __syncthreads();
             const unsigned char* page = pages + page_off[p];
             const int fill = page_fill[p];
+            // an untracked tier (pos_off < 0) has no position segment and no holes below the fill
+            const bool tracked = L.pos_off >= 0;
             const int* pos = reinterpret_cast<const int*>(page + L.pos_off);
 
             // A: one thread per slot -> logits of the QT rows (q_s reads are warp broadcasts)
             for (int t = tid; t < fill; t += THREADS) {
-                const int ps = pos[t];
+                const int ps = tracked ? pos[t] : 0;
                 pos_s[t] = ps;
                 float dot[QT];
 #pragma unroll
@@ -245,6 +247,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_merge(
         __syncthreads();
         if (tid == 0) L = reinterpret_cast<const PageDesc*>(descs)[page_desc[p]];
         __syncthreads();
+        if (L.score_off < 0) continue;           // untracked tier: no scores (L is shared: uniform over the block)
         unsigned char* page = arena + page_off[p];
         const int* pos = reinterpret_cast<const int*>(page + L.pos_off);
         float* score = reinterpret_cast<float*>(page + L.score_off);

@@ -29,7 +29,8 @@ struct PageDesc {
     int v_off;
     int v_meta_off;
     int score_off;
-    int pos_off;
+    int pos_off;      // score_off, pos_off: -1 when the tier keeps no score or position (untracked)
+    int end;          // bytes of the page in use
     int raw_bf16;     // 1: 16-bit raw tiers hold bfloat16 (the store's `raw16`), 0: float16
 };
 
