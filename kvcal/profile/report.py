@@ -57,6 +57,8 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
             parts.append(f"low-tier pages of {config.page_tokens} tokens")
         if p.alpha_low > 0:
             parts.append(f"tokens below {p.alpha_low:g}/N dropped")
+    if config.sliding is not None:
+        parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)})")
     if config.fastgen is not None:
         parts.append(f"FastGen per-head policies chosen at prefill (recovery {config.fastgen.recovery:g})")
     if head_dim is not None and qk_rank_mean is not None and v_rank_mean is not None:

@@ -19,6 +19,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
    "every token leaves the window to the low tier" down to keeping more heavy hitters, then (by bisection) shorter
    windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
+   Models with sliding-window layers (Gemma3) then walk `SLIDING_FORMATS` for those layers' window
+   (`CompressionConfig.sliding`, per-token formats in the rotated basis), cheaper and cheaper until the target is
+   missed; kept only if bytes drop;
 3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -61,6 +64,7 @@ RESIDUAL_LOW_TIERS = ("K8cV4", "K4cV4", "K4cV2", "K2cV2")   # by bytes, most pre
 RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 16.0, 4.0)   # most aggressive first
 RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
+SLIDING_FORMATS = ("K8V8", "K8V4", "K4V4", "K4V2")   # sliding windows, by bytes, most precise first
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -270,6 +274,21 @@ class Search:
 
         return last_feasible(changes, measure) or start
 
+    def sliding(self, start: Point) -> Point:
+        """The cheapest feasible `SLIDING_FORMATS` entry for the sliding-window layers on top of `start`; `start`
+        when the model has none or none saves bytes."""
+        if "sliding_attention" not in self.bundle.model.layer_types:
+            return start
+        best = start
+        for name in SLIDING_FORMATS:
+            p = self.measure("sliding", f"sliding layers {name} on {start.label}",
+                             start.config.with_(sliding=TierFormat.parse(name)))
+            if not p.feasible:
+                break
+            if _saves(p, best):
+                best = p
+        return best
+
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
@@ -311,6 +330,7 @@ class Search:
         if residual is not None and (chosen is None or _saves(residual, chosen)):
             chosen = residual
         if chosen is not None:
+            chosen = self.sliding(chosen)
             chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:

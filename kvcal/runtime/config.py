@@ -15,6 +15,7 @@ order:
     h2o               {fraction, recent} | absent (off)             token-budget eviction baselines
     snapkv            {fraction, window, kernel, reserve} | absent (off)
     streamingllm      {fraction, sinks} | absent (off)
+    sliding           str    tier format of sliding-window layers (per-token, e.g. "K8V4"); absent = dense
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -28,11 +29,12 @@ from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.layout import TierFormat, default_page_bytes
+from kvcal.runtime.sliding import check_sliding_format
 from kvcal.runtime.snapkv import SnapKVConfig
 from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
-                 "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm")
+                 "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding")
 # keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
 _TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
                     "streamingllm": StreamingLLMConfig}
@@ -60,8 +62,11 @@ class CompressionConfig:
     h2o: H2OConfig | None = None                     # token-budget eviction baselines (None: off)
     snapkv: SnapKVConfig | None = None
     streamingllm: StreamingLLMConfig | None = None
+    sliding: TierFormat | None = None     # sliding-window layers stored in this format (None: dense, model dtype)
 
     def __post_init__(self):
+        if self.sliding is not None:
+            check_sliding_format(self.sliding)
         if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens < 1):
             raise ValueError(f"`page_tokens={self.page_tokens!r}` must be a positive integer (low-tier tokens per "
                              "page)")
@@ -128,6 +133,8 @@ class CompressionConfig:
         for name in ("h2o", "snapkv", "streamingllm"):
             if getattr(self, name) is not None:
                 out[name] = asdict(getattr(self, name))
+        if self.sliding is not None:
+            out["sliding"] = self.sliding.name
         return out
 
     @classmethod
@@ -143,4 +150,5 @@ class CompressionConfig:
         return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
                        low=TierFormat.parse(d["low"]) if "low" in d else base.low, tiering=TieringConfig(**tokens),
                        qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),
-                       page_tokens=d.get("page_tokens"), **policies)
+                       page_tokens=d.get("page_tokens"),
+                       sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None, **policies)

@@ -12,9 +12,10 @@ so a model with `kvcal` attention installed still works with `DynamicCache`. Tok
 never see, reach the cache through a pre-hook on the model's decoder that hands each call's `input_ids` to the
 `KvcalCache` of that call (FastGen keeps them).
 
-Sliding-window layers (Gemma3) keep transformers' own `DynamicSlidingWindowLayer`, uncompressed: they hold at most
-`sliding_window` tokens by design, so they behave exactly as they do densely; the compressed layers are the global
-ones, where the cache grows with the context.
+Sliding-window layers (Gemma3) hold at most `sliding_window` tokens by design and run transformers' SDPA on their
+window. They keep transformers' own `DynamicSlidingWindowLayer`, uncompressed, unless the settings name a `sliding`
+format: then `QuantizedSlidingLayer` stores the same window in that format (kvcal.runtime.sliding). The paged,
+tiered layers are the global ones, where the cache grows with the context.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvcal.runtime.adapters import adapter_for, fingerprint, weights_hash
+from kvcal.runtime.bases import served_bases
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
+from kvcal.runtime.sliding import QuantizedSlidingLayer
 
 KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
@@ -152,9 +155,19 @@ class KvcalCache(Cache):
         self.kv: CompressedKV | None = None
         self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV)
         self.sliding = [t == "sliding_attention" for t in layer_types]
-        layers = [DynamicSlidingWindowLayer(sliding_window) if s else KvcalLayer(self, i)
+        layers = [self._sliding_layer(i, sliding_window) if s else KvcalLayer(self, i)
                   for i, s in enumerate(self.sliding)]
         super().__init__(layers=layers)
+
+    def _sliding_layer(self, layer: int, window: int) -> DynamicSlidingWindowLayer:
+        """transformers' own layer, or a quantized one in the bundle's full-rank rotated basis (`config.sliding`)."""
+        if self.config.sliding is None:
+            return DynamicSlidingWindowLayer(window)
+        L, H, d, _ = self.bundle.qk_rotation.shape
+        full = torch.full((L, H), d, dtype=torch.int32)
+        _, _, rotation, basis = served_bases(self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[
+            layer:layer + 1], full[:1], full[:1], self.config.with_(use_ranks=False))
+        return QuantizedSlidingLayer(window, self.config.sliding, rotation[0], basis[0])
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
@@ -216,24 +229,27 @@ class KvcalCache(Cache):
     # --------------------------------------------------------------------------------------------- accounting
 
     def memory(self) -> dict[str, float]:
-        """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus dense
-        sliding layers, against an fp16 dense cache of the same tokens. `fixed_bytes`: the per-model cost that does
-        not grow with tokens (static key scales), reported apart and not in `total_bytes` or the ratio.
-
-        Sliding layers count at 16 bits, as served (`dense_bytes`), as kvcal's own raw tiers do."""
+        """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus the sliding
+        layers (`sliding_bytes`: their codes and scales when quantized, else their K/V at 16 bits as served,
+        `dense_bytes`, as kvcal's own raw tiers do), against an fp16 dense cache of the same tokens. `fixed_bytes`:
+        the per-model cost that does not grow with tokens (static key scales), reported apart and not in
+        `total_bytes` or the ratio."""
         paged = self.kv.store.bytes_in_use() if self.kv else 0
-        dense = dense_fp16 = 0
+        window = dense_fp16 = 0
         for layer, sliding in zip(self.layers, self.sliding):
-            if sliding and layer.is_initialized:
-                dense += dense_bytes(layer.keys, layer.values)
+            if sliding and isinstance(layer, QuantizedSlidingLayer):
+                window += layer.held_bytes()
+                dense_fp16 += layer.tokens_held() * layer.head_dim * 2 * 2
+            elif sliding and layer.is_initialized:
+                window += dense_bytes(layer.keys, layer.values)
                 dense_fp16 += layer.keys.numel() * 2 * 2
         if self.kv is not None:
             L = self.kv.layers
             H, d = self.bundle.model.num_kv_heads, self.bundle.model.head_dim
             tokens = self.kv.length[L[0]] * self.kv.batch - int(self.kv.n_pad.sum()) if L else 0
             dense_fp16 += tokens * len(L) * H * d * 2 * 2
-        total = paged + dense
-        return {"paged_bytes": paged, "dense_bytes": dense, "total_bytes": total, "fp16_bytes": dense_fp16,
+        total = paged + window
+        return {"paged_bytes": paged, "sliding_bytes": window, "total_bytes": total, "fp16_bytes": dense_fp16,
                 "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
                 "fixed_bytes": self.kv.store.static_key_bytes() if self.kv else 0}
 
@@ -248,7 +264,7 @@ class KvcalCache(Cache):
             freed = self.kv.release()
         self.kv, self._new_ids = None, []
         for i, layer in enumerate(self.layers):
-            self.layers[i] = (DynamicSlidingWindowLayer(layer.sliding_window) if self.sliding[i]
+            self.layers[i] = (self._sliding_layer(i, layer.sliding_window) if self.sliding[i]
                               else KvcalLayer(self, i))
         return freed
 

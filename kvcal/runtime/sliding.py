@@ -1,0 +1,101 @@
+"""Sliding-window layers (Gemma3's local layers) held quantized: `QuantizedSlidingLayer`.
+
+A sliding layer sees at most `sliding_window` tokens, so its cache does not grow with the context, but on a model
+where most layers slide (Gemma3: 5 of 6) those windows are most of the KV bytes at the contexts a CPU serves. The
+layer keeps transformers' `DynamicSlidingWindowLayer` semantics (the last `sliding_window - 1` tokens, the same mask
+sizes, crop and batch re-indexing) and changes only what a kept token costs: each one is stored per token in one
+tier format of the settings (`CompressionConfig.sliding`, e.g. K8V4), in the bundle's rotated basis with kvcal's
+mixing (as the paged tiers store keys: `kvcal.runtime.bases`), at full rank.
+
+Storage, per (sequence, KV head, kept token): one uint8 row per tensor,
+
+    keys   uint8 [B, H, n, k_bytes + 4 * k_groups]   packed codes of K·R, then fp16 (scale, zero) per channel group
+    values uint8 [B, H, n, v_bytes + 4 * v_groups]   the same for V·B
+
+so the parent's slicing along tokens and indexing along sequences act on codes and scales together. `update`
+quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
+attends to itself unquantized, as in the paged runtime), rotated back to the model basis (R, B orthogonal).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from kvcal.runtime import quant
+from kvcal.runtime.layout import QUANT_BITS, TierFormat
+
+
+def check_sliding_format(fmt: TierFormat) -> None:
+    """A sliding format stores each token on its own: per-token keys, quantized K and V."""
+    if fmt.k_mode != "token" or fmt.k_bits not in QUANT_BITS or fmt.v_bits not in QUANT_BITS:
+        raise ValueError(f"sliding-layer format `{fmt.name}` must quantize keys per token and values (e.g. K8V4, "
+                         "K4V4g32): a sliding window drops its oldest token every step, so it cannot hold "
+                         "per-channel pages")
+
+
+class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
+    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d] orthogonal."""
+
+    def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor):
+        check_sliding_format(fmt)
+        super().__init__(sliding_window)
+        self.fmt, self.rotation, self.basis = fmt, rotation, basis
+        d = rotation.shape[-1]
+        self.head_dim = d
+        self.k_bytes, self.v_bytes = quant.packed_size(d, fmt.k_bits), quant.packed_size(d, fmt.v_bits)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype
+        self.rotation = self.rotation.to(self.device)
+        self.basis = self.basis.to(self.device)
+        B, H = key_states.shape[:2]
+        self.keys = torch.empty(B, H, 0, self._row(self.k_bytes, self.fmt.k_group), dtype=torch.uint8,
+                                device=self.device)
+        self.values = torch.empty(B, H, 0, self._row(self.v_bytes, self.fmt.v_group), dtype=torch.uint8,
+                                  device=self.device)
+
+    def activate_past_recording(self):
+        raise NotImplementedError("a quantized sliding layer keeps no tokens beyond its window, so it cannot be "
+                                  "rolled back (assisted decoding): serve with `sliding` unset")
+
+    def _row(self, nbytes: int, group: int | None) -> int:
+        return nbytes + 4 * (self.head_dim // group if group else 1)
+
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
+        """x [B, H, n, d] (model basis) -> packed rows uint8 [B, H, n, row]."""
+        y = torch.einsum("bhnd,hde->bhne", x.float(), basis)
+        codes, scale, zero = quant.quantize_per_token(y, bits, group)
+        meta = torch.stack([scale, zero], -1).to(torch.float16).flatten(-2)             # [B, H, n, 2 G]
+        return torch.cat([quant.pack(codes, bits), meta.contiguous().view(torch.uint8)], -1)
+
+    def _decode(self, rows: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None,
+                nbytes: int) -> torch.Tensor:
+        """packed rows uint8 [B, H, n, row] -> [B, H, n, d] in the model basis and dtype."""
+        codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, self.head_dim)
+        meta = rows[..., nbytes:].contiguous().view(torch.float16).unflatten(-1, (-1, 2))
+        y = quant.dequantize_per_token(codes, meta[..., 0], meta[..., 1], group)
+        return torch.einsum("bhne,hde->bhnd", y, basis).to(self.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        fmt = self.fmt
+        old_k = self._decode(self.keys, self.rotation, fmt.k_bits, fmt.k_group, self.k_bytes)
+        old_v = self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes)
+        new_k = self._encode(key_states, self.rotation, fmt.k_bits, fmt.k_group)
+        new_v = self._encode(value_states, self.basis, fmt.v_bits, fmt.v_group)
+        self.cumulative_length += key_states.shape[-2]
+        keep = self.sliding_window - 1
+        self.keys = torch.cat([self.keys, new_k], -2)[:, :, -keep:]
+        self.values = torch.cat([self.values, new_v], -2)[:, :, -keep:]
+        return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
+
+    def held_bytes(self) -> int:
+        """Bytes of the kept tokens: codes and (scale, zero), nothing else."""
+        return self.keys.numel() + self.values.numel() if self.is_initialized else 0
+
+    def tokens_held(self) -> int:
+        """B x H x kept tokens (for the fp16 reference)."""
+        return self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2] if self.is_initialized else 0

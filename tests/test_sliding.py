@@ -1,0 +1,115 @@
+"""Quantized sliding-window layers (`CompressionConfig.sliding`, kvcal.runtime.sliding) on a tiny Gemma3: the window
+transformers keeps, in fewer bytes, with logits near dense; the settings codec; the refusals."""
+
+import pytest
+import torch
+from conftest import decode_logits, make_model, random_bundle, random_text
+
+from kvcal.runtime import quant
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.hf import KvcalCache
+from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.sliding import QuantizedSlidingLayer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _serve(sliding: str | None, steps: int = 12):
+    model, tok = make_model("gemma3_text")
+    bundle = random_bundle(model, tok)
+    config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding) if sliding else None)
+    ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
+    cache = KvcalCache.from_bundle(bundle, model, config)
+    logits = decode_logits(model, cache, ids, ids.shape[1] - steps)
+    return logits, cache, model
+
+
+def test_sliding_layers_keep_the_window_in_the_format_bytes():
+    logits, cache, model = _serve("K8V4")
+    window, d, H = model.config.sliding_window, model.config.head_dim, model.config.num_key_value_heads
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(isinstance(layer, QuantizedSlidingLayer) for layer in sliding)
+    mem = cache.memory()
+    per_token = quant.packed_size(d, 8) + quant.packed_size(d, 4) + 2 * 4     # codes + one (scale, zero) each
+    assert mem["sliding_bytes"] == len(sliding) * 2 * H * (window - 1) * per_token
+    dense_logits, dense_cache, _ = _serve(None)
+    dense_mem = dense_cache.memory()
+    assert dense_mem["sliding_bytes"] == len(sliding) * 2 * H * (window - 1) * d * 2 * 2      # 16-bit, as served
+    assert mem["fp16_bytes"] == dense_mem["fp16_bytes"] and mem["total_bytes"] < dense_mem["total_bytes"]
+    # 8-bit keys and 4-bit values in the rotated, mixed basis: near the dense window, not equal to it
+    p, q = torch.log_softmax(dense_logits, -1), torch.log_softmax(logits, -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert 0 < kl.max() < 0.01                    # (a random tiny model's flat logits make top-1 meaningless)
+
+
+def test_coarser_sliding_formats_cost_fewer_bytes_and_more_error():
+    dense_logits, _, _ = _serve(None)
+    p = torch.log_softmax(dense_logits, -1)
+    kls, sizes = [], []
+    for fmt in ("K8V8", "K4V4", "K2V2"):
+        logits, cache, _ = _serve(fmt)
+        q = torch.log_softmax(logits, -1)
+        kls.append(float((p.exp() * (p - q)).sum(-1).mean()))
+        sizes.append(cache.memory()["sliding_bytes"])
+    assert sizes[0] > sizes[1] > sizes[2] and kls[0] < kls[1] < kls[2]
+
+
+def test_a_quantized_row_holds_codes_then_scales_and_reads_back():
+    gen = torch.Generator().manual_seed(0)
+    H, d = 2, 32
+    rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    layer = QuantizedSlidingLayer(6, TierFormat.parse("K8V4g16"), rotation, torch.eye(d).expand(H, d, d))
+    k, v = torch.randn(1, H, 9, d, generator=gen), torch.randn(1, H, 9, d, generator=gen)
+    out_k, out_v = layer.update(k, v)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)        # first call: no old tokens, new ones as given
+    assert layer.keys.shape == (1, H, 5, d + 4) and layer.values.shape == (1, H, 5, d // 2 + 2 * 4)
+    assert layer.get_seq_length() == 9 and layer.get_mask_sizes(1) == (6, 4)   # transformers' sliding semantics
+    k2, v2 = torch.randn(1, H, 1, d, generator=gen), torch.randn(1, H, 1, d, generator=gen)
+    old_k, old_v = (t[:, :, :5] for t in layer.update(k2, v2))
+    torch.testing.assert_close(old_k, k[:, :, 4:], atol=0.03, rtol=0)           # 8 bits over each token's range
+    torch.testing.assert_close(old_v, v[:, :, 4:], atol=0.4, rtol=0)            # 4 bits per group of 16
+    assert layer.held_bytes() == H * 5 * (d + 4) + H * 5 * (d // 2 + 8)
+
+
+def test_settings_codec_and_refusals():
+    config = CompressionConfig(sliding=TierFormat.parse("K4V4g32"))
+    assert config.to_dict()["sliding"] == "K4V4g32"
+    assert CompressionConfig.from_dict(config.to_dict()) == config
+    assert "sliding" not in CompressionConfig().to_dict() and CompressionConfig.from_dict({}).sliding is None
+    for bad in ("K4cV4", "K16V16"):
+        with pytest.raises(ValueError, match="sliding-layer format .* must quantize keys per token"):
+            CompressionConfig(sliding=TierFormat.parse(bad))
+    layer = QuantizedSlidingLayer(8, TierFormat.parse("K8V4"), torch.eye(4).expand(1, 4, 4),
+                                  torch.eye(4).expand(1, 4, 4))
+    with pytest.raises(NotImplementedError, match="cannot be rolled back"):
+        layer.activate_past_recording()
+
+
+def test_the_manifest_export_refuses_quantized_sliding_layers(tmp_path):
+    from kvcal.export import export_manifest
+
+    model, tok = make_model("gemma3_text")
+    with pytest.raises(ValueError, match="no field for quantized sliding-window layers"):
+        export_manifest(random_bundle(model, tok), tmp_path / "m", CompressionConfig(sliding=TierFormat(8, 4)),
+                        model=model)
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_search_tries_sliding_formats_only_where_layers_slide():
+    from kvcal.profile.quality import DecodeProbe, QualityTarget
+    from kvcal.profile.search import SLIDING_FORMATS, Point, Search
+
+    for kind in ("gemma3_text", "llama"):
+        model, tok = make_model(kind)
+        bundle = random_bundle(model, tok)
+        ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids[:, :40]
+        probe = DecodeProbe(model, bundle, ids[:, :32], ids[:, 32:])
+        search = Search(probe, bundle, QualityTarget(top1=0.0, ppl_ratio=10.0))
+        start = search.measure("precision", "fp16", CompressionConfig(high=TierFormat(16, 16)))
+        chosen = search.sliding(start)
+        tried = [p.settings.get("sliding") for p in search.path if p.stage == "sliding"]
+        if kind == "llama":
+            assert chosen is start and tried == []
+        else:                        # a target anything meets: every format is tried, the cheapest kept
+            assert tried == list(SLIDING_FORMATS) and chosen.settings["sliding"] == SLIDING_FORMATS[-1]
+            assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
