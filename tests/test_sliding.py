@@ -76,6 +76,10 @@ def test_settings_codec_and_refusals():
     assert config.to_dict()["sliding"] == "K4V4g32"
     assert CompressionConfig.from_dict(config.to_dict()) == config
     assert "sliding" not in CompressionConfig().to_dict() and CompressionConfig.from_dict({}).sliding is None
+    from kvcal.profile.report import settings_in_words
+
+    assert "sliding-window layers K4V4g32 (4-bit keys, 4-bit values with a scale per 32 channels)" in \
+        settings_in_words(config.to_dict())
     for bad in ("K4cV4", "K16V16"):
         with pytest.raises(ValueError, match="sliding-layer format .* must quantize keys per token"):
             CompressionConfig(sliding=TierFormat.parse(bad))
