@@ -235,3 +235,26 @@ def test_residual_family_keeps_the_cheaper_tier_when_a_cheaper_format_passes_onl
              ("K4cV2", 16.0): (False, 0.327), ("K4cV2", 4.0): (True, 0.491)}
     best = Search(TableProbe(table), _bundle(), QualityTarget()).residual(BASE)
     assert (best.config.low.name, best.config.tiering.alpha_high, best.bytes_ratio) == ("K4cV4", 16.0, 0.385)
+
+
+class PruningCostsProbe:
+    """A fake probe where any pruning is feasible up to alpha_low 1 but, as on real models with an untracked low
+    tier, a little of it costs more bytes (the low tier's score and position) than it drops."""
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        p = config.tiering
+        ok = p.alpha_low <= 1.0 and (p.alpha_high <= 3.0 or config.high.k_bits == 16)   # residual: any alpha_high
+        ratio = 0.30 if p.alpha_low == 0 else 0.33 - 0.01 * p.alpha_low
+        return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
+                        prompt_tokens=1, memory={"ratio_to_fp16": ratio}, tiers={})
+
+
+def test_pruning_is_kept_only_when_it_saves_bytes():
+    search = Search(PruningCostsProbe(), _bundle(), QualityTarget())
+    best = search.tiers(BASE)
+    assert (best.settings["alpha_high"], best.settings["alpha_low"], best.bytes_ratio) == (3.0, 0.0, 0.30)
+    assert any(p.settings.get("alpha_low", 0) > 0 and p.feasible for p in search.path)   # pruning was measured
+    residual = Search(PruningCostsProbe(), _bundle(), QualityTarget()).residual(BASE)
+    assert residual.settings["alpha_low"] == 0.0 and residual.bytes_ratio == 0.30

@@ -11,8 +11,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    K8V8) that meets the target;
 2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), the largest feasible alpha_high of
    {1, ..., 5} with no pruning; then the largest feasible alpha_low of `ALPHA_LOW_GRID` (capped at alpha_high), each
-   found by bisection over the grid (`last_feasible`). Small models need alpha_low far above the papers' 0.02-0.1
-   range to prune anything, so the grid follows the data rather than the paper;
+   found by bisection over the grid (`last_feasible`), kept only if bytes drop: a low tier that can be pruned keeps
+   each token's score and position (8 bytes), which a little pruning does not pay for. Small models need alpha_low
+   far above the papers' 0.02-0.1 range to prune anything, so the grid follows the data rather than the paper;
    Alongside, the residual family (KIVI's layout inside DiffKV's tiers): the high tier is raw fp16 and holds the
    recent window plus the tokens above alpha_high (heavy hitters), the low tier has per-channel keys over pages of
    `RESIDUAL_PAGE_TOKENS` low tokens. Per-channel scales survive outlier key channels that a per-token scale spends
@@ -239,7 +240,8 @@ class Search:
                                    lambda a_l, c=chosen.config, name=name, a_h=a_h: self.measure(
                                        "tiers", f"{base.high.name}/{name} a=({a_h:g},{a_l:g})",
                                        c.with_tiering(alpha_low=a_l)))
-            best.append(pruned or chosen)
+            # pruning makes low tokens movable, so their pages keep score and position: kept only if bytes drop
+            best.append(pruned if pruned is not None and _saves(pruned, chosen) else chosen)
         return cheapest(best) if best else None
 
     def residual(self, base: CompressionConfig) -> Point | None:
@@ -262,7 +264,8 @@ class Search:
             return None
         chosen = self._bisect(chosen, [{"window": w} for w in RESIDUAL_WINDOWS if w < base.tiering.window])
         a_h = chosen.config.tiering.alpha_high
-        return self._bisect(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
+        pruned = self._bisect(chosen, [{"alpha_low": a} for a in ALPHA_LOW_GRID if a <= a_h])
+        return pruned if _saves(pruned, chosen) else chosen       # (as in `tiers`: pruning has a byte cost)
 
     def _bisect(self, start: Point, changes: list[dict]) -> Point:
         """The last feasible of the tiering `changes` to `start`, each more aggressive than the last
