@@ -117,3 +117,22 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
         else:                        # a target anything meets: every format is tried, the cheapest kept
             assert tried == list(SLIDING_FORMATS) and chosen.settings["sliding"] == SLIDING_FORMATS[-1]
             assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
+
+
+def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_bytes():
+    from kvcal.profile.quality import DecodeProbe, QualityTarget
+    from kvcal.profile.search import FASTGEN, Search
+
+    model, tok = make_model("gemma3_text")            # layers: sliding, sliding, full; window 16
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids
+    for prompt, steps, first in ((32, 8, False), (16, 8, True)):
+        probe = DecodeProbe(model, bundle, ids[:, :prompt], ids[:, prompt:prompt + steps], tokenizer=tok,
+                            fastgen=FASTGEN)
+        search = Search(probe, bundle, QualityTarget(top1=0.0, ppl_ratio=10.0))
+        n = prompt + steps
+        assert search.sliding_share() == pytest.approx(2 * 15 / (2 * 15 + n))     # 15 = window - 1 tokens held
+        result = search.run(CompressionConfig().with_tiering(window=4))
+        stages = [p.stage for p in search.path]
+        assert (stages.index("sliding") < stages.index("tiers")) == first
+        assert result.config.sliding is not None                 # a target anything meets: the cheapest kept

@@ -22,7 +22,8 @@ Stages, each starting from the previous stage's choice; every measured point is 
    windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
    Models with sliding-window layers (Gemma3) then walk `SLIDING_FORMATS` for those layers' window
    (`CompressionConfig.sliding`, per-token formats in the rotated basis), cheaper and cheaper until the target is
-   missed; kept only if bytes drop;
+   missed; kept only if bytes drop. Where the windows hold most of the bytes at the probe's context, this runs first,
+   right after the precision stage, and the tiers build on it (`Search.run`);
 3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -321,9 +322,26 @@ class Search:
                 best = points[rate]
         return best
 
+    def sliding_share(self) -> float:
+        """The sliding-window layers' share of an fp16 cache at the probe's context (0 without such layers)."""
+        types = self.bundle.model.layer_types
+        if "sliding_attention" not in types:
+            return 0.0
+        n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
+        held = min(n, self.probe.model.config.sliding_window - 1)
+        sliding = sum(t == "sliding_attention" for t in types) * held
+        return sliding / (sliding + sum(t != "sliding_attention" for t in types) * n)
+
     def run(self, base: CompressionConfig) -> SearchResult:
-        """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window."""
+        """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window. Where sliding
+        windows hold most of the bytes at the probe's context (`sliding_share` > 1/2, Gemma3 at a few thousand
+        tokens), their format is chosen first, so the quality budget goes to the larger share of the bytes; else
+        after the tiers."""
         start = self.precision(base)
+        sliding_first = start.feasible and self.sliding_share() > 0.5
+        if sliding_first:
+            start = self.sliding(start)
+            base = base.with_(sliding=start.config.sliding)
         chosen = start if start.feasible else None
         if start.feasible:
             tiered = self.tiers(start.config)
@@ -333,7 +351,8 @@ class Search:
         if residual is not None and (chosen is None or _saves(residual, chosen)):
             chosen = residual
         if chosen is not None:
-            chosen = self.sliding(chosen)
+            if not sliding_first:
+                chosen = self.sliding(chosen)
             chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:
