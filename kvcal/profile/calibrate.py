@@ -603,6 +603,9 @@ class _Batched:
     def measure(self, config, bundle=None):
         return self.probe.measure(config, bundle, chunk=self.chunk)
 
+    def __getattr__(self, name: str):
+        return getattr(self.probe, name)           # prompt, continuation, model: what the search reads
+
 
 def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
                say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
