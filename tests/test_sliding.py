@@ -135,4 +135,6 @@ def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_byt
         result = search.run(CompressionConfig().with_tiering(window=4))
         stages = [p.stage for p in search.path]
         assert (stages.index("sliding") < stages.index("tiers")) == first
+        for p in search.path:                    # every label says what the sliding layers hold
+            assert ("sliding" in p.label) == ("sliding" in p.settings), p.label
         assert result.config.sliding is not None                 # a target anything meets: the cheapest kept

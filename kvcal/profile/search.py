@@ -170,6 +170,8 @@ class Search:
         self.path: list[Point] = []
 
     def measure(self, stage: str, label: str, candidate: CompressionConfig) -> Point:
+        if candidate.sliding is not None and "sliding" not in label:   # stages after the sliding one build on it
+            label = f"{label}, sliding layers {candidate.sliding.name}"
         settings = candidate.to_dict()
         qk_rank, v_rank = ranks_of(self.bundle, candidate)
         key = self._key(settings, qk_rank, v_rank)
