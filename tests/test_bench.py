@@ -412,3 +412,22 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
         verdicts.append(point.feasible)
     assert verdicts == [True, top1 == 1.0]          # with z > 0 a top-1 below 1 needs more than its point estimate
     assert not dataclasses.replace(targets[1], ppl_ratio=0.5).met(point)
+
+
+def test_where_kvcal_loses_says_what_it_holds():
+    from kvcal.bench.report import _where_it_loses
+
+    def row(name, family, ratio, top1, meets):
+        return {"name": name, "family": family, "memory": {"ratio_to_fp16": ratio},
+                "quality": {"top1": top1, "ppl_ratio": 1.003, "predictions": 512, "meets_target": meets}}
+
+    residual = {"high": "K16V16", "low": "K4cV4", "window": 16, "alpha_high": 16.0, "alpha_low": 0.0}
+    report = {"settings": {"quality": {"prompt": 1024, "steps": 64}}, "bundle": {"policy": residual}}
+    cheaper = _where_it_loses(report, row("kvcal joint", "kvcal", 0.401, 0.977, False),
+                              row("KIVI K4V4", "quantization", 0.809, 0.984, True))
+    assert "0.50x KIVI K4V4's bytes: the loss is quality" in cheaper and "bytes per token are lower" not in cheaper
+    assert "the low tier, which nothing prunes, none" in cheaper
+    report["bundle"]["policy"] = {**residual, "alpha_low": 0.5}
+    dearer = _where_it_loses(report, row("kvcal joint", "kvcal", 0.42, 0.99, True),
+                             row("KIVI K4V4", "quantization", 0.40, 0.984, True))
+    assert "every stored token carries 8 B" in dearer and "bytes per token are lower" in dearer

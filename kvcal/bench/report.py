@@ -228,13 +228,18 @@ def _where_it_loses(report: dict, joint: dict, best: dict) -> str:
         parts.append(f"Its token-heads are {t.get('high', 0):.1%} high tier, {t.get('low', 0):.1%} low tier and "
                      f"{t.get('pruned', 0):.1%} pruned.")
     sq = report["settings"]["quality"]
-    window = CompressionConfig.from_dict(report["bundle"]["policy"] or {}).tiering.window
-    n = sq["prompt"] + sq["steps"]
+    config = CompressionConfig.from_dict(report["bundle"]["policy"] or {})
+    window, n = config.tiering.window, sq["prompt"] + sq["steps"]
+    tracked = ("every stored token carries 8 B of score and position" if config.low_tracked else
+               "high-tier tokens carry 8 B of score and position (the low tier, which nothing prunes, none)")
     parts.append(f"Fixed costs at {n} tokens per sequence: the {window}-token window ({window / n:.1%} of tokens) is "
-                 "held at the high tier; every stored token carries 8 B of score and position; pages are allocated "
-                 "whole, so each (sequence, layer, KV head, tier) may hold one partly empty page.")
+                 f"held at the high tier; {tracked}; pages are allocated whole, so each (sequence, layer, KV head, "
+                 "tier) may hold one partly empty page.")
     fam = best["family"]
-    if fam == "eviction":
+    ratio = joint["memory"]["ratio_to_fp16"] / best["memory"]["ratio_to_fp16"]
+    if ratio < 1:
+        parts.append(f"It holds {ratio:.2f}x {best['name']}'s bytes: the loss is quality, not bytes.")
+    elif fam == "eviction":
         parts.append(f"{best['name']} spends the same bytes on fewer tokens at full fp16 precision; at this prompt "
                      "length dropping tokens costs less quality than quantizing all of them.")
     elif fam == "quantization":
