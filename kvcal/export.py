@@ -396,7 +396,8 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
                          f"{cfg.low.name}); export settings without `s` key tiers")
     if cfg.sliding is not None:
         raise ValueError(f"the manifest format has no field for quantized sliding-window layers (`sliding` = "
-                         f"{cfg.sliding.name}); export settings without `sliding`")
+                         f"{cfg.sliding.name}); export with `kvcal.export.export_manifest(bundle, out, config)` and "
+                         "a config whose `sliding` is None (the windows then stay dense)")
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
