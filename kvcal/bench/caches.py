@@ -13,9 +13,9 @@ sliding-window layer (Gemma3) counts the tokens it holds, since a dense cache is
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, QuantizedCache
+from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
-from kvcal.runtime.hf import dense_bytes
+from kvcal.runtime.hf import SeenLayer, dense_bytes
 
 # --------------------------------------------------------------------------------------------- accounting
 
@@ -46,26 +46,10 @@ def store_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
-class CountingLayer(CacheLayerMixin):
-    """Base of the bench's own compressed layers (Palu, KVQuant, TurboQuant): a full-attention layer that keeps its
-    own form of the tokens and counts them in `seen`; the attention mask covers all of them. Not for beam search."""
+class CountingLayer(SeenLayer):
+    """Base of the bench's own compressed layers (Palu, KVQuant, TurboQuant): `SeenLayer`, not for beam search."""
 
-    is_sliding = False
-    is_compileable = False
     method = "this"                  # the baseline's name, for the error beam search gets
-
-    def __init__(self):
-        super().__init__()
-        self.seen = 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.is_initialized = False
@@ -73,6 +57,21 @@ class CountingLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(f"the bench's {self.method} cache does not support beam search")
+
+
+class CountingCache(Cache):
+    """Base of the bench's own caches over `CountingLayer`s: one batch as prefilled; no expansion, selection, crop."""
+
+    method = "this"                  # the baseline's name, for the errors
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"the bench's {self.method} cache does not support expanding the batch")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(f"the bench's {self.method} cache does not support selecting batch rows")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(f"the bench's {self.method} cache cannot be cropped")
 
 
 class DenseCache(DynamicCache):

@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.methods import Method
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.profile.codebooks import encode, fit_codebooks
@@ -304,9 +304,11 @@ class KVQuantLayer(CountingLayer):
         self.k, self.v = {}, {}
 
 
-class KVQuantCache(Cache):
+class KVQuantCache(CountingCache):
     """KVQuant-style K`k_bits`V`v_bits` codes for every full-attention layer (module docstring); sliding layers
     dense. `layer_types`: per layer, "full_attention" or "sliding_attention"."""
+
+    method = "KVQuant"
 
     def __init__(self, model, calibration: KVQuantCalibration, k_bits: int, v_bits: int, layer_types: list[str]):
         for b in (k_bits, v_bits):
@@ -340,15 +342,6 @@ class KVQuantCache(Cache):
                 fp16 += layer.keys.numel() * 2 * 2
         return {**memory_dict(total, fp16),
                 "fixed_bytes": tensor_bytes([self.key_center, self.key_half, self.key_books, self.value_books])}
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the bench's KVQuant cache does not support expanding the batch")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("the bench's KVQuant cache does not support selecting batch rows")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("the bench's KVQuant cache cannot be cropped")
 
 
 # --------------------------------------------------------------------------------------------- bench methods

@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
-from kvcal.bench.caches import CountingLayer, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingCache, CountingLayer, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 
 PALU_FAMILIES = ("llama", "qwen2")
@@ -132,8 +131,10 @@ class PaluLayer(CountingLayer):
         self.lat_k = self.lat_v = None
 
 
-class PaluCache(Cache):
+class PaluCache(CountingCache):
     """Pre-RoPE low-rank latents for every full-attention layer, at uniform rank `rank` (see the module docstring)."""
+
+    method = "Palu"
 
     def __init__(self, model, factors: PaluFactors, rank: int, layer_types: list[str]):
         d = factors.k_basis.shape[-1]
@@ -156,12 +157,3 @@ class PaluCache(Cache):
                 total += tensor_bytes(layer.lat_k) + tensor_bytes(layer.lat_v)
                 fp16 += B * H * n * self.head_dim * 2 * 2
         return memory_dict(total, fp16)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the bench's Palu cache does not support expanding the batch")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("the bench's Palu cache does not support selecting batch rows")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("the bench's Palu cache cannot be cropped")

@@ -30,9 +30,9 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvcal.bench.caches import CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
 from kvcal.runtime.quant import pack, packed_size, unpack
 
 if TYPE_CHECKING:                  # methods.py imports this module to list its methods
@@ -225,8 +225,10 @@ class TurboQuantLayer(CountingLayer):
         self.codes_k = self.codes_v = self.norm_k = self.norm_v = self.tail_k = self.tail_v = None
 
 
-class TurboQuantCache(Cache):
+class TurboQuantCache(CountingCache):
     """TurboQuant-style codes for every full-attention layer (see the module docstring); sliding layers dense."""
+
+    method = "TurboQuant"
 
     def __init__(self, quantizer: TurboQuantizer, k_bits: int, v_bits: int, layer_types: list[str],
                  sliding_window: int | None = None, window: int = 0):
@@ -255,15 +257,6 @@ class TurboQuantCache(Cache):
                 total += layer.held_bytes()
                 fp16 += B * H * layer.seen * d * 2 * 2
         return {**memory_dict(total, fp16), "fixed_bytes": self.quantizer.fixed_bytes((self.k_bits, self.v_bits))}
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the bench's TurboQuant cache does not support expanding the batch")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("the bench's TurboQuant cache does not support selecting batch rows")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("the bench's TurboQuant cache cannot be cropped")
 
 
 # --------------------------------------------------------------------------------------------- bench methods

@@ -252,6 +252,12 @@ class ChunkProbeAttention:
         return out, torch.diagonal(top[..., S:], dim1=-2, dim2=-1)                      # each token's own query
 
 
+def _score_index(pos: torch.Tensor, N: int) -> torch.Tensor:
+    """Each slot's index into a [..., N + 1] score delta: its cache index, or N for an empty slot and for a held
+    token of an untracked tier (position `HELD`), which keeps no score."""
+    return torch.where((pos >= 0) & (pos < N), pos, N)
+
+
 class ScoreCatchUp:
     """A token policy the batched probe runs before the real ones: at step i of a chunk it adds query i's attention
     probabilities (kept by `ChunkProbeAttention`) to the tokens still held, found by cache index, so Algorithm 1
@@ -276,8 +282,7 @@ class ScoreCatchUp:
             return
         N = start + n                                    # delta by cache index; index N collects empty slots
         delta = torch.zeros(B, H, N + 1, device=top.device)
-        # held tokens of an untracked tier (position HELD) keep no score: collected at N like empty slots
-        delta.scatter_add_(-1, torch.where((stored_pos >= 0) & (stored_pos < N), stored_pos, N), top[:, :, i, :S])
+        delta.scatter_add_(-1, _score_index(stored_pos, N), top[:, :, i, :S])
         delta[:, :, start:start + i] += top[:, :, i, S:S + i]
         store = self.kv.store
         store.own_layer(layer)
@@ -287,8 +292,8 @@ class ScoreCatchUp:
             if pos.shape[-1] == 0:
                 continue
             pos = pos.view(B, H, -1)
-            at = torch.where((pos >= 0) & (pos < N), pos, N)                # N: empty slots and held ones (HELD)
-            store.set_scores(layer, word.view(B, H, -1), pos, score.view(B, H, -1) + delta.gather(-1, at))
+            store.set_scores(layer, word.view(B, H, -1), pos,
+                             score.view(B, H, -1) + delta.gather(-1, _score_index(pos, N)))
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,

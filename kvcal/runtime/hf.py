@@ -100,16 +100,33 @@ def install(model) -> None:
         model.set_attn_implementation(KVCAL_IMPL)
 
 
-class KvcalLayer(CacheLayerMixin):
-    """One compressed layer; its data lives in the owner's `CompressedKV` (one page arena for all layers)."""
+class SeenLayer(CacheLayerMixin):
+    """A full-attention layer that holds its tokens in a form of its own and counts them in `seen`: the attention
+    mask covers all of them. The base of `KvcalLayer` and of the bench's own compressed layers."""
 
     is_sliding = False
     is_compileable = False
 
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KvcalLayer(SeenLayer):
+    """One compressed layer; its data lives in the owner's `CompressedKV` (one page arena for all layers)."""
+
     def __init__(self, owner: KvcalCache, layer_idx: int):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
-        self.seen = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.owner._ensure_kv(key_states)
@@ -122,15 +139,6 @@ class KvcalLayer(CacheLayerMixin):
         self.seen += key_states.shape[-2]
         _PENDING.set((self, key_states, value_states))
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.seen = 0
