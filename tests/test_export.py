@@ -3,6 +3,7 @@ against the runtime's page arena, the folded-V checkpoint against the rank-trunc
 
 import json
 import re
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -275,6 +276,10 @@ CONFIGS = {
     # nothing is pruned: the low tier keeps no score or position (untracked)
     "K16V16+K4cV4 untracked": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 4, "channel"),
                                                 page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6)),
+    # layer 1's low tier at 2-bit values: its layouts name their own format
+    "K16V16+K4cV4, layer 1 K4cV2": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 4, "channel"),
+                                                     page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6),
+                                                     low_layers=((1, TierFormat(4, 2, "channel")),)),
 }
 
 
@@ -392,7 +397,9 @@ def test_manifest_offsets_match_the_runtime_store_bytes(tmp_path, name):
                         k = slot // lay["tokens_per_page"]
                         col = k if side == HIGH else arena.max_pages_per_entry - 1 - k
                         page = arena.arena[int(arena.page_table[b, layer, h, col])]
-                        keys, values, score, pos = _decode_page(page, lay, man["config"][tier])
+                        fmt = TierFormat.parse(lay["format"])        # a layer's own low bits (`low_layers`)
+                        assert fmt == cfg.high if side == HIGH else fmt == cfg.low_of(layer)
+                        keys, values, score, pos = _decode_page(page, lay, asdict(fmt))
                         j = slot % lay["tokens_per_page"]
                         if pos is None:                    # untracked: a held token, no position or score
                             assert int(got.pos[b, h, i]) == HELD and float(got.score[b, h, i]) == 0.0

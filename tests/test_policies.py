@@ -31,6 +31,10 @@ POLICIES = {
     "residual, untracked low": CompressionConfig(
         high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_tiering(
         window=8, alpha_high=2.0),
+    # bits where they matter: layer 1's low tier at 2-bit keys and values, layer 0's at 4 (`low_layers`)
+    "residual, untracked low, bits per layer": CompressionConfig(
+        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8,
+        low_layers=((1, TierFormat.parse("K2cV2")),)).with_tiering(window=8, alpha_high=2.0),
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_tiering(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_tiering(
         **TIERS),
@@ -110,6 +114,25 @@ def test_an_untracked_low_tier_serves_the_same_tokens_in_fewer_bytes(backend, mo
     assert tiers == ref_tiers and tiers["low"] > 0
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)     # summation order only (page widths)
     assert held < ref_held
+
+
+def test_a_layers_own_low_bits_shape_its_pages_and_only_its_pages():
+    """`low_layers`: the named layer's low pages have that format's layout, the other layer's are as without it; no
+    token is dropped and the cache holds fewer bytes."""
+    from kvcal.runtime.pages import LOW
+
+    per_layer = POLICIES["residual, untracked low, bits per layer"]
+    model, tok, bundle = _model()
+    cache = KvcalCache.from_bundle(bundle, model, per_layer)
+    with torch.inference_mode():
+        model(input_ids=torch.arange(3, 19)[None], past_key_values=cache, use_cache=True)
+    formats = {layer: {g.layouts[LOW].fmt.name for g in groups} for layer, groups in cache.kv.store.groups.items()}
+    assert formats == {0: {"K4cV4"}, 1: {"K2cV2"}}
+    # a page of the cheaper format holds more low tokens, so more wait in fp16 for it to fill: saving shows over
+    # a few pages
+    _, tiers, _, held = _serve(per_layer, prompt=200)
+    _, ref_tiers, _, ref_held = _serve(per_layer.with_(low_layers=()), prompt=200)
+    assert tiers["pruned"] == ref_tiers["pruned"] == 0 and held < ref_held
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])

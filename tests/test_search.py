@@ -106,16 +106,17 @@ class LadderProbe:
                         predictions=10**6, prompt_tokens=1, memory={"ratio_to_fp16": 0.5}, tiers={})
 
 
-def _bundle(d=64, v_spectrum=None):
+def _bundle(d=64, v_spectrum=None, layers=1, types=None):
     import torch
 
     from kvcal.bundle import Bundle, ModelInfo
 
-    eye = torch.eye(d)[None, None]
-    rank = torch.full((1, 1), d, dtype=torch.int32)
-    spec = torch.ones(1, 1, d) if v_spectrum is None else v_spectrum
-    return Bundle(ModelInfo("m", "f", "w", "t", "llama", 1, 1, 1, d, ["full_attention"]), eye, torch.ones(1, 1, d),
-                  rank, eye, spec, rank, "both", "trace", "activations-text")
+    eye = torch.eye(d).expand(layers, 1, d, d)
+    rank = torch.full((layers, 1), d, dtype=torch.int32)
+    spec = torch.ones(layers, 1, d) if v_spectrum is None else v_spectrum
+    types = types or ["full_attention"] * layers
+    return Bundle(ModelInfo("m", "f", "w", "t", "llama", layers, 1, 1, d, types), eye,
+                  torch.ones(layers, 1, d), rank, eye, spec, rank, "both", "trace", "activations-text")
 
 
 def test_precision_ladder_takes_the_cheapest_high_tier_meeting_the_target():
@@ -202,7 +203,7 @@ def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruni
     best = Search(probe, _bundle(), QualityTarget()).residual(BASE)
     c = best.config
     assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2", RESIDUAL_PAGE_TOKENS)
-    assert (c.tiering.alpha_high, c.tiering.window, c.tiering.alpha_low) == (16.0, 32, 0.5)
+    assert (c.tiering.alpha_high, c.tiering.window, c.tiering.alpha_low) == (64.0, 32, 0.5)
     assert ("K2cV2", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2" and call[2] < 64
                                                                 for call in probe.calls)
     assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
@@ -258,3 +259,72 @@ def test_pruning_is_kept_only_when_it_saves_bytes():
     assert any(p.settings.get("alpha_low", 0) > 0 and p.feasible for p in search.path)   # pruning was measured
     residual = Search(PruningCostsProbe(), _bundle(), QualityTarget()).residual(BASE)
     assert residual.settings["alpha_low"] == 0.0 and residual.bytes_ratio == 0.30
+
+
+class LayerBitsProbe:
+    """A fake probe where halving a layer's low keys or values adds a fixed KL (`cost[(layer, side)]`) and saves a
+    fixed share of bytes; the target is missed once the added KL passes `budget`."""
+
+    def __init__(self, cost, budget):
+        self.cost, self.budget, self.calls = cost, budget, []
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        self.calls.append(config.low_layers + config.sliding_layers)
+        steps = [(layer, side) for base, layers in ((config.low, config.low_layers),
+                                                    (config.sliding, config.sliding_layers))
+                 for layer, fmt in layers for side in ("k_bits", "v_bits") if getattr(fmt, side) < getattr(base, side)]
+        kl = 0.001 + sum(self.cost[s] for s in steps)
+        return Fidelity(kl=kl, top1=0.99 if kl <= self.budget else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0,
+                        predictions=10**6, prompt_tokens=1, memory={"ratio_to_fp16": 0.35 - 0.002 * len(steps)},
+                        tiers={})
+
+
+def test_layer_bits_halves_the_least_sensitive_layers_keys_and_values_apart():
+    """KVTuner-style: one probe per (layer, side) ranks the steps, for the low tier of compressed layers and for
+    sliding-window layers alike; as many of the least sensitive as stay feasible apply."""
+    cost = {(layer, side): 0.0001 * (1 + (7 * layer + 3 * (side == "v_bits")) % 11)
+            for layer in range(6) for side in ("k_bits", "v_bits")}
+    cost[(2, "k_bits")] = 1.0              # alone it misses the target: never applied
+    probe = LayerBitsProbe(cost, budget=0.0035)
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    search = Search(probe, _bundle(layers=6, types=types), QualityTarget())
+    start = search.measure("residual", "start", BASE.with_(low=TierFormat.parse("K4cV4"),
+                                                           sliding=TierFormat.parse("K8V4")).with_tiering(alpha_high=3))
+    best = search.layer_bits(start)
+    c = best.config
+    chosen = {(layer, side) for layer, fmt in c.low_layers + c.sliding_layers for side in ("k_bits", "v_bits")
+              if getattr(fmt, side) < getattr(c.low if types[layer] == "full_attention" else c.sliding, side)}
+    assert all(types[layer] == "full_attention" for layer, _ in c.low_layers)
+    assert all(types[layer] == "sliding_attention" for layer, _ in c.sliding_layers) and c.sliding_layers
+    ranked = sorted((c, s) for s, c in cost.items() if c < 1)
+    n = max(i for i in range(len(ranked) + 1) if 0.001 + sum(c for c, _ in ranked[:i]) <= 0.0035)
+    assert chosen == {s for _, s in ranked[:n]} and len(chosen) >= 2
+    assert sum(len(c) == 1 for c in probe.calls) == 12         # the one-pass sensitivity: every (layer, side) once
+    assert best.bytes_ratio < start.bytes_ratio and best.feasible
+    # a start with nothing to halve (2-bit low keys and values, no sliding format) is returned as is
+    two = search.measure("residual", "two", BASE.with_(low=TierFormat.parse("K2cV2")).with_tiering(alpha_high=3))
+    assert search.layer_bits(two) is two
+
+
+def test_layer_bits_settings_round_trip_and_refuse_other_key_modes():
+    import pytest
+
+    config = BASE.with_(low=TierFormat.parse("K4cV4"),
+                        low_layers=((1, TierFormat.parse("K4cV2")), (3, TierFormat.parse("K2cV4"))))
+    settings = config.to_dict()
+    assert settings["low_layers"] == {"1": "K4cV2", "3": "K2cV4"}
+    assert CompressionConfig.from_dict(settings) == config
+    assert config.low_of(1).name == "K4cV2" and config.low_of(2).name == "K4cV4"
+    with pytest.raises(ValueError, match="in bits only"):
+        config.with_(low_layers=((1, TierFormat.parse("K4V2")),))
+    with pytest.raises(ValueError, match="once, ascending"):
+        config.with_(low_layers=((3, TierFormat.parse("K4cV2")), (1, TierFormat.parse("K4cV2"))))
+    sliding = config.with_(sliding=TierFormat.parse("K8V4"), sliding_layers=((0, TierFormat.parse("K4V4")),))
+    assert CompressionConfig.from_dict(sliding.to_dict()) == sliding
+    assert sliding.sliding_of(0).name == "K4V4" and sliding.sliding_of(2).name == "K8V4"
+    with pytest.raises(ValueError, match="set `sliding` too"):
+        config.with_(sliding_layers=((0, TierFormat.parse("K4V4")),))
+    with pytest.raises(ValueError, match="per token"):
+        sliding.with_(sliding_layers=((0, TierFormat.parse("K4cV4")),))

@@ -14,10 +14,11 @@ from kvcal.runtime.sliding import QuantizedSlidingLayer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _serve(sliding: str | None, steps: int = 12):
+def _serve(sliding: str | None, steps: int = 12, sliding_layers: tuple = ()):
     model, tok = make_model("gemma3_text")
     bundle = random_bundle(model, tok)
-    config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding) if sliding else None)
+    config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding) if sliding else None,
+                               sliding_layers=sliding_layers)
     ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
     cache = KvcalCache.from_bundle(bundle, model, config)
     logits = decode_logits(model, cache, ids, ids.shape[1] - steps)
@@ -52,6 +53,17 @@ def test_coarser_sliding_formats_cost_fewer_bytes_and_more_error():
         kls.append(float((p.exp() * (p - q)).sum(-1).mean()))
         sizes.append(cache.memory()["sliding_bytes"])
     assert sizes[0] > sizes[1] > sizes[2] and kls[0] < kls[1] < kls[2]
+
+
+def test_a_sliding_layers_own_format_holds_its_window_in_that_formats_bytes():
+    """`sliding_layers`: the named layer stores its window in its own format, the others in `sliding`."""
+    _, base, model = _serve("K8V4")
+    sliding = [i for i, layer in enumerate(base.layers) if layer.is_sliding]
+    _, cache, _ = _serve("K8V4", sliding_layers=((sliding[0], TierFormat.parse("K4V4")),))
+    assert [cache.layers[i].fmt.name for i in sliding] == ["K4V4"] + ["K8V4"] * (len(sliding) - 1)
+    window, d, H = model.config.sliding_window, model.config.head_dim, model.config.num_key_value_heads
+    saved = 2 * H * (window - 1) * (quant.packed_size(d, 8) - quant.packed_size(d, 4))     # 4-bit keys, one layer
+    assert base.memory()["sliding_bytes"] - cache.memory()["sliding_bytes"] == saved
 
 
 def test_a_quantized_row_holds_codes_then_scales_and_reads_back():

@@ -37,6 +37,14 @@ def tier_in_words(spec: str) -> str:
     return f"{k} keys{k_note}, {v} values{v_note}"
 
 
+def _per_layer(where: str, layer_formats: tuple) -> list[str]:
+    """((1, K4cV2), (3, K4cV2), (4, K2cV4)) -> ["K4cV2 in {where} 1, 3", "K2cV4 in {where} 4"]."""
+    by_format: dict[str, list[int]] = {}
+    for layer, fmt in layer_formats:
+        by_format.setdefault(fmt.name, []).append(layer)
+    return [f"{name} in {where} {', '.join(map(str, layers))}" for name, layers in by_format.items()]
+
+
 def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
                       v_rank_mean: float | None = None) -> str:
     """What a search point (or a bundle's settings block) stores, in one sentence: tiers and thresholds, FastGen, ranks.
@@ -53,12 +61,14 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
         kept = "" if p.alpha_high >= EVERY_TOKEN_LOW else f" and those with mean attention >= {p.alpha_high:g}/N"
         parts = [f"{high} ({tier_in_words(high)}) for the {p.window} newest tokens{kept}, {low} "
                  f"({tier_in_words(low)}) for the others"]
+        parts += _per_layer("the low tier of layers", config.low_layers)
         if config.page_tokens:
             parts.append(f"low-tier pages of {config.page_tokens} tokens")
         if p.alpha_low > 0:
             parts.append(f"tokens below {p.alpha_low:g}/N dropped")
     if config.sliding is not None:
         parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)})")
+    parts += _per_layer("sliding layers", config.sliding_layers)
     if config.fastgen is not None:
         parts.append(f"FastGen per-head policies chosen at prefill (recovery {config.fastgen.recovery:g})")
     if head_dim is not None and qk_rank_mean is not None and v_rank_mean is not None:

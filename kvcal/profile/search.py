@@ -24,10 +24,14 @@ Stages, each starting from the previous stage's choice; every measured point is 
    (`CompressionConfig.sliding`, per-token formats in the rotated basis), cheaper and cheaper until the target is
    missed; kept only if bytes drop. Where the windows hold most of the bytes at the probe's context, this runs first,
    right after the precision stage, and the tiers build on it (`Search.run`);
-3. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
+3. bits: per-layer precision of the low tier and of sliding-window layers, keys and values apart (KVTuner-style;
+   `Search.layer_bits`). One probe per (layer, side) with only that layer's keys, or values, at half the bits gives a
+   one-pass sensitivity (KL added per byte saved); the steps, least sensitive first, are then applied as many as
+   stay feasible (bisection over the count), each candidate measured; kept only if bytes drop;
+4. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
-4. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
+5. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
    bisection; kept only if bytes drop.
 
 Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
@@ -51,7 +55,7 @@ from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.layout import QUANT_BITS, RAW_BITS, TierFormat
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,8 @@ LOW_TIERS = ("K4cV2", "K4V2")
 PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
 RESIDUAL_HIGH = "K16V16"
 RESIDUAL_LOW_TIERS = ("K8cV4", "K4cV4", "K4cV2", "K2cV2")   # by bytes, most precise first
-RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 16.0, 4.0)   # most aggressive first
+# most aggressive first; 256/N and 64/N keep little more than the attention sinks in fp16
+RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 256.0, 64.0, 16.0, 4.0)
 RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
 SLIDING_FORMATS = ("K8V8", "K8V4", "K4V4", "K4V2")   # sliding windows, by bytes, most precise first
@@ -295,6 +300,47 @@ class Search:
                 best = p
         return best
 
+    def layer_bits(self, start: Point) -> Point:
+        """Per-layer bits on top of `start` (module docstring, stage 3): the low tier of each compressed layer
+        (`low_layers`) and the format of each sliding-window layer (`sliding_layers`), keys and values apart. `start`
+        when nothing can halve (2 bits, raw or static keys) or no step saves bytes."""
+        config = start.config
+        types = self.bundle.model.layer_types
+        bases = {}                  # settings field -> (its base format, the layers it covers)
+        if config.tiering.tiered and config.low.k_mode != "static" and config.low.k_bits not in RAW_BITS:
+            bases["low_layers"] = (config.low, [i for i, t in enumerate(types) if t != "sliding_attention"])
+        if config.sliding is not None:
+            bases["sliding_layers"] = (config.sliding, [i for i, t in enumerate(types) if t == "sliding_attention"])
+
+        def with_steps(chosen: list[tuple[str, int, str]]) -> CompressionConfig:
+            halved: dict[tuple[str, int], dict[str, int]] = {}
+            for where, layer, side in chosen:
+                halved.setdefault((where, layer), {})[side] = getattr(bases[where][0], side) // 2
+            return config.with_(**{where: tuple((layer, dataclasses.replace(bases[where][0], **bits))
+                                                for (w, layer), bits in sorted(halved.items()) if w == where)
+                                   for where in bases})
+
+        steps = []         # (KL added per byte saved, where, layer, side)
+        for where, (fmt, layers) in bases.items():
+            for side in ("k_bits", "v_bits"):
+                if getattr(fmt, side) // 2 not in QUANT_BITS:
+                    continue
+                for layer in layers:
+                    candidate = with_steps([(where, layer, side)])
+                    p = self.measure("bits", f"layer {layer} {candidate.to_dict()[where][str(layer)]} on "
+                                     f"{start.label}", candidate)
+                    saved = start.bytes_ratio - p.bytes_ratio
+                    if p.feasible and saved > 0:
+                        steps.append(((p.kl - start.kl) / saved, where, layer, side))
+        steps.sort()
+
+        def measure(n: int) -> Point:
+            return self.measure("bits", f"bits halved in the {n} least sensitive (layer, K|V) on {start.label}",
+                                with_steps([step[1:] for step in steps[:n]]))
+
+        best = last_feasible(list(range(1, len(steps) + 1)), measure)
+        return best if best is not None and _saves(best, start) else start
+
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
@@ -355,6 +401,7 @@ class Search:
         if chosen is not None:
             if not sliding_first:
                 chosen = self.sliding(chosen)
+            chosen = self.layer_bits(chosen)
             chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
         if chosen is None:

@@ -61,8 +61,9 @@ class CompressedKV:
         self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device).contiguous()
                       for layer in self.layers}
         self.basis_t = {layer: b.transpose(1, 2).contiguous() for layer, b in self.basis.items()}
-        self.backend = select_backend(config.backend, str(self.device), (config.high, config.low), d)
+        self.backend = select_backend(config.backend, str(self.device), config.formats, d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
+                                     low_layers=dict(config.low_layers),
                                      batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
                                      key_ranges=key_ranges, low_tracked=config.low_tracked)

@@ -16,6 +16,9 @@ order:
     snapkv            {fraction, window, kernel, reserve} | absent (off)
     streamingllm      {fraction, sinks} | absent (off)
     sliding           str    tier format of sliding-window layers (per-token, e.g. "K8V4"); absent = dense
+    low_layers        {layer: str}  low-tier format of these layers instead of `low` (bits where they matter; same
+                                    key mode and groups as `low`, other bits); absent = `low` everywhere
+    sliding_layers    {layer: str}  format of these sliding-window layers instead of `sliding`; absent = `sliding`
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -34,7 +37,8 @@ from kvcal.runtime.snapkv import SnapKVConfig
 from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
-                 "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding")
+                 "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
+                 "sliding_layers")
 # keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
 _TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
                     "streamingllm": StreamingLLMConfig}
@@ -63,10 +67,27 @@ class CompressionConfig:
     snapkv: SnapKVConfig | None = None
     streamingllm: StreamingLLMConfig | None = None
     sliding: TierFormat | None = None     # sliding-window layers stored in this format (None: dense, model dtype)
+    # (layer, format) pairs, ascending by layer: these layers' low tier in `format` instead of `low`
+    low_layers: tuple[tuple[int, TierFormat], ...] = ()
+    # (layer, format) pairs, ascending by layer: these sliding-window layers in `format` instead of `sliding`
+    sliding_layers: tuple[tuple[int, TierFormat], ...] = ()
 
     def __post_init__(self):
-        if self.sliding is not None:
-            check_sliding_format(self.sliding)
+        for layer, fmt in self.low_layers:
+            if (fmt.k_mode, fmt.k_group, fmt.v_group) != (self.low.k_mode, self.low.k_group, self.low.v_group) \
+                    or self.low.k_mode == "static":
+                raise ValueError(f"layer {layer}'s low tier {fmt.name} must differ from `low` ({self.low.name}) in "
+                                 "bits only, with per-token or per-channel keys: choose a format like `low` with other "
+                                 "bits")
+        for name in ("low_layers", "sliding_layers"):
+            layers = [layer for layer, _ in getattr(self, name)]
+            if layers != sorted(set(layers)):
+                raise ValueError(f"`{name}` must list each layer once, ascending")
+        for fmt in (self.sliding, *(fmt for _, fmt in self.sliding_layers)):
+            if fmt is not None:
+                check_sliding_format(fmt)
+        if self.sliding_layers and self.sliding is None:
+            raise ValueError("`sliding_layers` overrides `sliding` for some layers; set `sliding` too")
         if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens < 1):
             raise ValueError(f"`page_tokens={self.page_tokens!r}` must be a positive integer (low-tier tokens per "
                              "page)")
@@ -89,6 +110,19 @@ class CompressionConfig:
         needs, so the 8 bytes a token would spend on them are not stored."""
         policies = (self.fastgen, self.h2o, self.snapkv, self.streamingllm)
         return not self.tiering.tiered or self.tiering.alpha_low > 0 or any(p is not None for p in policies)
+
+    def low_of(self, layer: int) -> TierFormat:
+        """The low-tier format of `layer` (`low` unless `low_layers` names the layer)."""
+        return dict(self.low_layers).get(layer, self.low)
+
+    def sliding_of(self, layer: int) -> TierFormat | None:
+        """The format of sliding-window `layer` (`sliding` unless `sliding_layers` names the layer; None: dense)."""
+        return dict(self.sliding_layers).get(layer, self.sliding)
+
+    @property
+    def formats(self) -> tuple[TierFormat, ...]:
+        """Every tier format the cache may store in its pages (what a backend must serve)."""
+        return (self.high, self.low, *(fmt for _, fmt in self.low_layers))
 
     @property
     def value_group(self) -> int:
@@ -135,6 +169,9 @@ class CompressionConfig:
                 out[name] = asdict(getattr(self, name))
         if self.sliding is not None:
             out["sliding"] = self.sliding.name
+        for name in ("low_layers", "sliding_layers"):
+            if getattr(self, name):
+                out[name] = {str(layer): fmt.name for layer, fmt in getattr(self, name)}
         return out
 
     @classmethod
@@ -151,4 +188,11 @@ class CompressionConfig:
                        low=TierFormat.parse(d["low"]) if "low" in d else base.low, tiering=TieringConfig(**tokens),
                        qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),
                        page_tokens=d.get("page_tokens"),
-                       sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None, **policies)
+                       sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None,
+                       low_layers=_layer_formats(d.get("low_layers", {})),
+                       sliding_layers=_layer_formats(d.get("sliding_layers", {})), **policies)
+
+
+def _layer_formats(by_layer: dict[str, str]) -> tuple[tuple[int, TierFormat], ...]:
+    """{"3": "K4cV2"} (a settings block's per-layer formats) -> ((3, TierFormat), ...) ascending by layer."""
+    return tuple(sorted((int(layer), TierFormat.parse(name)) for layer, name in by_layer.items()))

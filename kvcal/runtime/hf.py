@@ -168,14 +168,15 @@ class KvcalCache(Cache):
         super().__init__(layers=layers)
 
     def _sliding_layer(self, layer: int, window: int) -> DynamicSlidingWindowLayer:
-        """transformers' own layer, or a quantized one in the bundle's full-rank rotated basis (`config.sliding`)."""
-        if self.config.sliding is None:
+        """transformers' own layer, or a quantized one in the bundle's full-rank rotated basis (`config.sliding_of`)."""
+        fmt = self.config.sliding_of(layer)
+        if fmt is None:
             return DynamicSlidingWindowLayer(window)
         L, H, d, _ = self.bundle.qk_rotation.shape
         full = torch.full((L, H), d, dtype=torch.int32)
         _, _, rotation, basis = served_bases(self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[
             layer:layer + 1], full[:1], full[:1], self.config.with_(use_ranks=False))
-        return QuantizedSlidingLayer(window, self.config.sliding, rotation[0], basis[0])
+        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0])
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:

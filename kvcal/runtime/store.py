@@ -87,7 +87,8 @@ class CompressedStore:
     key_ranges: (low, high) float32 [L, H, >= r_k] per-channel clip ranges of the stored keys (bundle
     `k.range_low` / `k.range_high`); required when a tier has static keys, ignored otherwise.
     low_tracked: False when low tokens never move (`CompressionConfig.low_tracked`): low pages then hold no score or
-    position.
+    position. low_layers: layer -> low-tier format of that layer instead of `low` (`CompressionConfig.low_layers`);
+    every reader and writer takes the format from the page layout, so a layer's pages are self-describing.
 
     Public addressing for backends: `entries` (the (sequence, head) pairs of a head group), `section_pages`,
     `page_of` (byte offset of a slot's page), `reserve_pages`, `reserve_low_page`.
@@ -97,7 +98,8 @@ class CompressedStore:
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
                  initial_tokens: int = 2048, writer=None,
-                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True):
+                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True,
+                 low_layers: dict[int, TierFormat] | None = None):
         if high.k_mode == "channel":
             raise ValueError("the high tier needs keys written token by token (per-token or static keys): it holds "
                              "the recent window")
@@ -117,7 +119,7 @@ class CompressedStore:
             for r_k, r_v in pairs:
                 heads = [h for h in range(H) if (int(rank_k[layer, h]), int(rank_v[layer, h])) == (r_k, r_v)]
                 lay = (PageLayout.build(high, r_k, r_v, self.page_bytes),
-                       PageLayout.build(low, r_k, r_v, self.page_bytes, low_tracked))
+                       PageLayout.build((low_layers or {}).get(layer, low), r_k, r_v, self.page_bytes, low_tracked))
                 groups.append(HeadGroup(torch.tensor(heads, device=self.device), lay, r_k, r_v))
                 min_tokens += [lay[HIGH].tokens, lay[LOW].tokens]
             self.groups[layer] = groups
