@@ -14,9 +14,11 @@ Tensors (L layers, H KV heads, d head dim):
     k.range_low, k.range_high  [L, H, d] float32  optional (schema 2): per-channel clip range of K @ qk.rotation
                                        (post-RoPE, columns of R, no mixing) at `calibration.key_ranges.percentile`,
                                        for the static key tiers (`K4sV4`; kvcal.profile.key_ranges). Both or neither.
+    qk.smoothing [L, H, d]    float32  optional (schema 2): channel smoothing factor D > 0 per column of qk.rotation
+                                       (keys stored / D, queries * D; kvcal.profile.smoothing), for `smooth` settings
 
-Schema versions: 1 (the tensors above but the key ranges), 2 (with key ranges). A bundle is written with the lowest
-version that describes it, so a bundle without key ranges stays readable by kvcal versions that read only 1; this kvcal
+Schema versions: 1 (the tensors above but the key ranges and smoothing), 2 (with either). A bundle is written with the
+lowest version that describes it, so a bundle without them stays readable by kvcal versions that read only 1; this kvcal
 reads both.
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
@@ -56,6 +58,7 @@ _RANGES = {   # name -> (low, high, extra allowed value): values whose meaning h
     "fastgen.kept_fraction": (0.0, 1.0 + 1e-4, -1.0),   # fraction of tokens kept; -1 = not profiled
     "k.range_low": (-65504.0, 65504.0, None),           # the fp16 range of the scales and zeros made from them
     "k.range_high": (-65504.0, 65504.0, None),
+    "qk.smoothing": (1e-6, 1e6, None),                  # a positive factor; a smaller one would overflow fp16 keys
 }
 
 # name -> (shape in symbols, dtype). Symbols: L layers, H KV heads, d head dim.
@@ -78,9 +81,11 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     # static key tiers: per-channel clip range of K @ qk.rotation on calibration text (schema 2)
     "k.range_low": (("L", "H", "d"), torch.float32),
     "k.range_high": (("L", "H", "d"), torch.float32),
+    # channel smoothing: keys / D and queries * D per column of qk.rotation (schema 2)
+    "qk.smoothing": (("L", "H", "d"), torch.float32),
 }
 KEY_RANGES = ("k.range_low", "k.range_high")
-SCHEMA_2_TENSORS = KEY_RANGES      # a bundle holding any of these is written as schema 2
+SCHEMA_2_TENSORS = (*KEY_RANGES, "qk.smoothing")      # a bundle holding any of these is written as schema 2
 _FIELDS = {name: name.replace(".", "_") for name in REQUIRED_TENSORS}
 
 
@@ -457,7 +462,8 @@ def _validate_versioned(names: set[str], meta: dict[str, str]) -> list[str]:
         missing = next(n for n in KEY_RANGES if n not in names)
         problems.append(f"tensor `{present[0]}` without `{missing}` (static key ranges come as a pair)")
     if any(n in names for n in SCHEMA_2_TENSORS) and meta.get("schema_version") == "1":
-        problems.append("schema version 1 cannot hold static key ranges (`k.range_low/high`)")
+        problems.append("schema version 1 cannot hold static key ranges or smoothing (`k.range_low/high`, "
+                        "`qk.smoothing`)")
     return problems
 
 

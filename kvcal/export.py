@@ -394,14 +394,18 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     if cfg.static_keys:
         raise ValueError(f"the manifest format has no field for static key scales (tiers {cfg.high.name} / "
                          f"{cfg.low.name}); export settings without `s` key tiers")
+    if cfg.smooth:
+        raise ValueError("the manifest format has no field for the query rotation that channel smoothing needs "
+                         "(`smooth`); export with `kvcal.export.export_manifest(bundle, out, config)` and a config "
+                         "whose `smooth` is False")
     if cfg.sliding is not None:
         raise ValueError(f"the manifest format has no field for quantized sliding-window layers (`sliding` = "
                          f"{cfg.sliding.name}); export with `kvcal.export.export_manifest(bundle, out, config)` and "
                          "a config whose `sliding` is None (the windows then stay dense)")
     L, H, d = bundle.shape
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
-    rank_k, rank_v, rotation, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
-                                                   bundle.v_rank, cfg)
+    rank_k, rank_v, rotation, basis, _ = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
+                                                      bundle.v_rank, cfg)
     page_bytes = cfg.page_size(d)
     layers = []
     for layer in range(L):

@@ -328,3 +328,29 @@ def test_layer_bits_settings_round_trip_and_refuse_other_key_modes():
         config.with_(sliding_layers=((0, TierFormat.parse("K4V4")),))
     with pytest.raises(ValueError, match="per token"):
         sliding.with_(sliding_layers=((0, TierFormat.parse("K4cV4")),))
+
+
+class SmoothingProbe:
+    """A fake probe where channel smoothing changes the KL by `effect` (negative: it helps)."""
+
+    def __init__(self, effect):
+        self.effect, self.calls = effect, []
+
+    def measure(self, config, bundle):
+        from kvcal.profile.quality import Fidelity
+
+        self.calls.append(config.smooth)
+        return Fidelity(kl=0.01 + self.effect * config.smooth, top1=0.99, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0,
+                        predictions=10**6, prompt_tokens=1, memory={"ratio_to_fp16": 0.5}, tiers={})
+
+
+def test_smoothing_is_kept_only_where_it_lowers_the_kl_and_needs_the_bundles_factors():
+    import torch
+
+    bundle = _bundle()
+    assert Search(SmoothingProbe(-0.005), bundle, QualityTarget()).smoothing(BASE) is BASE   # no factors: off
+    bundle.extras["qk.smoothing"] = torch.ones(1, 1, 64)
+    for effect, kept in ((-0.005, True), (0.005, False)):
+        probe = SmoothingProbe(effect)
+        assert Search(probe, bundle, QualityTarget()).smoothing(BASE).smooth is kept
+        assert sorted(probe.calls) == [False, True]

@@ -286,8 +286,8 @@ def test_static_keys_are_served_in_the_unmixed_rotation():
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok, rank_k=torch.tensor([[16, 8], [12, 16]], dtype=torch.int32))
     static = CompressionConfig(high=TierFormat.parse("K4sV4"))
-    _, _, rot, basis = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, static)
-    _, _, rot_mixed, basis_mixed = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank,
+    _, _, rot, basis, _ = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, static)
+    _, _, rot_mixed, basis_mixed, _ = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank,
                                                 CompressionConfig())
     assert torch.equal(rot[0, 1, :, :8], bundle.qk_rotation[0, 1, :, :8]) and (rot[0, 1, :, 8:] == 0).all()
     assert not torch.allclose(rot_mixed[0, 1, :, :8], bundle.qk_rotation[0, 1, :, :8])

@@ -39,7 +39,7 @@ from kvcal.models import (
     tokenizer_hash,
     weights_hash,
 )
-from kvcal.profile.capture import GramCollector, capturing
+from kvcal.profile.capture import CollectorSet, GramCollector, capturing
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.key_ranges import (
     DEFAULT_PERCENTILE,
@@ -59,6 +59,8 @@ from kvcal.profile.rotation import (
     token_independence,
     weight_svd_basis,
 )
+from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
+from kvcal.profile.smoothing import ChannelAbsMax
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
@@ -314,13 +316,14 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
 
 def key_range_pass(lm: LoadedModel, rotation: torch.Tensor, windows: torch.Tensor, offsets: list[int],
                    percentile: float, checkpoint: Checkpoint | None = None,
-                   progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static key ranges (kvcal.profile.key_ranges) of K @ rotation [L, H, d, d] over calibration `windows` [n, S]
-    at their position `offsets`: (low, high) float32 [L, H, d]. A pass of its own, after the eigendecomposition,
-    because percentiles in R's columns need R (see kvcal.profile.key_ranges)."""
-    collector = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
-    run_pass(lm, "key-ranges", windows, offsets, collector, checkpoint, progress)
-    return collector.ranges()
+                   progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Static key ranges (kvcal.profile.key_ranges) and channel smoothing factors (kvcal.profile.smoothing) of
+    K @ rotation [L, H, d, d] over calibration `windows` [n, S] at their position `offsets`: (low, high, D) float32
+    [L, H, d] each. A pass of its own, after the eigendecomposition, because both are per column of R."""
+    ranges = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
+    absmax = ChannelAbsMax(lm.adapter, rotation)
+    run_pass(lm, "key-ranges", windows, offsets, CollectorSet(ranges=ranges, absmax=absmax), checkpoint, progress)
+    return (*ranges.ranges(), absmax.factors())
 
 
 def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: dict) -> str:
@@ -432,9 +435,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
     picked = spread_windows(len(text_ids), cfg.key_range_windows)
     key_ids = text_ids[picked]
-    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked])
+    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked, "smoothing"])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
-    range_low, range_high = key_range_pass(lm, rotation.float(), key_ids, [text_offsets[i] for i in picked],
+    range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids, [text_offsets[i] for i in picked],
                                            cfg.key_percentile, key_checkpoint, progress)
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window)
@@ -460,6 +463,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                        "tail_rows": tail_rows(int(key_ids.numel()), cfg.key_percentile),
                        "basis": "columns of qk.rotation, post-RoPE, no mixing",
                        "text_offsets": [text_offsets[i] for i in picked]},
+        "smoothing": {"strength": SMOOTHING_STRENGTH, "windows": len(key_ids),
+                      "basis": "columns of qk.rotation, post-RoPE, no mixing; max over the group's query heads"},
     }
     bundle = Bundle(
         model=ModelInfo(name=lm.name, fingerprint=model_fp, weights_hash=w_hash, tokenizer_hash=tok_hash,
@@ -473,7 +478,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
                 "fastgen.recovery": fastgen_stats.recovery.float().nan_to_num(-1.0),
                 "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0),
-                "k.range_low": range_low, "k.range_high": range_high},
+                "k.range_low": range_low, "k.range_high": range_high, "qk.smoothing": smoothing},
         settings=unsearched.to_dict(searched=False),
     )
     report = None

@@ -59,6 +59,24 @@ def capturing(model, *collectors: Collector):
         model.set_attn_implementation(previous)
 
 
+class CollectorSet:
+    """Several collectors fed by one pass and checkpointed as one: state keys are prefixed by each one's name."""
+
+    def __init__(self, **named: Collector):
+        self.named = named
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        for collector in self.named.values():
+            collector.add(layer, query, key, value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": t for name, c in self.named.items() for k, t in c.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, c in self.named.items():
+            c.load_state_dict({k[len(name) + 1:]: t for k, t in state.items() if k.startswith(f"{name}.")})
+
+
 class GramCollector:
     """Streaming float64 Gram matrices per (layer, KV head).
 

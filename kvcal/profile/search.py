@@ -7,6 +7,8 @@ candidates the search keeps the one with the fewest KV bytes per token, as measu
 
 Stages, each starting from the previous stage's choice; every measured point is kept in `SearchResult.path`:
 
+0. smoothing: with the bundle's channel smoothing factors (`qk.smoothing`), the base high tier alone is measured
+   with and without; the lower KL decides `smooth` for every later stage (it changes no byte);
 1. precision: the cheapest high tier of `PRECISION_LADDER` (K8V4, then values in groups of 32 and 16 channels, then
    K8V8) that meets the target;
 2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), the largest feasible alpha_high of
@@ -380,11 +382,24 @@ class Search:
         sliding = sum(t == "sliding_attention" for t in types) * held
         return sliding / (sliding + sum(t != "sliding_attention" for t in types) * n)
 
+    def smoothing(self, base: CompressionConfig) -> CompressionConfig:
+        """`base` with channel smoothing on when the bundle has factors and, on `base`'s per-token high tier (the
+        format an outlier key channel hurts most), smoothing lowers the KL; the stages after build on the winner.
+        Both points are measured; smoothing changes no byte."""
+        if "qk.smoothing" not in self.bundle.extras or base.static_keys or not base.rotate:
+            return base
+        plain = self.measure("smoothing", f"{base.high.name}, no tiers, no smoothing", base.with_tiering(
+            alpha_high=None))
+        smooth = self.measure("smoothing", f"{base.high.name}, no tiers, smoothing", base.with_(
+            smooth=True).with_tiering(alpha_high=None))
+        return base.with_(smooth=smooth.kl < plain.kl)
+
     def run(self, base: CompressionConfig) -> SearchResult:
         """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window. Where sliding
         windows hold most of the bytes at the probe's context (`sliding_share` > 1/2, Gemma3 at a few thousand
         tokens), their format is chosen first, so the quality budget goes to the larger share of the bytes; else
-        after the tiers."""
+        after the tiers. Channel smoothing is decided first, on the base's high tier (`smoothing`)."""
+        base = self.smoothing(base)
         start = self.precision(base)
         sliding_first = start.feasible and self.sliding_share() > 0.5
         if sliding_first:

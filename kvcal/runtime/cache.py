@@ -41,23 +41,28 @@ class CompressedKV:
     def __init__(self, rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tensor, rank_v: torch.Tensor,
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
                  raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
-                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 smoothing: torch.Tensor | None = None):
         """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
         tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation. key_ranges: (low,
         high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
-        keys."""
+        keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`."""
         L, H, d, _ = rotation.shape
         if config.static_keys and not config.rotate:
             raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
                              "(K…s tiers) with `rotate=True`")
         self.config, self.batch, self.device = config, batch, torch.device(device)
         self.layers = [i for i in range(L) if not sliding[i]]
-        rank_k, rank_v, rotation, basis = served_bases(rotation, basis, rank_k, rank_v, config)
+        rank_k, rank_v, rotation, basis, query_rotation = served_bases(rotation, basis, rank_k, rank_v, config,
+                                                                       smoothing)
         self.rank_k, self.rank_v = rank_k.clone(), rank_v.clone()
         # cut to the layer's largest rank: columns beyond a head's own rank are 0, so padded coordinates are 0.
         # Contiguous [H, d, r] (and the basis transposed, [H, r_v, d]) so that each projection is one bmm
         self.rotation = {layer: rotation[layer, :, :, :int(rank_k[layer].max())].to(self.device).contiguous()
                          for layer in self.layers}
+        self.query_rotation = self.rotation if not config.smooth else {
+            layer: query_rotation[layer, :, :, :int(rank_k[layer].max())].to(self.device).contiguous()
+            for layer in self.layers}
         self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device).contiguous()
                       for layer in self.layers}
         self.basis_t = {layer: b.transpose(1, 2).contiguous() for layer, b in self.basis.items()}
@@ -80,7 +85,8 @@ class CompressedKV:
         if "k.range_low" in bundle.extras:
             ranges = (bundle.extras["k.range_low"], bundle.extras["k.range_high"])
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
-                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges)
+                   sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
+                   smoothing=bundle.extras.get("qk.smoothing"))
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
@@ -188,7 +194,7 @@ class CompressedKV:
 
     def _decode_step(self, layer, q, key, value, scale):
         B, H, g, n, d = q.shape
-        q_rot = per_head_matmul(q.float().reshape(B, H, g * n, d), self.rotation[layer]).view(B, H, g, n, -1)
+        q_rot = per_head_matmul(q.float().reshape(B, H, g * n, d), self.query_rotation[layer]).view(B, H, g, n, -1)
         k_rot, v_proj = self._project(layer, key, value)
         if self.config.tiering.tiered:
             self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score

@@ -19,6 +19,7 @@ order:
     low_layers        {layer: str}  low-tier format of these layers instead of `low` (bits where they matter; same
                                     key mode and groups as `low`, other bits); absent = `low` everywhere
     sliding_layers    {layer: str}  format of these sliding-window layers instead of `sliding`; absent = `sliding`
+    smooth            bool   channel smoothing (bundle `qk.smoothing`: keys / D, queries * D); written only when true
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -38,7 +39,7 @@ from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
-                 "sliding_layers")
+                 "sliding_layers", "smooth")
 # keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
 _TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
                     "streamingllm": StreamingLLMConfig}
@@ -54,6 +55,8 @@ class CompressionConfig:
     use_ranks: bool = True        # False: store full rank even if the bundle has lower ranks
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
+    smooth: bool = False          # move key range to the queries first (bundle `qk.smoothing`, see bases.py)
+    smooth: bool = False          # move key range to the queries first (bundle `qk.smoothing`, see bases.py)
     page_bytes: int | None = None  # explicit page size; None: from `page_tokens`
     # Pages hold `page_tokens` full-rank low-tier tokens; None: 32 high-tier tokens. A per-channel low tier computes
     # its key scales over one page and keeps up to a page of low tokens waiting at the high tier, so with a raw
@@ -88,6 +91,9 @@ class CompressionConfig:
                 check_sliding_format(fmt)
         if self.sliding_layers and self.sliding is None:
             raise ValueError("`sliding_layers` overrides `sliding` for some layers; set `sliding` too")
+        if self.smooth and (self.static_keys or not self.rotate):
+            raise ValueError("channel smoothing (`smooth`) scales the rotated key coordinates: serve it with "
+                             "`rotate=True` and without static (K…s) key tiers")
         if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens < 1):
             raise ValueError(f"`page_tokens={self.page_tokens!r}` must be a positive integer (low-tier tokens per "
                              "page)")
@@ -172,6 +178,8 @@ class CompressionConfig:
         for name in ("low_layers", "sliding_layers"):
             if getattr(self, name):
                 out[name] = {str(layer): fmt.name for layer, fmt in getattr(self, name)}
+        if self.smooth:
+            out["smooth"] = True
         return out
 
     @classmethod
@@ -190,7 +198,8 @@ class CompressionConfig:
                        page_tokens=d.get("page_tokens"),
                        sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None,
                        low_layers=_layer_formats(d.get("low_layers", {})),
-                       sliding_layers=_layer_formats(d.get("sliding_layers", {})), **policies)
+                       sliding_layers=_layer_formats(d.get("sliding_layers", {})), smooth=bool(d.get("smooth")),
+                       **policies)
 
 
 def _layer_formats(by_layer: dict[str, str]) -> tuple[tuple[int, TierFormat], ...]:

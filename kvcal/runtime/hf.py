@@ -174,9 +174,11 @@ class KvcalCache(Cache):
             return DynamicSlidingWindowLayer(window)
         L, H, d, _ = self.bundle.qk_rotation.shape
         full = torch.full((L, H), d, dtype=torch.int32)
-        _, _, rotation, basis = served_bases(self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[
-            layer:layer + 1], full[:1], full[:1], self.config.with_(use_ranks=False))
-        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0])
+        smoothing = self.bundle.extras.get("qk.smoothing")
+        _, _, rotation, basis, query_rotation = served_bases(
+            self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
+            self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
+        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0])
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:

@@ -35,12 +35,17 @@ def check_sliding_format(fmt: TierFormat) -> None:
 
 
 class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
-    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d] orthogonal."""
+    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d] orthogonal;
+    keys are stored as K @ rotation and read back through `query_rotation` transposed, its inverse: with channel
+    smoothing the key rotation is R D⁻¹ M and the query rotation R D M (kvcal.runtime.bases), and (R D⁻¹ M)⁻¹ =
+    (R D M)ᵀ. None: the rotation itself."""
 
-    def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor):
+    def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
+                 query_rotation: torch.Tensor | None = None):
         check_sliding_format(fmt)
         super().__init__(sliding_window)
         self.fmt, self.rotation, self.basis = fmt, rotation, basis
+        self.key_inverse_t = rotation if query_rotation is None else query_rotation
         d = rotation.shape[-1]
         self.head_dim = d
         self.k_bytes, self.v_bytes = quant.packed_size(d, fmt.k_bits), quant.packed_size(d, fmt.v_bits)
@@ -49,6 +54,7 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         super().lazy_initialization(key_states, value_states)
         self.dtype = key_states.dtype
         self.rotation = self.rotation.to(self.device)
+        self.key_inverse_t = self.key_inverse_t.to(self.device)
         self.basis = self.basis.to(self.device)
         B, H = key_states.shape[:2]
         self.keys = torch.empty(B, H, 0, self._row(self.k_bytes, self.fmt.k_group), dtype=torch.uint8,
@@ -82,7 +88,7 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         fmt = self.fmt
-        old_k = self._decode(self.keys, self.rotation, fmt.k_bits, fmt.k_group, self.k_bytes)
+        old_k = self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes)
         old_v = self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes)
         new_k = self._encode(key_states, self.rotation, fmt.k_bits, fmt.k_group)
         new_v = self._encode(value_states, self.basis, fmt.v_bits, fmt.v_group)
