@@ -28,8 +28,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    right after the precision stage, and the tiers build on it (`Search.run`);
 3. bits: per-layer precision of the low tier and of sliding-window layers, keys and values apart (KVTuner-style;
    `Search.layer_bits`). One probe per (layer, side) with only that layer's keys, or values, at half the bits gives a
-   one-pass sensitivity (KL added per byte saved); the steps, least sensitive first, are then applied as many as
-   stay feasible (bisection over the count), each candidate measured; kept only if bytes drop;
+   one-pass sensitivity (KL added per byte saved; ranked by KL, not by feasibility, since one step's top-1 moves
+   less than its noise); the steps, least sensitive first, are then applied as many as stay feasible (bisection
+   over the count), each candidate measured; kept only if bytes drop;
 4. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -332,7 +333,7 @@ class Search:
                     p = self.measure("bits", f"layer {layer} {candidate.to_dict()[where][str(layer)]} on "
                                      f"{start.label}", candidate)
                     saved = start.bytes_ratio - p.bytes_ratio
-                    if p.feasible and saved > 0:
+                    if saved > 0:      # feasible or not: a start at the target's edge leaves no single step room
                         steps.append(((p.kl - start.kl) / saved, where, layer, side))
         steps.sort()
 
