@@ -32,6 +32,17 @@ def test_a_miss_moves_to_the_next_safer_point():
     assert [c["met"] for c in checks] == [False, False, True]
 
 
+def test_sensitivity_probes_are_never_fallbacks():
+    """The bits stage's one-layer probes rank steps; they are measurements, not candidates."""
+    probe = _point("K8V4 layer 3", 0.45)
+    probe.stage = "sensitivity"
+    path = [_point("K8V4", 0.44), probe, _point("K8V8", 0.56)]
+    checked = []
+    point, _, _ = decide(path[0], path, lambda p: checked.append(p.label) or _fid(0.99 if p.label == "K8V8" else 0.9),
+                         TARGET, max_checks=3)
+    assert checked == ["K8V4", "K8V8"] and point.label == "K8V8"
+
+
 def test_nothing_passes_keeps_the_best_checked():
     path = [_point("K8V4", 0.44), _point("K8V4g32", 0.45), _point("K8V8", 0.56)]
     quality = {"K8V4": 0.95, "K8V4g32": 0.96, "K8V8": 0.955}

@@ -581,8 +581,9 @@ def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -
     from kvcal.profile.search import settings_key
 
     seen, order = set(), []
-    safer = sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
-                   key=lambda p: p.bytes_ratio)
+    # a sensitivity probe (one layer's bits halved, to rank the steps) measures, it is no candidate of its own
+    safer = sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio
+                    and p.stage != "sensitivity"), key=lambda p: p.bytes_ratio)
     for point in [chosen, *safer]:
         if settings_key(point.settings) not in seen:
             seen.add(settings_key(point.settings))

@@ -20,8 +20,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    recent window plus the tokens above alpha_high (heavy hitters), the low tier has per-channel keys over pages of
    `RESIDUAL_PAGE_TOKENS` low tokens. Per-channel scales survive outlier key channels that a per-token scale spends
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
-   "every token leaves the window to the low tier" down to keeping more heavy hitters, then (by bisection) shorter
-   windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
+   "every token leaves the window to the low tier" down to keeping more heavy hitters (the first feasible, or a
+   later one while it costs under `MIN_GAIN` more bytes: quality the later stages can spend), then (by bisection)
+   shorter windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
    Models with sliding-window layers (Gemma3) then walk `SLIDING_FORMATS` for those layers' window
    (`CompressionConfig.sliding`, per-token formats in the rotated basis), cheaper and cheaper until the target is
    missed; kept only if bytes drop. Where the windows hold most of the bytes at the probe's context, this runs first,
@@ -261,12 +262,13 @@ class Search:
         chosen = None
         for name in RESIDUAL_LOW_TIERS:
             found = None
-            for a_h in RESIDUAL_ALPHA_GRID:     # most aggressive first: the first feasible alpha is this tier's best
+            for a_h in RESIDUAL_ALPHA_GRID:     # most aggressive first: the first feasible alpha is this tier's best,
                 p = self.measure("residual", f"fp16 W={base.tiering.window} / {name} a=({a_h:g},0)",
                                  start.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h, alpha_low=0.0))
-                if p.feasible:
-                    found = p
+                if found is not None and not (p.feasible and p.bytes_ratio < found.bytes_ratio * (1 + MIN_GAIN)):
                     break
+                if p.feasible:      # ... unless the next one keeps more heavy hitters for under 1% more bytes:
+                    found = p       # quality the later stages can spend, bought for less than a stage may save
             if found is None:       # cheaper low tiers quantize harder: assumed infeasible too
                 break
             # a cheaper low tier may pass only by keeping more heavy hitters in fp16, which can cost more in all
@@ -330,7 +332,7 @@ class Search:
                     continue
                 for layer in layers:
                     candidate = with_steps([(where, layer, side)])
-                    p = self.measure("bits", f"layer {layer} {candidate.to_dict()[where][str(layer)]} on "
+                    p = self.measure("sensitivity", f"layer {layer} {candidate.to_dict()[where][str(layer)]} on "
                                      f"{start.label}", candidate)
                     saved = start.bytes_ratio - p.bytes_ratio
                     if saved > 0:      # feasible or not: a start at the target's edge leaves no single step room
