@@ -186,7 +186,7 @@ class Search:
         key = self._key(settings, qk_rank, v_rank)
         if key in self.memo:        # measured before (a resumed run, or other settings with the same effect)
             known = self.memo[key]
-            point = known if known.settings == settings else dataclasses.replace(
+            point = known if (known.settings, known.stage) == (settings, stage) else dataclasses.replace(
                 known, stage=stage, label=label, settings=settings, seconds=0.0)
             point.feasible = self.target.met(point)
             self.path.append(point)
