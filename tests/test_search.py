@@ -351,7 +351,7 @@ def test_smoothing_is_kept_only_where_it_lowers_the_kl_and_needs_the_bundles_fac
     bundle = _bundle()
     assert Search(SmoothingProbe(-0.005), bundle, QualityTarget()).smoothing(BASE) is BASE   # no factors: off
     bundle.extras["qk.smoothing"] = torch.ones(1, 1, 64)
-    for effect, kept in ((-0.005, True), (0.005, False)):
+    for effect, kept in ((-0.005, True), (0.005, False), (-0.0005, False)):     # -5% of the KL: noise, not kept
         probe = SmoothingProbe(effect)
         assert Search(probe, bundle, QualityTarget()).smoothing(BASE).smooth is kept
         assert sorted(probe.calls) == [False, True]

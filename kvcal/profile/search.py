@@ -8,7 +8,7 @@ candidates the search keeps the one with the fewest KV bytes per token, as measu
 Stages, each starting from the previous stage's choice; every measured point is kept in `SearchResult.path`:
 
 0. smoothing: with the bundle's channel smoothing factors (`qk.smoothing`), the base high tier alone is measured
-   with and without; the lower KL decides `smooth` for every later stage (it changes no byte);
+   with and without; smoothing is kept for every later stage if it lowers the KL by 10% (it changes no byte);
 1. precision: the cheapest high tier of `PRECISION_LADDER` (K8V4, then values in groups of 32 and 16 channels, then
    K8V8) that meets the target;
 2. tiers: for each low-tier key mode (per-channel K4cV2, per-token K4V2), the largest feasible alpha_high of
@@ -79,6 +79,9 @@ SLIDING_FORMATS = ("K8V8", "K8V4", "K4V4", "K4V2")   # sliding windows, by bytes
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
+# smoothing is kept only if it lowers the base point's KL by 10%: one point's KL moves a few % between text samples,
+# and the per-channel low tiers the later stages choose gain nothing from it (docs/calibration.md)
+SMOOTHING_MIN_GAIN = 0.1
 
 
 @dataclass
@@ -387,7 +390,8 @@ class Search:
 
     def smoothing(self, base: CompressionConfig) -> CompressionConfig:
         """`base` with channel smoothing on when the bundle has factors and, on `base`'s per-token high tier (the
-        format an outlier key channel hurts most), smoothing lowers the KL; the stages after build on the winner.
+        format an outlier key channel hurts most), smoothing lowers the KL by `SMOOTHING_MIN_GAIN`; the stages
+        after build on the winner.
         Both points are measured; smoothing changes no byte."""
         if "qk.smoothing" not in self.bundle.extras or base.static_keys or not base.rotate:
             return base
@@ -395,7 +399,7 @@ class Search:
             alpha_high=None))
         smooth = self.measure("smoothing", f"{base.high.name}, no tiers, smoothing", base.with_(
             smooth=True).with_tiering(alpha_high=None))
-        return base.with_(smooth=smooth.kl < plain.kl)
+        return base.with_(smooth=smooth.kl < plain.kl * (1 - SMOOTHING_MIN_GAIN))
 
     def run(self, base: CompressionConfig) -> SearchResult:
         """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window. Where sliding
