@@ -69,6 +69,8 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
     if config.sliding is not None:
         parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)})")
     parts += _per_layer("sliding layers", config.sliding_layers)
+    if config.smooth:
+        parts.append("keys smoothed per rotated channel, the queries carrying the factors (bundle `qk.smoothing`)")
     if config.fastgen is not None:
         parts.append(f"FastGen per-head policies chosen at prefill (recovery {config.fastgen.recovery:g})")
     if head_dim is not None and qk_rank_mean is not None and v_rank_mean is not None:
