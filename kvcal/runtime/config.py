@@ -56,7 +56,6 @@ class CompressionConfig:
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
     smooth: bool = False          # move key range to the queries first (bundle `qk.smoothing`, see bases.py)
-    smooth: bool = False          # move key range to the queries first (bundle `qk.smoothing`, see bases.py)
     page_bytes: int | None = None  # explicit page size; None: from `page_tokens`
     # Pages hold `page_tokens` full-rank low-tier tokens; None: 32 high-tier tokens. A per-channel low tier computes
     # its key scales over one page and keeps up to a page of low tokens waiting at the high tier, so with a raw

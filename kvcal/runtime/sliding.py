@@ -35,10 +35,10 @@ def check_sliding_format(fmt: TierFormat) -> None:
 
 
 class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
-    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d] orthogonal;
-    keys are stored as K @ rotation and read back through `query_rotation` transposed, its inverse: with channel
-    smoothing the key rotation is R D⁻¹ M and the query rotation R D M (kvcal.runtime.bases), and (R D⁻¹ M)⁻¹ =
-    (R D M)ᵀ. None: the rotation itself."""
+    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d]; basis
+    orthogonal, rotation orthogonal unless smoothed. Keys are stored as K @ rotation and read back through
+    `query_rotation` transposed, its inverse: with channel smoothing the key rotation is R D⁻¹ M and the query
+    rotation R D M (kvcal.runtime.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself."""
 
     def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
                  query_rotation: torch.Tensor | None = None):
