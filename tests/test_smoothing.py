@@ -10,7 +10,7 @@ from conftest import decode_logits, make_model, random_bundle, random_text
 
 from kvcal.bundle import BundleError, load_bundle, save_bundle
 from kvcal.profile.capture import capturing
-from kvcal.profile.smoothing import ChannelAbsMax, smoothing_factors
+from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
 from kvcal.runtime.bases import served_bases
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
@@ -96,20 +96,25 @@ def test_factors_balance_each_columns_key_and_query_range():
     assert bool((D[..., 0] > D[..., 1:].max(-1).values).all())     # the outlier channel is shrunk most
 
 
-def test_the_collector_keeps_each_columns_largest_rotated_key_and_query():
+def test_the_collectors_keep_each_columns_largest_rotated_key_and_query():
+    """The keys' side from the key-range collector's extremes, the queries' from `QueryAbsMax`, fed by one pass."""
+    from kvcal.models import adapter_for
+    from kvcal.profile.capture import CollectorSet
+    from kvcal.profile.key_ranges import KeyRangeCollector
+
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok)
-    from kvcal.models import adapter_for
-
-    collector = ChannelAbsMax(adapter_for(model.config), bundle.qk_rotation)
+    a = adapter_for(model.config)
+    ids = tok([random_text(30, seed=4)], return_tensors="pt").input_ids
+    ranges = KeyRangeCollector(a, bundle.qk_rotation, ids.numel(), 99.0)
+    queries = QueryAbsMax(a, bundle.qk_rotation)
     seen = []
 
     class Keep:
         def add(self, layer, query, key, value):
             seen.append((layer, query.clone(), key.clone()))
 
-    ids = tok([random_text(30, seed=4)], return_tensors="pt").input_ids
-    with torch.no_grad(), capturing(model, collector, Keep()):
+    with torch.no_grad(), capturing(model, CollectorSet(ranges=ranges, queries=queries), Keep()):
         model(input_ids=ids)
     for layer, query, key in seen:
         B, Hq, S, d = query.shape
@@ -117,8 +122,8 @@ def test_the_collector_keeps_each_columns_largest_rotated_key_and_query():
         R = bundle.qk_rotation[layer]
         k = torch.einsum("bhsd,hde->hbse", key.float(), R).abs().amax(dim=(1, 2))
         q = torch.einsum("bhgsd,hde->hbgse", query.float().reshape(B, H, Hq // H, S, d), R).abs().amax(dim=(1, 2, 3))
-        torch.testing.assert_close(collector.k[layer], k)
-        torch.testing.assert_close(collector.q[layer], q)
+        torch.testing.assert_close(ranges.absmax()[layer], k)
+        torch.testing.assert_close(queries.q[layer], q)
 
 
 def test_the_bundle_holds_smoothing_as_schema_2_and_refuses_bad_factors(tmp_path):

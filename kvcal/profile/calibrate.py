@@ -60,7 +60,7 @@ from kvcal.profile.rotation import (
     weight_svd_basis,
 )
 from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
-from kvcal.profile.smoothing import ChannelAbsMax
+from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig, token_classes
@@ -321,9 +321,9 @@ def key_range_pass(lm: LoadedModel, rotation: torch.Tensor, windows: torch.Tenso
     K @ rotation [L, H, d, d] over calibration `windows` [n, S] at their position `offsets`: (low, high, D) float32
     [L, H, d] each. A pass of its own, after the eigendecomposition, because both are per column of R."""
     ranges = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
-    absmax = ChannelAbsMax(lm.adapter, rotation)
-    run_pass(lm, "key-ranges", windows, offsets, CollectorSet(ranges=ranges, absmax=absmax), checkpoint, progress)
-    return (*ranges.ranges(), absmax.factors())
+    queries = QueryAbsMax(lm.adapter, rotation)
+    run_pass(lm, "key-ranges", windows, offsets, CollectorSet(ranges=ranges, queries=queries), checkpoint, progress)
+    return (*ranges.ranges(), smoothing_factors(ranges.absmax(), queries.q))
 
 
 def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: dict) -> str:
@@ -435,10 +435,11 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         v_basis, v_spectrum = weight_svd_basis(lm.model, a)
     picked = spread_windows(len(text_ids), cfg.key_range_windows)
     key_ids = text_ids[picked]
-    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked, "smoothing"])
+    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked, "query-absmax"])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
-    range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids, [text_offsets[i] for i in picked],
-                                           cfg.key_percentile, key_checkpoint, progress)
+    range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids,
+                                                      [text_offsets[i] for i in picked], cfg.key_percentile,
+                                                      key_checkpoint, progress)
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)

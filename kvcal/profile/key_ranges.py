@@ -95,6 +95,10 @@ class KeyRangeCollector:
                              f"{self.rows_expected}")
         return self.bottom[..., -1].clone(), self.top[..., -1].clone()
 
+    def absmax(self) -> torch.Tensor:
+        """float32 [L, H, d]: each column's largest |K·R| seen (the kept extremes hold the maximum and minimum)."""
+        return torch.maximum(self.top[..., 0].abs(), self.bottom[..., 0].abs())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"top": self.top, "bottom": self.bottom, "rows": self.rows}
 

@@ -28,36 +28,29 @@ STRENGTH = 0.5           # SmoothQuant's alpha: the share of each coordinate's r
 FLOOR = 1e-6             # a coordinate no calibration row reached (all zeros) keeps D = 1 after normalisation
 
 
-class ChannelAbsMax:
-    """Streams K·R and Q·R per (layer, KV head) and keeps each column's largest |value| (a capture collector,
-    kvcal.profile.capture). k, q: float32 [L, H, d]. rotation: [L, H, d, d] float32, the bundle's `qk.rotation`."""
+class QueryAbsMax:
+    """Streams Q·R per (layer, KV head) and keeps each column's largest |value| over the group's query heads (a
+    capture collector, kvcal.profile.capture). q: float32 [L, H, d]. rotation: [L, H, d, d] float32, the bundle's
+    `qk.rotation`. The keys' side comes from the same pass's `KeyRangeCollector.absmax`, which projects them already."""
 
     def __init__(self, adapter: ModelAdapter, rotation: torch.Tensor):
         L, H, d = adapter.num_layers, adapter.num_kv_heads, adapter.head_dim
         self.rotation = rotation.float()
         self.group = adapter.group_size
-        self.k = torch.zeros(L, H, d)
         self.q = torch.zeros(L, H, d)
 
     @torch.no_grad()
     def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         B, H, S, d = key.shape
-        R = self.rotation[layer]
-        k = torch.einsum("bhsd,hde->bhse", key.to("cpu", torch.float32), R).abs().amax(dim=(0, 2))
         q = query.to("cpu", torch.float32).reshape(B, H, self.group * S, d)       # query heads grouped by KV head
-        q = torch.einsum("bhsd,hde->bhse", q, R).abs().amax(dim=(0, 2))
-        self.k[layer] = torch.maximum(self.k[layer], k)
+        q = torch.einsum("bhsd,hde->bhse", q, self.rotation[layer]).abs().amax(dim=(0, 2))
         self.q[layer] = torch.maximum(self.q[layer], q)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"k": self.k, "q": self.q}
+        return {"q": self.q}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name in ("k", "q"):
-            getattr(self, name).copy_(state[name])
-
-    def factors(self) -> torch.Tensor:
-        return smoothing_factors(self.k, self.q)
+        self.q.copy_(state["q"])
 
 
 def smoothing_factors(k_absmax: torch.Tensor, q_absmax: torch.Tensor, strength: float = STRENGTH) -> torch.Tensor:

@@ -70,17 +70,18 @@ def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tens
         keep_v = (cols[None, :] < rank_v[layer, :, None]).float()[:, None, :]
         R = (rotation[layer].float() * keep_k)[..., :rk]                                   # [H, d, rk]
         Bv = (basis[layer].float() * keep_v)[..., :rv]                                     # [H, d, rv]
-        Rq = R
+        Rq = None
         if config.smooth:
             D = smoothing[layer, :, None, :rk].float()                                       # [H, 1, rk]
             R, Rq = R / D, R * D
         if config.mix and config.rotate and not config.static_keys:
             mixing = [_mixing(rk, int(rank_k[layer, h])) for h in range(H)]
             R = torch.stack([R[h] @ mixing[h] for h in range(H)])
-            Rq = torch.stack([Rq[h] @ mixing[h] for h in range(H)])
+            if Rq is not None:
+                Rq = torch.stack([Rq[h] @ mixing[h] for h in range(H)])
         if config.mix and config.rotate:
             Bv = torch.stack([Bv[h] @ _mixing(rv, int(rank_v[layer, h])) for h in range(H)])
         out_r[layer, :, :, :rk], out_b[layer, :, :, :rv] = R, Bv
-        if config.smooth:
+        if Rq is not None:
             out_q[layer, :, :, :rk] = Rq
     return ServedBases(rank_k, rank_v, out_r, out_b, out_q)
