@@ -153,3 +153,23 @@ def test_settings_codec_and_refusals():
     with pytest.raises(ValueError, match="no `qk.smoothing`"):
         decode_logits(model, KvcalCache.from_bundle(bundle, model, config),
                       tok(["a b c d"], return_tensors="pt").input_ids, 2)
+
+
+def test_a_collector_set_loads_all_of_its_state_or_none():
+    from kvcal.models import adapter_for
+    from kvcal.profile.capture import CollectorSet
+
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    a = adapter_for(model.config)
+    full = CollectorSet(one=QueryAbsMax(a, bundle.qk_rotation), two=QueryAbsMax(a, bundle.qk_rotation))
+    for c in full.named.values():
+        c.q += 1.0
+    fresh = CollectorSet(one=QueryAbsMax(a, bundle.qk_rotation), two=QueryAbsMax(a, bundle.qk_rotation))
+    fresh.load_state_dict(full.state_dict())
+    assert all(bool((c.q == 1.0).all()) for c in fresh.named.values())
+    partial = {k: t for k, t in full.state_dict().items() if k.startswith("one.")}
+    empty = CollectorSet(one=QueryAbsMax(a, bundle.qk_rotation), two=QueryAbsMax(a, bundle.qk_rotation))
+    with pytest.raises(KeyError, match="two"):
+        empty.load_state_dict(partial)
+    assert all(bool((c.q == 0).all()) for c in empty.named.values())        # nothing was loaded

@@ -73,8 +73,15 @@ class CollectorSet:
         return {f"{name}.{k}": t for name, c in self.named.items() for k, t in c.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """All or nothing: a state missing any collector's part raises before any collector is changed, so a caller
+        that falls back to recomputing (Checkpoint.load) starts from empty collectors."""
+        parts = {name: {k[len(name) + 1:]: t for k, t in state.items() if k.startswith(f"{name}.")}
+                 for name in self.named}
+        missing = [name for name, part in parts.items() if part.keys() != self.named[name].state_dict().keys()]
+        if missing:
+            raise KeyError(f"checkpoint state has no (or a different) part for collector `{missing[0]}`")
         for name, c in self.named.items():
-            c.load_state_dict({k[len(name) + 1:]: t for k, t in state.items() if k.startswith(f"{name}.")})
+            c.load_state_dict(parts[name])
 
 
 class GramCollector:
