@@ -104,7 +104,7 @@ class CalibrationConfig:
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
     eval_windows: int = 2               # final, stepwise check of the chosen configuration on evaluation text
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
-    max_checks: int = 3                 # points checked on evaluation text, cheapest first, before giving up
+    max_checks: int = 5                 # points checked on evaluation text (a bisection), before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
     fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
@@ -573,32 +573,52 @@ def _malloc_trim():
     return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
-def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -> tuple:
-    """The decision that has to hold on evaluation text: `check(point)` measures a point there (a Fidelity dict).
-    The search's `chosen` point is checked first; if it misses, the next safer feasible point of `path` (more bytes,
-    each settings once) is checked, up to `max_checks` points. Returns (point, its check, every check as a row): the
-    first point that meets `target`, or, if none does, the one checked with the best top-1."""
-    from kvcal.profile.report import held_out_met
+def frontier(chosen, path: list) -> list:
+    """The decision's candidates, cheapest first: `chosen`, then the feasible points of `path` with more bytes, each
+    settings once, each with less search KL than every cheaper candidate (a point that costs more and is no better
+    on the search text is no safer). A sensitivity probe (one layer's bits halved, to rank the bits stage's steps)
+    is a measurement, never a candidate."""
     from kvcal.profile.search import settings_key
 
-    seen, order = set(), []
-    # a sensitivity probe (one layer's bits halved, to rank the steps) measures, it is no candidate of its own
-    safer = sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio
-                    and p.stage != "sensitivity"), key=lambda p: p.bytes_ratio)
-    for point in [chosen, *safer]:
-        if settings_key(point.settings) not in seen:
-            seen.add(settings_key(point.settings))
-            order.append(point)
-    checks, best = [], None
-    for point in order[:max_checks]:
-        fid = check(point)
-        met = held_out_met(fid, target)
-        checks.append({"label": point.label, "settings": point.settings, "met": met, **_brief(fid)})
-        if met:
-            return point, fid, checks
-        if best is None or fid["top1"] > best[1]["top1"]:
-            best = (point, fid)
-    return (*best, checks)
+    seen, order = {settings_key(chosen.settings)}, [chosen]
+    for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio
+                     and p.stage != "sensitivity"), key=lambda p: (p.bytes_ratio, p.kl)):
+        if settings_key(p.settings) not in seen and p.kl < order[-1].kl:
+            seen.add(settings_key(p.settings))
+            order.append(p)
+    return order
+
+
+def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -> tuple:
+    """The decision that has to hold on evaluation text: `check(point)` measures a point there (a Fidelity dict).
+    The search's `chosen` point is checked first; if it misses, a bisection over the rest of its `frontier` looks
+    for the cheapest candidate that meets, taking quality on evaluation text to grow along the frontier, in at most
+    `max_checks` checks in all. Returns (point, its check, every check as a row): the cheapest candidate found that
+    meets `target`, or, if none checked does, the one checked with the best top-1."""
+    from kvcal.profile.report import held_out_met
+
+    order = frontier(chosen, path)
+    checks, fids = [], {}
+
+    def meets(i: int) -> bool:
+        fids[i] = check(order[i])
+        met = held_out_met(fids[i], target)
+        checks.append({"label": order[i].label, "settings": order[i].settings, "met": met, **_brief(fids[i])})
+        return met
+
+    lo, hi = 0, len(order)          # order[lo] misses; order[hi] meets (hi == len(order): none known to)
+    if meets(0):                    # max_checks >= 1 (CalibrationConfig)
+        return order[0], fids[0], checks
+    while hi - lo > 1 and len(checks) < max_checks:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    if hi < len(order):
+        return order[hi], fids[hi], checks
+    best = max(fids, key=lambda i: fids[i]["top1"])
+    return order[best], fids[best], checks
 
 
 class _Batched:
@@ -617,9 +637,10 @@ class _Batched:
 def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
                say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
     """Quality searches (kvcal.profile.search) on held-out calibration text with the batched probe, then the
-    decision: the chosen point is checked stepwise on evaluation text; if it misses, the next safer feasible point
-    (more bytes) is checked, up to `cfg.max_checks` points. Updates the bundle's ranks, settings and calibration
-    metadata in place and returns the report (all points, families, checks, held-out result)."""
+    decision: the chosen point is checked stepwise on evaluation text; if it misses, a bisection over the safer
+    feasible points (`frontier`) finds the cheapest that meets, in up to `cfg.max_checks` checks. Updates the
+    bundle's ranks, settings and calibration metadata in place and returns the report (all points, families, checks,
+    held-out result)."""
     from dataclasses import asdict as as_dict
 
     from kvcal.profile.quality import DecodeProbe
