@@ -8,8 +8,8 @@ from kvcal.profile.search import Point
 TARGET = {"top1": 0.97, "ppl_ratio": 1.02, "z": 1.5}
 
 
-def _point(label, bytes_ratio, feasible=True, kl=None, stage="precision"):
-    return Point(stage=stage, label=label, settings={"high": label}, bytes_ratio=bytes_ratio, top1=0.99,
+def _point(label, bytes_ratio, feasible=True, kl=None):
+    return Point(stage="precision", label=label, settings={"high": label}, bytes_ratio=bytes_ratio, top1=0.99,
                  kl=1.0 - bytes_ratio if kl is None else kl, ppl_ratio=1.0, tiers={}, feasible=feasible, seconds=0.0,
                  predictions=512)
 
@@ -31,8 +31,7 @@ def _decide(path, quality, max_checks):
 
 def test_the_frontier_keeps_safer_points_that_the_search_found_better():
     path = [_point("K4V4", 0.30, kl=0.010), _point("K8V4", 0.44, kl=0.004), _point("K8V4g32", 0.45, kl=0.005),
-            _point("K4V2", 0.25, feasible=False), _point("K8V4 again", 0.44, kl=0.004),
-            _point("layer 3", 0.46, kl=0.001, stage="sensitivity"), _point("K8V8", 0.56, kl=0.001)]
+            _point("K4V2", 0.25, feasible=False), _point("K8V4 again", 0.44, kl=0.004), _point("K8V8", 0.56, kl=0.001)]
     path[4].settings = dict(path[1].settings)              # measured twice: one candidate
     assert [p.label for p in frontier(path[0], path)] == ["K4V4", "K8V4", "K8V8"]
 

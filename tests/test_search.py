@@ -264,10 +264,17 @@ def test_pruning_is_kept_only_when_it_saves_bytes():
 
 class LayerBitsProbe:
     """A fake probe where halving a layer's low keys or values adds a fixed KL (`cost[(layer, side)]`) and saves a
-    fixed share of bytes; the target is missed once the added KL passes `budget`."""
+    fixed share of bytes; the target is missed once the added KL passes `budget`. 100 prompt + 28 continuation
+    tokens, sliding windows of 512: every layer holds all 128 tokens."""
 
     def __init__(self, cost, budget):
+        from types import SimpleNamespace
+
+        import torch
+
         self.cost, self.budget, self.calls = cost, budget, []
+        self.prompt, self.continuation = torch.zeros(1, 100), torch.zeros(1, 28)
+        self.model = SimpleNamespace(config=SimpleNamespace(sliding_window=512))
 
     def measure(self, config, bundle):
         from kvcal.profile.quality import Fidelity
@@ -283,30 +290,43 @@ class LayerBitsProbe:
 
 
 def test_layer_bits_halves_the_least_sensitive_layers_keys_and_values_apart():
-    """KVTuner-style: one probe per (layer, side) ranks the steps, for the low tier of compressed layers and for
-    sliding-window layers alike; as many of the least sensitive as stay feasible apply."""
+    """KVTuner-style: a one-pass estimate ranks the steps by loss added per byte saved, for the low tier of
+    compressed layers and for sliding-window layers alike; as many of the least sensitive as stay feasible apply,
+    each count measured."""
     cost = {(layer, side): 0.0001 * (1 + (7 * layer + 3 * (side == "v_bits")) % 11)
             for layer in range(6) for side in ("k_bits", "v_bits")}
     cost[(2, "k_bits")] = 1.0              # alone it misses the target: ranked last, never applied
     probe = LayerBitsProbe(cost, budget=0.0035)
     types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    search = Search(probe, _bundle(layers=6, types=types), QualityTarget())
+    asked = []
+
+    def sensitivity(config, formats):
+        asked.append({layer: fmt.name for layer, fmt in formats.items()})
+        return {(layer, side): cost[(layer, side)] for layer in formats for side in ("k_bits", "v_bits")}
+
+    search = Search(probe, _bundle(layers=6, types=types), QualityTarget(), sensitivity=sensitivity)
     start = search.measure("residual", "start", BASE.with_(low=TierFormat.parse("K4cV4"),
                                                            sliding=TierFormat.parse("K8V4")).with_tiering(alpha_high=3))
     best = search.layer_bits(start)
+    assert asked == [{layer: "K4cV4" if t == "full_attention" else "K8V4" for layer, t in enumerate(types)}]
     c = best.config
     chosen = {(layer, side) for layer, fmt in c.low_layers + c.sliding_layers for side in ("k_bits", "v_bits")
               if getattr(fmt, side) < getattr(c.low if types[layer] == "full_attention" else c.sliding, side)}
     assert all(types[layer] == "full_attention" for layer, _ in c.low_layers)
     assert all(types[layer] == "sliding_attention" for layer, _ in c.sliding_layers) and c.sliding_layers
-    ranked = sorted((c, s) for s, c in cost.items())
-    n = max(i for i in range(len(ranked) + 1) if 0.001 + sum(c for c, _ in ranked[:i]) <= 0.0035)
+    # code bytes a halving saves per token at head dim 64: 8 -> 4 bits 32, 4 -> 2 bits 16 (every layer holds 128)
+    saved = {(layer, side): 32 if (types[layer], side) == ("sliding_attention", "k_bits") else 16
+             for layer, side in cost}
+    ranked = sorted((cost[s] / saved[s], s) for s in cost)
+    n = max(i for i in range(len(ranked) + 1) if 0.001 + sum(cost[s] for _, s in ranked[:i]) <= 0.0035)
     assert chosen == {s for _, s in ranked[:n]} and len(chosen) >= 2
-    assert sum(len(c) == 1 for c in probe.calls) == 12         # the one-pass sensitivity: every (layer, side) once
+    assert len(probe.calls) <= 1 + 5                          # the start, then a bisection over 12 counts
     assert best.bytes_ratio < start.bytes_ratio and best.feasible
     # a start with nothing to halve (2-bit low keys and values, no sliding format) is returned as is
     two = search.measure("residual", "two", BASE.with_(low=TierFormat.parse("K2cV2")).with_tiering(alpha_high=3))
     assert search.layer_bits(two) is two
+    # without an estimator the stage is skipped
+    assert Search(probe, _bundle(layers=6, types=types), QualityTarget()).layer_bits(start) is start
 
 
 def test_layer_bits_settings_round_trip_and_refuse_other_key_modes():

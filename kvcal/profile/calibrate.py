@@ -71,6 +71,9 @@ logger = logging.getLogger(__name__)
 
 QK_SOURCES = ("random-tokens", "text", "both")
 V_SOURCES = ("activations-text", "activations-random", "weight-svd")
+# the bits stage's one-pass sensitivity (profile.sensitivity): the first search windows, at most this many tokens
+# each (its backward pass holds every layer's activations, so a 4k window would cost gigabytes)
+SENSITIVITY_WINDOWS, SENSITIVITY_TOKENS = 2, 1024
 
 
 @dataclass
@@ -576,13 +579,12 @@ def _malloc_trim():
 def frontier(chosen, path: list) -> list:
     """The decision's candidates, cheapest first: `chosen`, then the feasible points of `path` with more bytes, each
     settings once, each with less search KL than every cheaper candidate (a point that costs more and is no better
-    on the search text is no safer). A sensitivity probe (one layer's bits halved, to rank the bits stage's steps)
-    is a measurement, never a candidate."""
+    on the search text is no safer)."""
     from kvcal.profile.search import settings_key
 
     seen, order = {settings_key(chosen.settings)}, [chosen]
-    for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio
-                     and p.stage != "sensitivity"), key=lambda p: (p.bytes_ratio, p.kl)):
+    for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
+                    key=lambda p: (p.bytes_ratio, p.kl)):
         if settings_key(p.settings) not in seen and p.kl < order[-1].kl:
             seen.add(settings_key(p.settings))
             order.append(p)
@@ -669,8 +671,20 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
             f"ppl {point.ppl_ratio:.3f}  {'meets' if point.feasible else 'misses'} ({point.seconds:.0f} s)")
         step(point.stage, point.label, point)
 
+    def sensitivity(config: CompressionConfig, formats: dict) -> dict:
+        from kvcal.profile.sensitivity import fisher_sensitivity
+        from kvcal.runtime.bases import served_bases
+
+        step("bits", "one-pass sensitivity of every layer's keys and values", None)
+        served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, config), config,
+                              bundle.extras.get("qk.smoothing"))
+        added = fisher_sensitivity(lm.model, lm.adapter, windows[:SENSITIVITY_WINDOWS, :SENSITIVITY_TOKENS], served,
+                                   formats, config.page_tokens)
+        release_memory()
+        return added
+
     search = Search(_Batched(probe, cfg.search_chunk), bundle, target, report=report_point, memo=memo,
-                    started=lambda stage, label: step(stage, label, None))
+                    started=lambda stage, label: step(stage, label, None), sensitivity=sensitivity)
     base = CompressionConfig().with_tiering(window=cfg.window)
     result = search.run(base)
     # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank (the joint row is the

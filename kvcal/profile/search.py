@@ -28,10 +28,10 @@ Stages, each starting from the previous stage's choice; every measured point is 
    missed; kept only if bytes drop. Where the windows hold most of the bytes at the probe's context, this runs first,
    right after the precision stage, and the tiers build on it (`Search.run`);
 3. bits: per-layer precision of the low tier and of sliding-window layers, keys and values apart (KVTuner-style;
-   `Search.layer_bits`). One probe per (layer, side) with only that layer's keys, or values, at half the bits gives a
-   one-pass sensitivity (KL added per byte saved; ranked by KL, not by feasibility, since one step's top-1 moves
-   less than its noise); the steps, least sensitive first, are then applied as many as stay feasible (bisection
-   over the count), each candidate measured; kept only if bytes drop;
+   `Search.layer_bits`). A one-pass estimate (`sensitivity`, kvcal.profile.sensitivity: Fisher-weighted coding
+   error) ranks every (layer, side) by the loss halving its bits adds per byte saved; the steps, least sensitive
+   first, are then applied as many as stay feasible (bisection over the count), each candidate measured; kept only
+   if bytes drop;
 4. policies: FastGen's per-head patterns (chosen per prompt at prefill) on top of the tiers, recovery threshold T
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
@@ -56,10 +56,12 @@ import torch
 
 from kvcal.profile.quality import QualityTarget, wilson_lower  # noqa: F401  (wilson_lower: re-exported)
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.sensitivity import SIDES, halved
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import QUANT_BITS, RAW_BITS, TierFormat
+from kvcal.runtime.layout import RAW_BITS, TierFormat
+from kvcal.runtime.quant import packed_size
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +176,12 @@ class Search:
     whose removal rates give its ranks (`ranks_of`)."""
 
     def __init__(self, probe, bundle, target: QualityTarget, *, report: Callable[[Point], None] | None = None,
-                 memo: dict[str, Point] | None = None, started: Callable[[str, str], None] | None = None):
+                 memo: dict[str, Point] | None = None, started: Callable[[str, str], None] | None = None,
+                 sensitivity: Callable[[CompressionConfig, dict[int, TierFormat]], dict] | None = None):
         self.probe, self.bundle, self.target = probe, bundle, target
+        # (config, {layer: format}) -> {(layer, "k_bits" | "v_bits"): loss halving adds} (profile.sensitivity); None
+        # skips the bits stage
+        self.sensitivity = sensitivity
         self.report = report
         self.started = started      # (stage, label) of a point about to be measured: progress display
         self.memo = memo if memo is not None else {}   # settings key -> point: a resumed search skips known points
@@ -311,7 +317,8 @@ class Search:
     def layer_bits(self, start: Point) -> Point:
         """Per-layer bits on top of `start` (module docstring, stage 3): the low tier of each compressed layer
         (`low_layers`) and the format of each sliding-window layer (`sliding_layers`), keys and values apart. `start`
-        when nothing can halve (2 bits, raw or static keys) or no step saves bytes."""
+        when the search has no `sensitivity` estimator, nothing can halve (2 bits, raw or static keys) or no step
+        saves bytes."""
         config = start.config
         types = self.bundle.model.layer_types
         bases = {}                  # settings field -> (its base format, the layers it covers)
@@ -319,6 +326,12 @@ class Search:
             bases["low_layers"] = (config.low, [i for i, t in enumerate(types) if t != "sliding_attention"])
         if config.sliding is not None:
             bases["sliding_layers"] = (config.sliding, [i for i, t in enumerate(types) if t == "sliding_attention"])
+        where_of = {layer: where for where, (_, layers) in bases.items() for layer in layers}
+        can_halve = [(layer, side) for layer, where in where_of.items() for side in SIDES
+                     if halved(bases[where][0], side) is not None]
+        if self.sensitivity is None or not can_halve:
+            return start
+        added = self.sensitivity(config, {layer: bases[where][0] for layer, where in where_of.items()})
 
         def with_steps(chosen: list[tuple[str, int, str]]) -> CompressionConfig:
             halved: dict[tuple[str, int], dict[str, int]] = {}
@@ -328,19 +341,9 @@ class Search:
                                                 for (w, layer), bits in sorted(halved.items()) if w == where)
                                    for where in bases})
 
-        steps = []         # (KL added per byte saved, where, layer, side)
-        for where, (fmt, layers) in bases.items():
-            for side in ("k_bits", "v_bits"):
-                if getattr(fmt, side) // 2 not in QUANT_BITS:
-                    continue
-                for layer in layers:
-                    candidate = with_steps([(where, layer, side)])
-                    p = self.measure("sensitivity", f"layer {layer} {candidate.to_dict()[where][str(layer)]} on "
-                                     f"{start.label}", candidate)
-                    saved = start.bytes_ratio - p.bytes_ratio
-                    if saved > 0:      # feasible or not: a start at the target's edge leaves no single step room
-                        steps.append(((p.kl - start.kl) / saved, where, layer, side))
-        steps.sort()
+        # (loss added per byte saved, where, layer, side), least sensitive first
+        steps = sorted((added[(layer, side)] / self._bytes_saved(bases[where_of[layer]][0], side, layer),
+                        where_of[layer], layer, side) for layer, side in can_halve)
 
         def measure(n: int) -> Point:
             return self.measure("bits", f"bits halved in the {n} least sensitive (layer, K|V) on {start.label}",
@@ -348,6 +351,16 @@ class Search:
 
         best = last_feasible(list(range(1, len(steps) + 1)), measure)
         return best if best is not None and _saves(best, start) else start
+
+    def _bytes_saved(self, fmt: TierFormat, side: str, layer: int) -> float:
+        """Code bytes one layer saves at the probe's context with `side` of `fmt` at half the bits: every KV head,
+        every token it holds (a sliding-window layer, its window)."""
+        _, H, d = self.bundle.shape
+        n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
+        if self.bundle.model.layer_types[layer] == "sliding_attention":
+            n = min(n, self.probe.model.config.sliding_window - 1)
+        bits = getattr(fmt, side)
+        return H * n * (packed_size(d, bits) - packed_size(d, bits // 2))
 
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
