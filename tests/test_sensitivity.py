@@ -12,7 +12,8 @@ from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 
 
-def _estimate(model, tok, fmt: str, config=CompressionConfig(), smoothing=None, seed=0):
+def _estimate(model, tok, fmt: str, config=None, smoothing=None, seed=0):
+    config = config or CompressionConfig()
     bundle = random_bundle(model, tok)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, smoothing)
     ids = torch.randint(3, len(tok), (2, 96), generator=torch.Generator().manual_seed(seed))

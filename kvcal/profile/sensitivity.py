@@ -11,8 +11,7 @@ format and at the halved one; the step's cost is the difference:
 
 Every token is coded at the format here (no fp16 window, no tiers): the estimate ranks steps, it does not predict
 quality. The search measures each candidate it keeps (kvcal.profile.search, stage "bits"), so one pass replaces one
-decode probe per (layer, K|V). On smollm2-135m the estimate ranks the steps the probes found most harmful among the
-most harmful (docs/calibration.md, "One-pass sensitivity").
+decode probe per (layer, K|V); docs/calibration.md ("One-pass sensitivity") compares the two rankings.
 
     added = fisher_sensitivity(model, adapter, windows, served, {layer: TierFormat}, page_tokens)
 """
