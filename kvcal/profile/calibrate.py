@@ -105,7 +105,7 @@ class CalibrationConfig:
     search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
                                         # enough that Algorithm 1's downgrades during decode are represented
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
-    eval_windows: int = 2               # final, stepwise check of the chosen configuration on evaluation text
+    eval_windows: int = 4               # final, stepwise check of the chosen configuration on evaluation text
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_checks: int = 5                 # points checked on evaluation text (a bisection), before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
@@ -578,14 +578,13 @@ def _malloc_trim():
 
 def frontier(chosen, path: list) -> list:
     """The decision's candidates, cheapest first: `chosen`, then the feasible points of `path` with more bytes, each
-    settings once, each with less search KL than every cheaper candidate (a point that costs more and is no better
-    on the search text is no safer)."""
+    settings once."""
     from kvcal.profile.search import settings_key
 
     seen, order = {settings_key(chosen.settings)}, [chosen]
     for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
-                    key=lambda p: (p.bytes_ratio, p.kl)):
-        if settings_key(p.settings) not in seen and p.kl < order[-1].kl:
+                    key=lambda p: p.bytes_ratio):
+        if settings_key(p.settings) not in seen:
             seen.add(settings_key(p.settings))
             order.append(p)
     return order
