@@ -75,7 +75,7 @@ def main() -> None:
                           bundle.extras.get("qk.smoothing"))
     t = time.perf_counter()
     estimate = fisher_sensitivity(lm.model, lm.adapter, windows[:SENSITIVITY_WINDOWS, :SENSITIVITY_TOKENS], served,
-                                  formats, config.page_tokens)
+                                  formats, config.page_size(bundle.shape[2]), config.low_tracked)
     seconds = time.perf_counter() - t
 
     measured = {}

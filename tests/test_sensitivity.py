@@ -18,7 +18,7 @@ def _estimate(model, tok, fmt: str, config=None, smoothing=None, seed=0):
     served = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, smoothing)
     ids = torch.randint(3, len(tok), (2, 96), generator=torch.Generator().manual_seed(seed))
     formats = dict.fromkeys(range(bundle.shape[0]), TierFormat.parse(fmt))
-    return fisher_sensitivity(model, adapter_for(model.config), ids, served, formats, page_tokens=32)
+    return fisher_sensitivity(model, adapter_for(model.config), ids, served, formats, config.page_size(bundle.shape[2]))
 
 
 def test_halving_four_bits_costs_more_than_halving_eight_and_leaves_the_model_as_it_was():

@@ -540,7 +540,7 @@ def _brief(fid: dict | None) -> dict | None:
     if fid is None:
         return None
     return {"bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"], "ppl_ratio": fid["ppl_ratio"],
-            "kl": fid["kl"], "predictions": fid["predictions"]}
+            "kl": fid["kl"], "predictions": fid["predictions"], "top1_windows": fid.get("top1_windows", [])}
 
 
 def release_memory() -> None:
@@ -678,7 +678,7 @@ def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoi
         served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, config), config,
                               bundle.extras.get("qk.smoothing"))
         added = fisher_sensitivity(lm.model, lm.adapter, windows[:SENSITIVITY_WINDOWS, :SENSITIVITY_TOKENS], served,
-                                   formats, config.page_tokens)
+                                   formats, config.page_size(bundle.shape[2]), config.low_tracked)
         release_memory()
         return added
 

@@ -93,14 +93,15 @@ def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
 
 
 def held_out_met(held_out: dict, target: dict) -> bool:
-    """Whether a configuration meets the quality target on evaluation text: top-1's Wilson lower bound at
-    `target["z"]` over all its predictions reaches the target, as `kvcal bench` asks, and so does the perplexity
+    """Whether a configuration meets the quality target on evaluation text, by `kvcal bench`'s rule
+    (`QualityTarget.met`): top-1's lower bound at `target["z"]` (Wilson over all predictions, and the per-window
+    mean less z standard errors where the check kept `top1_windows`) reaches the target, and so does the perplexity
     ratio. The decision keeps the cheapest checked point that passes (`calibrate.decide`), so, as in the search, a
-    point that passes by luck is what it would pick. The evaluation windows (2 by default) are too few for the
-    search's between-document bound, so that one is left out. held_out: {top1, predictions, ppl_ratio, ...};
+    point that passes by luck is what it would pick. held_out: {top1, predictions, ppl_ratio, [top1_windows]};
     target: {top1, ppl_ratio, z} (the report's JSON)."""
-    return QualityTarget(**target).met(SimpleNamespace(top1=held_out["top1"], predictions=held_out["predictions"],
-                                                       ppl_ratio=held_out["ppl_ratio"]))
+    return QualityTarget(**target).met(SimpleNamespace(
+        top1=held_out["top1"], predictions=held_out["predictions"], ppl_ratio=held_out["ppl_ratio"],
+        top1_windows=held_out.get("top1_windows") or []))
 
 
 def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:

@@ -13,7 +13,7 @@ Every token is coded at the format here (no fp16 window, no tiers): the estimate
 quality. The search measures each candidate it keeps (kvcal.profile.search, stage "bits"), so one pass replaces one
 decode probe per (layer, K|V); docs/calibration.md ("One-pass sensitivity") compares the two rankings.
 
-    added = fisher_sensitivity(model, adapter, windows, served, {layer: TierFormat}, page_tokens)
+    added = fisher_sensitivity(model, adapter, windows, served, {layer: TierFormat}, page_bytes, tracked)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvcal.profile.capture import capturing
 from kvcal.runtime import quant
 from kvcal.runtime.adapters import ModelAdapter
 from kvcal.runtime.bases import ServedBases
-from kvcal.runtime.layout import QUANT_BITS, RAW_BITS, TierFormat
+from kvcal.runtime.layout import QUANT_BITS, RAW_BITS, PageLayout, TierFormat
 
 SIDES = ("k_bits", "v_bits")
 
@@ -73,11 +73,14 @@ class _KeepKV:
 
 
 def fisher_sensitivity(model, adapter: ModelAdapter, windows: torch.Tensor, served: ServedBases,
-                       formats: dict[int, TierFormat], page_tokens: int) -> dict[tuple[int, str], float]:
+                       formats: dict[int, TierFormat], page_bytes: int,
+                       tracked: bool = True) -> dict[tuple[int, str], float]:
     """windows long [B, S] token ids; served: the bases the runtime applies for the configuration the stage starts
     from (kvcal.runtime.bases.served_bases); formats: {layer: its current format} (the low tier of a compressed
-    layer, the format of a sliding one) -> {(layer, side): loss the halving adds} for every side `halved` allows.
-    The model's parameters get no gradient (their requires_grad is restored)."""
+    layer, the format of a sliding one); page_bytes, tracked: the arena's page size and whether low pages keep
+    scores (`CompressionConfig.page_size`, `low_tracked`), which set each format's tokens per page, the per-channel
+    key group -> {(layer, side): loss the halving adds} for every side `halved` allows. The model's parameters get
+    no gradient (their requires_grad is restored)."""
     steps = {(layer, side): halved(fmt, side) for layer, fmt in formats.items() for side in SIDES}
     steps = {key: half for key, half in steps.items() if half is not None}
     added = dict.fromkeys(steps, 0.0)
@@ -96,7 +99,8 @@ def fisher_sensitivity(model, adapter: ModelAdapter, windows: torch.Tensor, serv
                 grads = torch.autograd.grad(loss, [t for layer in layers for t in keep.kv[layer]])
             for i, layer in enumerate(layers):
                 _add_layer(added, steps, layer, keep.kv[layer], grads[2 * i:2 * i + 2], served, formats[layer],
-                           page_tokens)
+                           lambda fmt: PageLayout.build(fmt, adapter.head_dim, adapter.head_dim, page_bytes,
+                                                        tracked).tokens)
             keep.kv.clear()
     finally:
         for p in params:
@@ -106,9 +110,9 @@ def fisher_sensitivity(model, adapter: ModelAdapter, windows: torch.Tensor, serv
 
 @torch.no_grad()
 def _add_layer(added: dict, steps: dict, layer: int, kv: tuple, grads: tuple, served: ServedBases,
-               fmt: TierFormat, page_tokens: int) -> None:
+               fmt: TierFormat, page_tokens) -> None:
     """Accumulate Σ g² (δ_halved² − δ_current²) of one window into `added` for `layer`'s steps. kv, grads: key and
-    value [1, H, S, d] and their gradients."""
+    value [1, H, S, d] and their gradients; page_tokens(format) -> tokens per page."""
     # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
     # query rotation; values' basis is orthogonal
     bases = {"k_bits": (served.rotation[layer], served.query_rotation[layer]),
@@ -119,6 +123,6 @@ def _add_layer(added: dict, steps: dict, layer: int, kv: tuple, grads: tuple, se
             continue
         x = torch.einsum("hsd,hde->hse", x[0].detach().float().cpu(), bases[side][0])
         g2 = torch.einsum("hsd,hde->hse", g[0].float().cpu(), bases[side][1]).double() ** 2
-        code = (lambda x, f: coded_keys(x, f, page_tokens)) if side == "k_bits" else coded_values
+        code = (lambda x, f: coded_keys(x, f, page_tokens(f))) if side == "k_bits" else coded_values
         err = [(code(x, f) - x).double() ** 2 for f in (fmt, half)]
         added[(layer, side)] += float((g2 * (err[1] - err[0])).sum())
