@@ -375,3 +375,14 @@ def test_smoothing_is_kept_only_where_it_lowers_the_kl_and_needs_the_bundles_fac
         probe = SmoothingProbe(effect)
         assert Search(probe, bundle, QualityTarget()).smoothing(BASE).smooth is kept
         assert sorted(probe.calls) == [False, True]
+
+
+def test_a_step_saves_the_code_bytes_of_the_tokens_its_layer_holds():
+    """Keys 8 -> 4 bits save 32 B per token and head at head dim 64, values 4 -> 2 bits 16 B; a sliding-window layer
+    holds only its window (sliding_window - 1 tokens) of the probe's 128."""
+    probe = LayerBitsProbe({}, budget=1.0)
+    search = Search(probe, _bundle(layers=2, types=["sliding_attention", "full_attention"]), QualityTarget())
+    fmt = TierFormat.parse("K8V4")
+    assert search._bytes_saved(fmt, "k_bits", 1) == 128 * 32 and search._bytes_saved(fmt, "v_bits", 1) == 128 * 16
+    probe.model.config.sliding_window = 65
+    assert search._bytes_saved(fmt, "k_bits", 0) == 64 * 32 and search._bytes_saved(fmt, "k_bits", 1) == 128 * 32
