@@ -229,15 +229,13 @@ def test_summary_in_words_of_the_shipped_bundle():
     assert "TARGET MET" in _render(verdict({**held, "top1": 1.0, "ppl_ratio": 1.0}, target))
 
 
-def test_the_evaluation_verdict_asks_for_the_bounds_bench_asks_for():
-    """0.976 over 512 predictions is over 0.97 but its Wilson bound at z = 1.5 is not: a miss, as in `kvcal bench`;
-    the same top-1 over 20,000 predictions meets, unless its windows disagree too much."""
+def test_the_evaluation_verdict_is_as_measured():
+    """0.976 over 512 predictions meets the 0.97 target on evaluation text, though its Wilson bound at z = 1.5 (what
+    the search and `kvcal bench` ask) does not; 0.969 misses however many predictions back it."""
     target = {"top1": 0.97, "ppl_ratio": 1.02, "z": 1.5}
-    assert not held_out_met({"top1": 0.976, "predictions": 512, "ppl_ratio": 1.0}, target)
-    assert held_out_met({"top1": 0.976, "predictions": 20000, "ppl_ratio": 1.0}, target)
-    assert held_out_met({"top1": 0.976, "predictions": 512, "ppl_ratio": 1.0}, {**target, "z": 0.0})
-    spread = {"top1": 0.976, "predictions": 20000, "ppl_ratio": 1.0, "top1_windows": [0.996, 0.956, 0.996, 0.956]}
-    assert not held_out_met(spread, target)
+    assert held_out_met({"top1": 0.976, "predictions": 512, "ppl_ratio": 1.0}, target)
+    assert not held_out_met({"top1": 0.969, "predictions": 10**6, "ppl_ratio": 1.0}, target)
+    assert not held_out_met({"top1": 0.99, "predictions": 512, "ppl_ratio": 1.03}, target)
 
 
 # --------------------------------------------------------------------------------------------- inspect
