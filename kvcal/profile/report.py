@@ -94,10 +94,9 @@ def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
 
 def held_out_met(held_out: dict, target: dict) -> bool:
     """Whether a configuration meets the quality target on evaluation text, as measured: `QualityTarget.met` at
-    z = 0. The search asks more of a candidate (top-1 must clear the target at its bounds, `target["z"]`), and so
-    does `kvcal bench`; asking the same of the decision's check made the default 4k calibration of smollm2-135m keep
-    an fp16 store (docs/calibration.md, "The decision"), so a bundle at the target's edge can meet here and miss
-    there. held_out: {top1, ppl_ratio, ...}; target: {top1, ppl_ratio, ...} (the report's JSON)."""
+    z = 0. The search and `kvcal bench` ask for top-1 at the target's bounds (`target["z"]`), so a bundle at the
+    target's edge can meet here and miss there; docs/calibration.md ("The decision") says why the check does not.
+    held_out: {top1, ppl_ratio, ...}; target: {top1, ppl_ratio, ...} (the report's JSON)."""
     as_measured = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=0.0)
     return as_measured.met(SimpleNamespace(top1=held_out["top1"], predictions=0, ppl_ratio=held_out["ppl_ratio"]))
 

@@ -334,11 +334,11 @@ class Search:
         added = self.sensitivity(config, {layer: bases[where][0] for layer, where in where_of.items()})
 
         def with_steps(chosen: list[tuple[str, int, str]]) -> CompressionConfig:
-            halved: dict[tuple[str, int], dict[str, int]] = {}
+            formats: dict[tuple[str, int], TierFormat] = {}
             for where, layer, side in chosen:
-                halved.setdefault((where, layer), {})[side] = getattr(bases[where][0], side) // 2
-            return config.with_(**{where: tuple((layer, dataclasses.replace(bases[where][0], **bits))
-                                                for (w, layer), bits in sorted(halved.items()) if w == where)
+                formats[(where, layer)] = halved(formats.get((where, layer), bases[where][0]), side)
+            return config.with_(**{where: tuple((layer, fmt) for (w, layer), fmt in sorted(formats.items())
+                                                if w == where)
                                    for where in bases})
 
         # (loss added per byte saved, where, layer, side), least sensitive first
@@ -356,11 +356,14 @@ class Search:
         """Code bytes one layer saves at the probe's context with `side` of `fmt` at half the bits: every KV head,
         every token it holds (a sliding-window layer, its window)."""
         _, H, d = self.bundle.shape
-        n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
-        if self.bundle.model.layer_types[layer] == "sliding_attention":
-            n = min(n, self.probe.model.config.sliding_window - 1)
+        n = self._tokens_held(self.bundle.model.layer_types[layer] == "sliding_attention")
         bits = getattr(fmt, side)
         return H * n * (packed_size(d, bits) - packed_size(d, bits // 2))
+
+    def _tokens_held(self, sliding: bool) -> int:
+        """Tokens a layer holds at the probe's context: all of them, or a sliding-window layer's window."""
+        n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
+        return min(n, self.probe.model.config.sliding_window - 1) if sliding else n
 
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
@@ -396,10 +399,8 @@ class Search:
         types = self.bundle.model.layer_types
         if "sliding_attention" not in types:
             return 0.0
-        n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
-        held = min(n, self.probe.model.config.sliding_window - 1)
-        sliding = sum(t == "sliding_attention" for t in types) * held
-        return sliding / (sliding + sum(t != "sliding_attention" for t in types) * n)
+        sliding = sum(t == "sliding_attention" for t in types) * self._tokens_held(True)
+        return sliding / (sliding + sum(t != "sliding_attention" for t in types) * self._tokens_held(False))
 
     def smoothing(self, base: CompressionConfig) -> CompressionConfig:
         """`base` with channel smoothing on when the bundle has factors and, on `base`'s per-token high tier (the

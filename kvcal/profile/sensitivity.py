@@ -90,17 +90,20 @@ def fisher_sensitivity(model, adapter: ModelAdapter, windows: torch.Tensor, serv
     for p in params:
         p.requires_grad_(False)
     keep = _KeepKV()
+    layers = sorted({layer for layer, _ in steps})
+
+    def page_tokens(fmt: TierFormat) -> int:
+        return PageLayout.build(fmt, adapter.head_dim, adapter.head_dim, page_bytes, tracked).tokens
+
     try:
         for ids in windows:
             with torch.inference_mode(False), torch.enable_grad(), capturing(model, keep):
                 embeds = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
                 loss = model(inputs_embeds=embeds, labels=ids[None]).loss
-                layers = sorted({layer for layer, _ in steps})
                 grads = torch.autograd.grad(loss, [t for layer in layers for t in keep.kv[layer]])
             for i, layer in enumerate(layers):
                 _add_layer(added, steps, layer, keep.kv[layer], grads[2 * i:2 * i + 2], served, formats[layer],
-                           lambda fmt: PageLayout.build(fmt, adapter.head_dim, adapter.head_dim, page_bytes,
-                                                        tracked).tokens)
+                           page_tokens)
             keep.kv.clear()
     finally:
         for p in params:
