@@ -369,8 +369,10 @@ _ENCODING = {
          "bfloat16).",
     "k_meta": "k_mode token: float16 [T, k_groups, 2] (scale, zero) per group of k_group channels (null = whole "
               "vector); k_mode channel: float16 [r_k, 2] (scale, zero) per channel over the page's tokens. "
-              "x = code * scale + zero.",
-    "v": "as k, with v_bits and r_v", "v_meta": "float16 [T, v_groups, 2] (scale, zero) per group of v_group channels",
+              "x = code * scale + zero. meta_bits 8: each pair is 2 bytes instead, uint8 c and int8 z, with "
+              "scale = fp16(2^((c % 16) / 16)) * 2^(c // 16 - 10) and zero = z * scale * 2^bits / 32.",
+    "v": "as k, with v_bits and r_v",
+    "v_meta": "float16 [T, v_groups, 2] (scale, zero) per group of v_group channels (meta_bits 8: as k_meta)",
     "score": "float32 [T]: cumulative attention probability the token received (max over the KV head's query heads)",
     "pos": "int32 [T]: the token's cache index; -1 = empty or dropped slot",
 }

@@ -4,13 +4,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcal.runtime.quant import (
+    LOG_SCALES,
     SUPPORTED_BITS,
+    decode_meta,
     dequantize_per_channel,
     dequantize_per_token,
+    meta8_decode,
+    meta8_encode,
+    meta_from_bytes,
+    meta_to_bytes,
     pack,
     packed_size,
     quantize_per_channel,
     quantize_per_token,
+    round_trip_per_token,
     unpack,
 )
 
@@ -231,3 +238,75 @@ def test_bad_group_size_and_shapes():
         dequantize_per_token(codes, scale, zero, 12)
     with pytest.raises(ValueError, match="valid"):
         quantize_per_channel(x, 4, torch.ones(3, dtype=torch.bool))
+
+
+# ---- 8-bit metadata (formats ending in m8) -------------------------------------------------------------------------
+
+
+def test_meta8_scales_are_fp16_numbers_on_a_log_grid():
+    s = LOG_SCALES.double()
+    assert len(s) == 256 and s[0] == 2.0**-10
+    assert torch.equal(LOG_SCALES.half().float(), LOG_SCALES)              # each one an fp16 number
+    ratio = s[1:] / s[:-1]
+    assert ((ratio - 2 ** (1 / 16)).abs() < 2e-3).all()                      # 16 steps per octave
+    assert torch.equal(LOG_SCALES[16::16], LOG_SCALES[:-16:16] * 2)
+
+
+def _covers(c, z, mn, mx, bits):
+    s, zero = meta8_decode(c, z, bits)
+    return (zero <= mn) & (zero + ((1 << bits) - 1) * s >= mx)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_meta8_picks_the_smallest_covering_scale(bits):
+    gen = torch.Generator().manual_seed(bits)
+    span = torch.rand(4000, generator=gen).double().exp2().mul(3).float()          # ranges 3 .. 6
+    center = (torch.rand(4000, generator=gen) - 0.5) * 4 * span                   # 2 ranges either side of 0
+    mn, mx = center - span / 2, center + span / 2
+    c, z = meta8_encode(mn, mx, bits)
+    assert c.dtype == torch.uint8 and z.dtype == torch.int8
+    assert _covers(c, z, mn, mx, bits).all()
+    # one grid step smaller covers from no int8 zero code: the floor is the only candidate (larger z lifts the top)
+    smaller = (c.long() - 1).clamp(min=0)
+    s = LOG_SCALES[smaller]
+    z_smaller = torch.floor(mn / (s * 2.0 ** bits / 32)).clamp(-128, 127).to(torch.int8)
+    assert not (_covers(smaller.to(torch.uint8), z_smaller, mn, mx, bits) & (c > 0)).any()
+    # at most one grid step (fp16 mantissas: 2^(1/16) to within 0.3 %) above the scale that covers min-max from a
+    # zero up to one zero unit (1/32 of the code range) below min
+    top = (1 << bits) - 1
+    assert (LOG_SCALES[c.long()] <= (mx - mn) / (top - 2.0**bits / 32) * 2 ** (1 / 16) * 1.003).all()
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_meta8_round_trip_bound_and_cost_against_fp16_meta(bits):
+    x = _randn(64, 32, 64, seed=bits) * torch.linspace(0.1, 5, 64) + torch.linspace(-3, 3, 64)
+    for quantize, dequantize, per_channel in ((quantize_per_channel, dequantize_per_channel, True),
+                                              (quantize_per_token, dequantize_per_token, False)):
+        codes, c, z = quantize(x, bits, meta_bits=8)
+        s, zero = decode_meta(c, z, 8, bits)
+        x_hat = dequantize(codes, s, zero)
+        assert ((x - x_hat).abs() <= (s.unsqueeze(-2) if per_channel else s) / 2 + 1e-5).all()   # fp32 rounding
+        fp16 = dequantize(*quantize(x, bits))
+        assert ((x - x_hat) ** 2).mean() <= 1.3 * ((x - fp16) ** 2).mean()
+
+
+def test_meta8_far_offsets_coarsen_the_scale_instead_of_clipping():
+    x = torch.linspace(100.0, 101.0, 32)[:, None].repeat(1, 4)           # 100 ranges from 0
+    codes, c, z = quantize_per_channel(x, 4, meta_bits=8)
+    s, zero = decode_meta(c, z, 8, 4)
+    assert (z == 127).all() or ((z > -128) & (z < 127)).all()
+    x_hat = dequantize_per_channel(codes, s, zero)
+    assert ((x - x_hat).abs() <= s / 2 * (1 + 1e-6)).all()                  # covered: no clipping
+    assert (s > 1.0 / 15).all()                                              # coarser than min-max
+
+
+def test_meta8_bytes_round_trip():
+    x = _randn(3, 5, 32, seed=9) * 4 + 1
+    for meta_bits, pair in ((8, 2), (16, 4)):
+        codes, scale, zero = quantize_per_token(x, 4, 8, meta_bits)
+        raw = meta_to_bytes(scale, zero)
+        assert raw.dtype == torch.uint8 and raw.shape == (3, 5, 4 * pair)
+        got = meta_from_bytes(raw, meta_bits, 4, (3, 5, 4))
+        for a, b in zip(got, decode_meta(scale, zero, meta_bits, 4)):
+            assert torch.equal(a.float(), b.float())
+        assert torch.equal(round_trip_per_token(x, 4, 8, meta_bits), dequantize_per_token(codes, *got, 8))

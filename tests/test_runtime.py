@@ -68,7 +68,7 @@ def test_memory_equals_allocated_pages_and_release_frees_all():
     assert arena.num_free == arena.num_pages and cache.memory()["paged_bytes"] == 0
 
 
-@pytest.mark.parametrize("fmt", ["K8V4", "K4V2", "K8V8", "K2V2", "K16V16", "K32V32"])
+@pytest.mark.parametrize("fmt", ["K8V4", "K4V2", "K8V8", "K2V2", "K16V16", "K32V32", "K8V4m8", "K2V2g4m8"])
 def test_store_round_trip_per_token_formats(fmt):
     torch.manual_seed(0)
     H, d = 2, 16
@@ -95,7 +95,8 @@ def test_store_round_trip_per_token_formats(fmt):
                 assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
             else:
                 span = k_ref.amax(-1, keepdim=True) - k_ref.amin(-1, keepdim=True)
-                assert ((k_got - k_ref).abs() <= span / (2 ** min(f.k_bits, 10) - 1) * 0.51 + 1e-2).all()
+                half_step = 0.51 * (1.1 if f.meta_bits == 8 else 1)      # m8: scales up to ~9 % coarser
+                assert ((k_got - k_ref).abs() <= span / (2 ** min(f.k_bits, 10) - 1) * half_step + 1e-2).all()
             assert (got.keys[bi, hi, :, rk:] == 0).all()                # padded coordinates are exactly zero
 
 
@@ -113,6 +114,31 @@ def test_per_channel_pages_keep_outlier_channels():
     normal = [c for c in range(16) if c != 3]
     err = (k[:, normal] - keys[0][:, normal]).abs().mean()
     assert err < 0.2 * keys[0][:, normal].std()
+
+
+def test_m8_formats_halve_the_metadata_and_pages_read_back():
+    f = TierFormat.parse("K4cV4g32m8")
+    assert (f.k_mode, f.v_group, f.meta_bits) == ("channel", 32, 8) and f.name == "K4cV4g32m8"
+    assert TierFormat.parse(f.name) == f and TierFormat.parse("K4cV4").meta_bits == 16
+    with pytest.raises(ValueError, match="no scales or zeros"):
+        TierFormat.parse("K16V16m8")
+    fp16, m8 = (PageLayout.build(TierFormat.parse(n), 64, 64, 4096, tracked=False) for n in ("K4cV4", "K4cV4m8"))
+    assert m8.v_off - m8.k_meta_off == 64 * 2 and fp16.v_off - fp16.k_meta_off == 64 * 4    # per-channel pairs
+    assert m8.tokens > fp16.tokens                                          # the same page holds more tokens
+    torch.manual_seed(0)
+    store = CompressedStore(torch.tensor([[16]]), torch.tensor([[16]]), [0], high=TierFormat(8, 4),
+                            low=TierFormat(4, 4, "channel", meta_bits=8), head_dim=16, batch=1, page_bytes=512,
+                            low_tracked=False)
+    T = store.groups[0][0].layouts[LOW].tokens
+    keys, values = torch.randn(1, T, 16) + torch.linspace(-2, 2, 16), torch.randn(1, T, 16)
+    store.write_pages(0, torch.tensor([0]), torch.tensor([0]), keys, values, torch.arange(T)[None],
+                      torch.zeros(1, T))
+    got = store.gather(0)
+    low = got.side[0, 0] == LOW
+    k_span = keys[0].amax(0) - keys[0].amin(0)                               # per channel over the page
+    v_span = values[0].amax(-1, keepdim=True) - values[0].amin(-1, keepdim=True)   # per token
+    assert ((got.keys[0, 0][low] - keys[0]).abs() <= k_span / 15 * 0.55).all()
+    assert ((got.values[0, 0][low] - values[0]).abs() <= v_span / 15 * 0.55).all()
 
 
 def test_prompt_classification_and_window():

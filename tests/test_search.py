@@ -202,10 +202,10 @@ def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruni
     probe = ResidualProbe()
     best = Search(probe, _bundle(), QualityTarget()).residual(BASE)
     c = best.config
-    assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2", RESIDUAL_PAGE_TOKENS)
+    assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2m8", RESIDUAL_PAGE_TOKENS)
     # alpha 64 is the first feasible; 16 and 4 keep more heavy hitters for under 1% more bytes, so 4 is taken
     assert (c.tiering.alpha_high, c.tiering.window, c.tiering.alpha_low) == (4.0, 32, 0.5)
-    assert ("K2cV2", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2" and call[2] < 64
+    assert ("K2cV2m8", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2m8" and call[2] < 64
                                                                 for call in probe.calls)
     assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
     # a search whose residual family misses everywhere keeps none of it
@@ -232,11 +232,11 @@ def test_residual_family_keeps_the_cheaper_tier_when_a_cheaper_format_passes_onl
     keeps so many fp16 heavy hitters that it costs 0.491; the search must keep K4cV4."""
     from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 
-    table = {("K8cV4", EVERY_TOKEN_LOW): (True, 0.467), ("K4cV4", EVERY_TOKEN_LOW): (False, 0.346),
-             ("K4cV4", 16.0): (True, 0.385), ("K4cV2", EVERY_TOKEN_LOW): (False, 0.284),
-             ("K4cV2", 16.0): (False, 0.327), ("K4cV2", 4.0): (True, 0.491)}
+    table = {("K8cV4m8", EVERY_TOKEN_LOW): (True, 0.467), ("K4cV4m8", EVERY_TOKEN_LOW): (False, 0.346),
+             ("K4cV4m8", 16.0): (True, 0.385), ("K4cV2m8", EVERY_TOKEN_LOW): (False, 0.284),
+             ("K4cV2m8", 16.0): (False, 0.327), ("K4cV2m8", 4.0): (True, 0.491)}
     best = Search(TableProbe(table), _bundle(), QualityTarget()).residual(BASE)
-    assert (best.config.low.name, best.config.tiering.alpha_high, best.bytes_ratio) == ("K4cV4", 16.0, 0.385)
+    assert (best.config.low.name, best.config.tiering.alpha_high, best.bytes_ratio) == ("K4cV4m8", 16.0, 0.385)
 
 
 class PruningCostsProbe:

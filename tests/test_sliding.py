@@ -66,21 +66,22 @@ def test_a_sliding_layers_own_format_holds_its_window_in_that_formats_bytes():
     assert base.memory()["sliding_bytes"] - cache.memory()["sliding_bytes"] == saved
 
 
-def test_a_quantized_row_holds_codes_then_scales_and_reads_back():
+@pytest.mark.parametrize("fmt,pair", [("K8V4g16", 4), ("K8V4g16m8", 2)])    # m8: 8-bit scales and zeros
+def test_a_quantized_row_holds_codes_then_scales_and_reads_back(fmt, pair):
     gen = torch.Generator().manual_seed(0)
     H, d = 2, 32
     rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
-    layer = QuantizedSlidingLayer(6, TierFormat.parse("K8V4g16"), rotation, torch.eye(d).expand(H, d, d))
+    layer = QuantizedSlidingLayer(6, TierFormat.parse(fmt), rotation, torch.eye(d).expand(H, d, d))
     k, v = torch.randn(1, H, 9, d, generator=gen), torch.randn(1, H, 9, d, generator=gen)
     out_k, out_v = layer.update(k, v)
     assert torch.equal(out_k, k) and torch.equal(out_v, v)        # first call: no old tokens, new ones as given
-    assert layer.keys.shape == (1, H, 5, d + 4) and layer.values.shape == (1, H, 5, d // 2 + 2 * 4)
+    assert layer.keys.shape == (1, H, 5, d + pair) and layer.values.shape == (1, H, 5, d // 2 + 2 * pair)
     assert layer.get_seq_length() == 9 and layer.get_mask_sizes(1) == (6, 4)   # transformers' sliding semantics
     k2, v2 = torch.randn(1, H, 1, d, generator=gen), torch.randn(1, H, 1, d, generator=gen)
     old_k, old_v = (t[:, :, :5] for t in layer.update(k2, v2))
     torch.testing.assert_close(old_k, k[:, :, 4:], atol=0.03, rtol=0)           # 8 bits over each token's range
     torch.testing.assert_close(old_v, v[:, :, 4:], atol=0.4, rtol=0)            # 4 bits per group of 16
-    assert layer.held_bytes() == H * 5 * (d + 4) + H * 5 * (d // 2 + 8)
+    assert layer.held_bytes() == H * 5 * (d + pair) + H * 5 * (d // 2 + 2 * pair)
 
 
 def test_settings_codec_and_refusals():

@@ -192,15 +192,14 @@ class ChunkProbeAttention:
         self.pending: dict[int, tuple] = {}   # layer -> (probabilities [B, H, n, S + n], stored pos [B, H, S], start)
 
     @staticmethod
-    def _round_trip(x: torch.Tensor, bits: int, group: int | None, raw16: torch.dtype) -> torch.Tensor:
+    def _round_trip(x: torch.Tensor, bits: int, group: int | None, meta_bits: int, raw16: torch.dtype) -> torch.Tensor:
         """x float32 [..., r] as a per-token high-tier slot holds it: what `CompressedStore.write` then `read` give."""
         from kvcal.runtime import quant
         from kvcal.runtime.layout import RAW_BITS
 
         if bits in RAW_BITS:
             return x.to(torch.float32 if bits == 32 else raw16).float()
-        codes, scale, zero = quant.quantize_per_token(x, bits, group)
-        return quant.dequantize_per_token(codes, scale, zero, group)
+        return quant.round_trip_per_token(x, bits, group, meta_bits)
 
     def stored_like(self, store, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """keys [B, H, n, r_k max], values [B, H, n, r_v max] -> both as the high tier stores them."""
@@ -219,9 +218,9 @@ class ChunkProbeAttention:
                 kq[:, g.heads, :, :g.r_k] = quant.dequantize_static(quant.quantize_static(k, scale, zero, fmt.k_bits),
                                                                     scale, zero)
             else:
-                kq[:, g.heads, :, :g.r_k] = self._round_trip(k, fmt.k_bits, fmt.k_group, store.raw16)
+                kq[:, g.heads, :, :g.r_k] = self._round_trip(k, fmt.k_bits, fmt.k_group, fmt.meta_bits, store.raw16)
             vq[:, g.heads, :, :g.r_v] = self._round_trip(values[:, g.heads, :, :g.r_v], fmt.v_bits, fmt.v_group,
-                                                         store.raw16)
+                                                         fmt.meta_bits, store.raw16)
         return kq, vq
 
     def attend(self, store, layer, query, new_keys, new_values, scale, track_scores=True):

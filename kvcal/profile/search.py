@@ -72,12 +72,14 @@ LOW_TIERS = ("K4cV2", "K4V2")
 # (value groups sit between K8V4 and K8V8 in bytes and in quality: docs/results, benchmarks/value_groups.py)
 PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
 RESIDUAL_HIGH = "K16V16"
-RESIDUAL_LOW_TIERS = ("K8cV4", "K4cV4", "K4cV2", "K2cV2")   # by bytes, most precise first
+# by bytes, most precise first; m8: 8-bit scales and zeros (a 4-bit low tier at head dim 64: 70 bytes a token, not
+# 76, for a few % more KL: docs/calibration.md)
+RESIDUAL_LOW_TIERS = ("K8cV4m8", "K4cV4m8", "K4cV2m8", "K2cV2m8")
 # most aggressive first; 256/N and 64/N keep little more than the attention sinks in fp16
 RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 256.0, 64.0, 16.0, 4.0)
 RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
-SLIDING_FORMATS = ("K8V8", "K8V4", "K4V4", "K4V2")   # sliding windows, by bytes, most precise first
+SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4m8", "K4V2m8")   # sliding windows, by bytes, most precise first
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less

@@ -48,10 +48,11 @@ def coded_keys(k: torch.Tensor, fmt: TierFormat, page_tokens: int) -> torch.Tens
         H, S, r = k.shape
         n = S - S % page_tokens
         pages = k[:, :n].reshape(H, n // page_tokens, page_tokens, r)
-        out = quant.dequantize_per_channel(*quant.quantize_per_channel(pages, fmt.k_bits)).reshape(H, n, r)
-        return torch.cat([out, k[:, n:]], dim=1)
+        codes, scale, zero = quant.quantize_per_channel(pages, fmt.k_bits, meta_bits=fmt.meta_bits)
+        out = quant.dequantize_per_channel(codes, *quant.decode_meta(scale, zero, fmt.meta_bits, fmt.k_bits))
+        return torch.cat([out.reshape(H, n, r), k[:, n:]], dim=1)
     if fmt.k_mode == "token":
-        return quant.dequantize_per_token(*quant.quantize_per_token(k, fmt.k_bits, fmt.k_group), fmt.k_group)
+        return quant.round_trip_per_token(k, fmt.k_bits, fmt.k_group, fmt.meta_bits)
     raise ValueError(f"no one-pass estimate for {fmt.k_mode} keys")
 
 
@@ -59,7 +60,7 @@ def coded_values(v: torch.Tensor, fmt: TierFormat) -> torch.Tensor:
     """v float32 [H, S, r] in the served basis -> as `fmt` stores it (per token, groups of `v_group` channels)."""
     if fmt.v_bits in RAW_BITS:
         return v
-    return quant.dequantize_per_token(*quant.quantize_per_token(v, fmt.v_bits, fmt.v_group), fmt.v_group)
+    return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits)
 
 
 class _KeepKV:

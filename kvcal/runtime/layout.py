@@ -6,6 +6,8 @@ in order, each starting on a 16-byte boundary (T = tokens per page):
     k      uint8 [T, k_bytes]          K·R[:, :r_k], packed codes (or raw float for 16/32-bit tiers)
     k_meta fp16  [T, k_groups, 2]      (scale, zero) per token and channel group          -- key mode "token"
            fp16  [r_k, 2]              (scale, zero) per channel over the page's tokens    -- key mode "channel"
+                                       (formats ending in m8: uint8 scale code, int8 zero code instead of the two
+                                       fp16, `quant.meta8_encode`; the same for v_meta)
            (none)                      key mode "static": per-channel (scale, zero) fixed per (layer, KV head),
                                        calibrated offline (bundle `k.range_low/high`), held once by the store
     v      uint8 [T, v_bytes]          V·B[:, :r_v], packed codes
@@ -30,6 +32,7 @@ from kvcal.runtime.quant import packed_size
 ALIGN = 16
 RAW_BITS = (16, 32)
 QUANT_BITS = (2, 4, 8)
+META_BITS = (16, 8)
 K_MODES = ("token", "channel", "static")
 _MODE_LETTER = {"token": "", "channel": "c", "static": "s"}
 
@@ -49,6 +52,7 @@ class TierFormat:
     k_mode: str = "token"            # "token", "channel" or "static"
     k_group: int | None = None       # channels per (scale, zero) for per-token keys; None = the whole vector
     v_group: int | None = None       # channels per (scale, zero) for values; None = the whole vector
+    meta_bits: int = 16              # bits per scale and per zero in the pages: 16 (fp16) or 8 (`quant.meta8_encode`)
 
     def __post_init__(self):
         for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
@@ -58,6 +62,10 @@ class TierFormat:
             raise ValueError(f"`k_mode={self.k_mode}` must be one of {', '.join(K_MODES)}")
         if self.k_mode != "token" and self.k_bits in RAW_BITS:
             raise ValueError(f"{self.k_mode} key scales need quantized keys (k_bits 2, 4 or 8)")
+        if self.meta_bits not in META_BITS:
+            raise ValueError(f"`meta_bits={self.meta_bits}` must be one of {META_BITS}")
+        if self.meta_bits != 16 and self.k_bits in RAW_BITS and self.v_bits in RAW_BITS:
+            raise ValueError("raw (16/32-bit) tiers have no scales or zeros; drop the `m8` suffix")
         if self.k_mode != "token" and self.k_group is not None:
             raise ValueError(f"`k_group` groups per-token key scales; {self.k_mode} keys have one scale per channel")
 
@@ -66,7 +74,8 @@ class TierFormat:
         k = f"K{self.k_bits}{_MODE_LETTER[self.k_mode]}"
         group = f"g{self.v_group}" if self.v_group else ""
         kgroup = f"kg{self.k_group}" if self.k_group else ""
-        return f"{k}V{self.v_bits}{group}{kgroup}"
+        meta = "m8" if self.meta_bits == 8 else ""
+        return f"{k}V{self.v_bits}{group}{kgroup}{meta}"
 
     @classmethod
     def parse(cls, spec: str) -> TierFormat:
@@ -75,13 +84,20 @@ class TierFormat:
         scale and zero each), 'kg32' the same for per-token keys."""
         import re
 
-        m = re.fullmatch(r"[Kk](\d+)([cs]?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?", spec.strip())
+        m = re.fullmatch(r"[Kk](\d+)([cs]?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?(m8)?", spec.strip())
         if not m:
             raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys), K4sV4 (s = static "
-                             "calibrated per-channel keys), K8V4g32 (values in groups of 32 channels) or K16V16")
+                             "calibrated per-channel keys), K8V4g32 (values in groups of 32 channels), K4cV4m8 (8-bit "
+                             "scales and zeros) or K16V16")
         group = lambda i: int(m.group(i)) if m.group(i) else None      # noqa: E731
         mode = {v: k for k, v in _MODE_LETTER.items()}[m.group(2)]
-        return cls(int(m.group(1)), int(m.group(3)), mode, k_group=group(5), v_group=group(4))
+        return cls(int(m.group(1)), int(m.group(3)), mode, k_group=group(5), v_group=group(4),
+                   meta_bits=8 if m.group(6) else 16)
+
+    @property
+    def meta_pair_bytes(self) -> int:
+        """Bytes of one (scale, zero) pair in the pages."""
+        return self.meta_bits // 4
 
 
 def _groups(n: int, group: int | None) -> int:
@@ -120,7 +136,7 @@ class PageLayout:
         """The layout with the most tokens per page that fits `page_bytes`."""
         sizes = _sizes(fmt, r_k, r_v)
         k_bytes, v_bytes, k_groups, v_groups = sizes
-        T = max(1, page_bytes // (k_bytes + v_bytes + 4 * (k_groups + v_groups) + 8 * tracked))
+        T = max(1, page_bytes // (k_bytes + v_bytes + fmt.meta_pair_bytes * (k_groups + v_groups) + 8 * tracked))
         while T > 1 and _offsets(fmt, r_k, sizes, T, tracked)[-1] > page_bytes:   # alignment padding can overflow
             T -= 1
         offs = _offsets(fmt, r_k, sizes, T, tracked)
@@ -149,11 +165,12 @@ def _offsets(fmt: TierFormat, r_k: int, sizes: tuple[int, int, int, int], T: int
              tracked: bool = True) -> tuple[int, ...]:
     """(k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, end) for T tokens per page"""
     k_bytes, v_bytes, k_groups, v_groups = sizes
-    k_meta = r_k * 4 if fmt.k_mode == "channel" else T * k_groups * 4
+    pair = fmt.meta_pair_bytes
+    k_meta = r_k * pair if fmt.k_mode == "channel" else T * k_groups * pair
     k_meta_off = _align(T * k_bytes)
     v_off = _align(k_meta_off + k_meta)
     v_meta_off = _align(v_off + T * v_bytes)
-    v_end = v_meta_off + T * v_groups * 4
+    v_end = v_meta_off + T * v_groups * pair
     if not tracked:
         return 0, k_meta_off, v_off, v_meta_off, -1, -1, v_end
     score_off = _align(v_end)

@@ -18,6 +18,14 @@ arithmetic is float32. Where ``max == min`` (scale 0) the codes are 0 and dequan
 The round-trip error is at most ``scale / 2`` plus the fp16 rounding of zero (relative 2**-11 of ``|min|``), which
 dominates only for data far from 0 relative to its spread (e.g. values in [1000, 1001]).
 
+8-bit metadata (tier formats ending in ``m8``): a (scale, zero) pair in two bytes instead of four. The scale is
+``LOG_SCALES[c]`` for a byte c, a log grid of 16 steps per octave from 2**-10 up to 61.3 whose mantissas are fp16
+numbers; the zero is a signed byte z in units of 1/32 of the code range, ``zero = z * scale * 2**bits / 32``, so it
+reaches 4 code ranges either side of 0 at every width. :func:`meta8_encode` picks the smallest scale on the grid
+whose grid covers [min, max] from such a zero: about 1/32 of a range plus one grid step (4.4 %) coarser than min-max
+at worst. Every product and sum in decoding is exact in float32, so every backend decodes the same floats. Data
+further from 0 than 4 ranges gets a coarser scale; beyond what the largest scale covers it saturates.
+
 Codes are uint8 with one code per byte; ``pack`` / ``unpack`` squeeze them to ``bits`` bits each, element 0 in the
 least-significant bits of byte 0 (little-endian within a byte).
 """
@@ -114,6 +122,80 @@ def _scale_zero(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Te
     return scale, zero
 
 
+# ----------------------------------------------------------------------------------------------- 8-bit metadata
+
+META8_STEPS = 16        # scale codes per octave
+META8_MIN_EXP = -10     # LOG_SCALES[0] = 2**META8_MIN_EXP
+META8_Z = (-128, 127)   # zero code range (int8)
+META8_ZERO_UNITS = 32   # zero codes per code range (2**bits steps)
+
+
+def _log_scales() -> torch.Tensor:
+    c = torch.arange(256)
+    mantissa = torch.exp2((c % META8_STEPS).double() / META8_STEPS).to(torch.float16).float()
+    return mantissa * torch.exp2((c // META8_STEPS + META8_MIN_EXP).float())        # exact: power-of-two factor
+
+
+LOG_SCALES = _log_scales()   # float32 [256]; the kernels hold the same 16 mantissas (LOG_MANTISSAS)
+LOG_MANTISSAS = tuple(float(m) for m in LOG_SCALES[:META8_STEPS] * 2.0 ** -META8_MIN_EXP)
+
+
+def _zero_unit(bits: int) -> float:
+    """Zero code unit in steps: 2**bits / META8_ZERO_UNITS (a power of two, so z * scale * unit is exact)."""
+    return float(1 << bits) / META8_ZERO_UNITS
+
+
+def meta8_encode(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 min/max [...] -> (scale code uint8, zero code int8) [...]: the smallest grid scale s with a zero code z
+    such that [z * u, z * u + (2**bits - 1) * s] covers [min, max], u = s * _zero_unit(bits) (saturating where no
+    scale does)."""
+    top, unit = (1 << bits) - 1, _zero_unit(bits)
+    table = LOG_SCALES.to(mn.device)
+    c = torch.searchsorted(table, ((mx - mn) / top).contiguous()).clamp_(max=255)
+    while True:
+        s = table[c]
+        z = torch.floor(mn / (s * unit))
+        short = ((z * (s * unit) + top * s < mx) | (z < META8_Z[0]) | (z > META8_Z[1])) & (c < 255)
+        if not bool(short.any()):
+            return c.to(torch.uint8), z.clamp_(*META8_Z).to(torch.int8)
+        c = c + short
+
+
+def meta8_decode(code: torch.Tensor, z: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale code uint8, zero code int8) -> fp32 (scale, zero), both exact."""
+    s = LOG_SCALES.to(code.device)[code.long()]
+    return s, z.float() * (s * _zero_unit(bits))
+
+
+def meta_to_bytes(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """A quantizer's stored (scale, zero) [...] (fp16 pair, or uint8 and int8 codes) -> their bytes uint8
+    [..., 2 * pair bytes], scale first: what a page or a sliding layer holds."""
+    return torch.stack([scale, zero.view(scale.dtype)], -1).contiguous().view(torch.uint8).flatten(-2)
+
+
+def meta_from_bytes(raw: torch.Tensor, meta_bits: int, bits: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of (scale, zero) pairs (`meta_to_bytes`), contiguous -> (scale, zero) of `shape` as the dequantizers
+    take them, for `bits`-bit codes."""
+    pairs = raw.view(*shape, 2) if meta_bits == 8 else raw.view(torch.float16).view(*shape, 2)
+    return decode_meta(pairs[..., 0], pairs[..., 1].view(torch.int8) if meta_bits == 8 else pairs[..., 1], meta_bits,
+                       bits)
+
+
+def decode_meta(scale: torch.Tensor, zero: torch.Tensor, meta_bits: int,
+                bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantizer's stored (scale, zero) -> as the dequantizers take them (fp16 pairs pass through)."""
+    return meta8_decode(scale, zero, bits) if meta_bits == 8 else (scale, zero)
+
+
+def _scale_zero_meta(mn: torch.Tensor, mx: torch.Tensor, bits: int, meta_bits: int):
+    """-> (scale, zero) as the quantizer uses them (float) and as stored (fp16 pair or (uint8, int8) pair)."""
+    if meta_bits == 8:
+        stored = meta8_encode(mn, mx, bits)
+        return meta8_decode(*stored, bits), stored
+    scale, zero = _scale_zero(mn, mx, bits)
+    return (scale, zero), (scale, zero)
+
+
 def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """x float32, scale/zero fp16 broadcastable to x -> uint8 codes; 0 wherever scale == 0."""
     s, z = scale.float(), zero.float()
@@ -132,12 +214,13 @@ def _groups(n: int, group_size: int | None) -> tuple[int, int]:
 
 
 def quantize_per_token(
-    x: torch.Tensor, bits: int, group_size: int | None = None
+    x: torch.Tensor, bits: int, group_size: int | None = None, meta_bits: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token (grouped) quantization.
 
     x: float [..., n] -> codes uint8 [..., n], scale float16 [..., G], zero float16 [..., G], where
-    G = n // group_size, or 1 if group_size is None.
+    G = n // group_size, or 1 if group_size is None. meta_bits 8: scale uint8 and zero int8 codes instead
+    (:func:`meta8_decode` reads them).
     """
     _check_bits(bits)
     _check_values(x)
@@ -149,20 +232,21 @@ def quantize_per_token(
         mn = mx = zeros
     else:
         mn, mx = torch.aminmax(xg, dim=-1)
-    scale, zero = _scale_zero(mn, mx, bits)
+    (scale, zero), stored = _scale_zero_meta(mn, mx, bits, meta_bits)
     codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
-    return codes.reshape(*lead, n), scale, zero
+    return codes.reshape(*lead, n), *stored
 
 
 def quantize_per_channel(
-    x: torch.Tensor, bits: int, valid: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, valid: torch.Tensor | None = None, meta_bits: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel (KIVI keys) quantization over a block of T tokens.
 
     x: float [..., T, n]; valid: optional bool [..., T] -- invalid tokens (unfilled slots of a partial block) are
     ignored entirely: excluded from min/max, not checked for NaN, and given code 0. A channel with no valid token gets
-    scale = zero = 0.
-    Returns codes uint8 [..., T, n], scale float16 [..., n], zero float16 [..., n].
+    scale = zero = 0 (meta_bits 8: the codes of [0, 0]).
+    Returns codes uint8 [..., T, n], scale float16 [..., n], zero float16 [..., n] (meta_bits 8: uint8 and int8
+    codes, as :func:`quantize_per_token`).
     """
     _check_bits(bits)
     if x.dim() < 2:
@@ -186,13 +270,13 @@ def quantize_per_channel(
         any_valid = valid.any(dim=-1, keepdim=True)  # [..., 1]
         mn = torch.where(any_valid, mn, 0.0)
         mx = torch.where(any_valid, mx, 0.0)
-    scale, zero = _scale_zero(mn, mx, bits)
+    (scale, zero), stored = _scale_zero_meta(mn, mx, bits, meta_bits)
     if keep is not None:
         xf = xf.masked_fill(~keep, 0.0)  # keep garbage (NaN) out of the arithmetic; code forced to 0 below
     codes = _encode(xf, scale.unsqueeze(-2), zero.unsqueeze(-2), bits)
     if keep is not None:
         codes = codes.masked_fill(~keep, 0)
-    return codes, scale, zero
+    return codes, *stored
 
 
 def _check_params(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -215,6 +299,13 @@ def dequantize_per_token(
     cg = codes.to(torch.float32).reshape(*lead, ng, g)
     x_hat = cg * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return x_hat.reshape(*lead, n).to(dtype)
+
+
+def round_trip_per_token(x: torch.Tensor, bits: int, group_size: int | None = None,
+                         meta_bits: int = 16) -> torch.Tensor:
+    """x float [..., n] -> float32 [..., n] as per-token storage gives it back (quantize, then dequantize)."""
+    codes, scale, zero = quantize_per_token(x, bits, group_size, meta_bits)
+    return dequantize_per_token(codes, *decode_meta(scale, zero, meta_bits, bits), group_size)
 
 
 def dequantize_per_channel(

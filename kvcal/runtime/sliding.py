@@ -9,8 +9,10 @@ mixing (as the paged tiers store keys: `kvcal.runtime.bases`), at full rank.
 
 Storage, per (sequence, KV head, kept token): one uint8 row per tensor,
 
-    keys   uint8 [B, H, n, k_bytes + 4 * k_groups]   packed codes of K·R, then fp16 (scale, zero) per channel group
-    values uint8 [B, H, n, v_bytes + 4 * v_groups]   the same for V·B
+    keys   uint8 [B, H, n, k_bytes + pair * k_groups]   packed codes of K·R, then (scale, zero) per channel group
+    values uint8 [B, H, n, v_bytes + pair * v_groups]   the same for V·B
+
+(pair: 4 bytes, two fp16; 2 bytes for formats ending in m8, `quant.meta8_encode`)
 
 so the parent's slicing along tokens and indexing along sequences act on codes and scales together. `update`
 quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
@@ -67,21 +69,24 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
                                   "rolled back (assisted decoding): serve with `sliding` unset")
 
     def _row(self, nbytes: int, group: int | None) -> int:
-        return nbytes + 4 * (self.head_dim // group if group else 1)
+        return nbytes + self.fmt.meta_pair_bytes * self._groups(group)
+
+    def _groups(self, group: int | None) -> int:
+        return self.head_dim // group if group else 1
 
     def _encode(self, x: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
         """x [B, H, n, d] (model basis) -> packed rows uint8 [B, H, n, row]."""
         y = torch.einsum("bhnd,hde->bhne", x.float(), basis)
-        codes, scale, zero = quant.quantize_per_token(y, bits, group)
-        meta = torch.stack([scale, zero], -1).to(torch.float16).flatten(-2)             # [B, H, n, 2 G]
-        return torch.cat([quant.pack(codes, bits), meta.contiguous().view(torch.uint8)], -1)
+        codes, scale, zero = quant.quantize_per_token(y, bits, group, self.fmt.meta_bits)
+        return torch.cat([quant.pack(codes, bits), quant.meta_to_bytes(scale, zero)], -1)
 
     def _decode(self, rows: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None,
                 nbytes: int) -> torch.Tensor:
         """packed rows uint8 [B, H, n, row] -> [B, H, n, d] in the model basis and dtype."""
         codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, self.head_dim)
-        meta = rows[..., nbytes:].contiguous().view(torch.float16).unflatten(-1, (-1, 2))
-        y = quant.dequantize_per_token(codes, meta[..., 0], meta[..., 1], group)
+        scale, zero = quant.meta_from_bytes(rows[..., nbytes:].contiguous(), self.fmt.meta_bits, bits,
+                                            (*rows.shape[:-1], self._groups(group)))
+        y = quant.dequantize_per_token(codes, scale, zero, group)
         return torch.einsum("bhne,hde->bhnd", y, basis).to(self.dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):

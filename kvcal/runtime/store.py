@@ -278,23 +278,23 @@ class CompressedStore:
                                 lay.k_off, lay.k_bytes)
             else:
                 self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
-                                  lay.k_groups)
+                                  lay.k_groups, fmt.meta_bits)
             self._put_vectors(base, idx, v, fmt.v_bits, fmt.v_group, lay.v_off, lay.v_meta_off, lay.v_bytes,
-                              lay.v_groups)
+                              lay.v_groups, fmt.meta_bits)
             if lay.tracked:
                 self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
                 self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = pos[sel].to(torch.int32)
 
-    def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, ngroups) -> None:
+    def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, ngroups, meta_bits=16) -> None:
         if bits in RAW_BITS:
             data = self._raw(x, bits)
         else:
-            codes, scale, zero = quant.quantize_per_token(x, bits, group)
+            codes, scale, zero = quant.quantize_per_token(x, bits, group, meta_bits)
             data = quant.pack(codes, bits)
-            meta = torch.stack([scale, zero], -1).reshape(len(x), -1)                  # [n, groups * 2] fp16
-            m_idx = (base + meta_off)[:, None] // 2 + idx[:, None] * (ngroups * 2) + torch.arange(ngroups * 2,
-                                                                                             device=x.device)
-            self._flat(torch.float16)[m_idx] = meta
+            meta = quant.meta_to_bytes(scale, zero).reshape(len(x), -1)                # [n, groups * pair]
+            width = meta.shape[1]
+            self._flat(torch.uint8)[(base + meta_off)[:, None] + idx[:, None] * width
+                                    + torch.arange(width, device=x.device)] = meta
         self._put_bytes(base, idx, data, off, nbytes)
 
     def _put_bytes(self, base, idx, data: torch.Tensor, off: int, nbytes: int) -> None:
@@ -330,16 +330,17 @@ class CompressedStore:
             T = lay.tokens
             base = self.reserve_low_page(layer, bs, hs, lay)
             k = keys[sel, :, :g.r_k].float()
-            codes, scale, zero = quant.quantize_per_channel(k, lay.fmt.k_bits)          # [n, T, r_k], [n, r_k]
-            data = quant.pack(codes, lay.fmt.k_bits).reshape(len(bs), -1)             # [n, T * k_bytes]
+            fmt = lay.fmt
+            codes, scale, zero = quant.quantize_per_channel(k, fmt.k_bits, meta_bits=fmt.meta_bits)   # [n, T, r_k]
+            data = quant.pack(codes, fmt.k_bits).reshape(len(bs), -1)                  # [n, T * k_bytes]
             ar = lambda n: torch.arange(n, device=self.device)                         # noqa: E731
             self._flat(torch.uint8)[(base + lay.k_off)[:, None] + ar(T * lay.k_bytes)] = data
-            meta = torch.stack([scale, zero], -1).reshape(len(bs), -1)                 # [n, r_k * 2]
-            self._flat(torch.float16)[(base + lay.k_meta_off)[:, None] // 2 + ar(g.r_k * 2)] = meta
+            meta = quant.meta_to_bytes(scale, zero).reshape(len(bs), -1)                       # [n, r_k * pair]
+            self._flat(torch.uint8)[(base + lay.k_meta_off)[:, None] + ar(meta.shape[1])] = meta
             idx = ar(T).expand(len(bs), T).reshape(-1)
             v = values[sel, :, :g.r_v].reshape(-1, g.r_v).float()
-            self._put_vectors(base.repeat_interleave(T), idx, v, lay.fmt.v_bits, lay.fmt.v_group, lay.v_off,
-                              lay.v_meta_off, lay.v_bytes, lay.v_groups)
+            self._put_vectors(base.repeat_interleave(T), idx, v, fmt.v_bits, fmt.v_group, lay.v_off,
+                              lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.meta_bits)
             if lay.tracked:
                 self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
                 self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
@@ -559,13 +560,16 @@ class CompressedStore:
             if bits in RAW_BITS:
                 return raw.view(torch.float32 if bits == 32 else self.raw16).float()
             codes = quant.unpack(raw, bits, r)
-            meta = seg(meta_off, T * ngroups * 4).view(torch.float16).view(n, P * T, ngroups, 2)
-            return quant.dequantize_per_token(codes, meta[..., 0], meta[..., 1], group)
+            scale, zero = quant.meta_from_bytes(seg(meta_off, T * ngroups * pair), fmt.meta_bits, bits,
+                                                (n, P * T, ngroups))
+            return quant.dequantize_per_token(codes, scale, zero, group)
 
+        pair = fmt.meta_pair_bytes
         if fmt.k_mode == "channel":
             codes = quant.unpack(seg(lay.k_off, T * lay.k_bytes).view(n, P, T, lay.k_bytes), fmt.k_bits, lay.r_k)
-            meta = seg(lay.k_meta_off, lay.r_k * 4).view(torch.float16).view(n, P, lay.r_k, 2)
-            keys = quant.dequantize_per_channel(codes, meta[..., 0], meta[..., 1]).reshape(n, P * T, lay.r_k)
+            scale, zero = quant.meta_from_bytes(seg(lay.k_meta_off, lay.r_k * pair), fmt.meta_bits, fmt.k_bits,
+                                                (n, P, lay.r_k))
+            keys = quant.dequantize_per_channel(codes, scale, zero).reshape(n, P * T, lay.r_k)
         elif fmt.k_mode == "static":
             codes = quant.unpack(seg(lay.k_off, T * lay.k_bytes).view(n, P * T, lay.k_bytes), fmt.k_bits, lay.r_k)
             keys = quant.dequantize_static(codes, key_scales[0][:, None], key_scales[1][:, None])
@@ -746,3 +750,4 @@ class CompressedStore:
         self._holey.clear()
         self._room.clear()
         return freed
+

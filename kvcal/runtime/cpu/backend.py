@@ -30,7 +30,7 @@ from .build import CpuBuildError, load_library
 # struct Desc in csrc/paged_attention.cpp, in declaration order (all int32)
 DESC_FIELDS = ("tokens", "r_k", "r_v", "k_bits", "v_bits", "k_channel", "k_group", "v_group", "k_bytes", "v_bytes",
                "k_groups", "v_groups", "k_off", "k_meta_off", "v_off", "v_meta_off", "score_off", "pos_off",
-               "raw_bf16")
+               "raw_bf16", "meta8")
 GRAIN = 1 << 17       # multiply-adds per thread below which a layer's decode uses fewer threads
 MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
 
@@ -44,7 +44,7 @@ def _desc_row(lay, raw_bf16: bool) -> list[int]:
                   v_group=max(1, lay.r_v // max(1, lay.v_groups)), k_bytes=lay.k_bytes, v_bytes=lay.v_bytes,
                   k_groups=lay.k_groups, v_groups=lay.v_groups, k_off=lay.k_off, k_meta_off=lay.k_meta_off,
                   v_off=lay.v_off, v_meta_off=lay.v_meta_off, score_off=lay.score_off, pos_off=lay.pos_off,
-                  raw_bf16=int(raw_bf16))
+                  raw_bf16=int(raw_bf16), meta8=int(fmt.meta_bits == 8))
     return [values[f] for f in DESC_FIELDS]
 
 

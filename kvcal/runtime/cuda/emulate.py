@@ -33,13 +33,20 @@ def _vectors(page: torch.Tensor, D: dict, which: str, fill: int) -> torch.Tensor
         dtype = torch.float32 if bits == 32 else (torch.bfloat16 if D["raw_bf16"] else torch.float16)
         return raw.contiguous().view(dtype).float()
     codes = quant.unpack(raw.contiguous(), bits, r)                                        # [fill, r]
+    pair, meta_bits = _meta_format(D)
     if which == "k" and D["k_channel"]:
-        meta = page[D["k_meta_off"]:D["k_meta_off"] + 4 * r].contiguous().view(torch.float16).view(r, 2)
-        return quant.dequantize_per_channel(codes, meta[:, 0], meta[:, 1])
+        meta = page[D["k_meta_off"]:D["k_meta_off"] + pair * r].contiguous()
+        return quant.dequantize_per_channel(codes, *quant.meta_from_bytes(meta, meta_bits, bits, (r,)))
     groups, group = D[f"{which}_groups"], D[f"{which}_group"]
     off = D[f"{which}_meta_off"]
-    meta = page[off:off + 4 * groups * fill].contiguous().view(torch.float16).view(fill, groups, 2)
-    return quant.dequantize_per_token(codes, meta[..., 0], meta[..., 1], group if groups > 1 else None)
+    scale, zero = quant.meta_from_bytes(page[off:off + pair * groups * fill].contiguous(), meta_bits, bits,
+                                        (fill, groups))
+    return quant.dequantize_per_token(codes, scale, zero, group if groups > 1 else None)
+
+
+def _meta_format(D: dict) -> tuple[int, int]:
+    """(bytes per (scale, zero) pair, meta bits) of a descriptor row."""
+    return (2, 8) if D["meta8"] else (4, 16)
 
 
 def _i32(page: torch.Tensor, off: int, n: int) -> torch.Tensor:
@@ -144,10 +151,12 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
                 data = x.to(dtype).view(torch.uint8)
             else:
                 groups = D[f"{which}_groups"]
-                codes, s, z = quant.quantize_per_token(x, bits, D[f"{which}_group"] if groups > 1 else None)
+                pair, meta_bits = _meta_format(D)
+                codes, s, z = quant.quantize_per_token(x, bits, D[f"{which}_group"] if groups > 1 else None,
+                                                       meta_bits)
                 data = quant.pack(codes, bits)
-                off = D[f"{which}_meta_off"] + 4 * groups * t
-                page[off:off + 4 * groups] = torch.stack([s, z], -1).reshape(-1).view(torch.uint8)
+                off = D[f"{which}_meta_off"] + pair * groups * t
+                page[off:off + pair * groups] = quant.meta_to_bytes(s, z)
             off = D[f"{which}_off"] + t * nbytes
             page[off:off + nbytes] = data
         if D["pos_off"] >= 0:                                                              # tracked tiers only
@@ -163,11 +172,12 @@ def emulate_channel_keys(descs: torch.Tensor, arena: torch.Tensor, base: torch.T
     for i in range(len(base)):
         D = _desc(descs, int(rows[i]))
         r, bits, T = D["r_k"], D["k_bits"], D["tokens"]
-        codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits)     # [1, T, r], [1, r]
+        pair, meta_bits = _meta_format(D)
+        codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits, meta_bits=meta_bits)  # [1, T, r]
         page = flat[int(base[i]):int(base[i]) + D["end"]]
         data = quant.pack(codes[0], bits).reshape(-1)
         page[D["k_off"]:D["k_off"] + len(data)] = data
-        page[D["k_meta_off"]:D["k_meta_off"] + 4 * r] = torch.stack([s[0], z[0]], -1).reshape(-1).view(torch.uint8)
+        page[D["k_meta_off"]:D["k_meta_off"] + pair * r] = quant.meta_to_bytes(s[0], z[0])
 
 
 class EmulatedCudaBackend(CudaBackend):

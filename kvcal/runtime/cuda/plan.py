@@ -73,7 +73,8 @@ def _desc_values(lay: PageLayout, raw_bf16: bool) -> dict[str, int]:
                 k_group=max(1, lay.r_k // max(1, lay.k_groups)), v_group=max(1, lay.r_v // max(1, lay.v_groups)),
                 k_bytes=lay.k_bytes, v_bytes=lay.v_bytes, k_groups=lay.k_groups, v_groups=lay.v_groups,
                 k_off=lay.k_off, k_meta_off=lay.k_meta_off, v_off=lay.v_off, v_meta_off=lay.v_meta_off,
-                score_off=lay.score_off, pos_off=lay.pos_off, end=lay.end, raw_bf16=int(raw_bf16))
+                score_off=lay.score_off, pos_off=lay.pos_off, end=lay.end, raw_bf16=int(raw_bf16),
+                meta8=int(fmt.meta_bits == 8))
 
 
 def desc_table(store, layer: int) -> torch.Tensor:

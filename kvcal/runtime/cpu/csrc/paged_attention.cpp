@@ -10,7 +10,8 @@
 //   merge  per item: partials + the n new tokens (causal among themselves) -> out, the new tokens' scores, and
 //          score += sum over the n queries of max over g of each stored token's probability, in the page.
 // write: per-token formats, one token per (b, h, slot) request; quantization is kvcal.runtime.quant's, bit for bit
-//   (fp32 min/max, scale and zero rounded to fp16 first, codes = clamp(rint((x - zero) / scale))).
+//   (fp32 min/max, scale and zero rounded to fp16 first, or their 8-bit codes (meta8_encode) for `meta8` formats,
+//   codes = clamp(rint((x - zero) / scale))).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,7 +30,7 @@ namespace {
 
 struct Desc {
     int32_t tokens, r_k, r_v, k_bits, v_bits, k_channel, k_group, v_group, k_bytes, v_bytes, k_groups, v_groups,
-        k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, raw_bf16;
+        k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, raw_bf16, meta8;
 };
 constexpr int DESC_INTS = sizeof(Desc) / sizeof(int32_t);
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -69,6 +70,43 @@ inline uint16_t float_to_bf16(float f) {
 }
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// 8-bit (scale, zero) pairs: kvcal.runtime.quant.LOG_MANTISSAS, META8_MIN_EXP, META8_ZERO_UNITS. Both decoded values
+// are exact products, so they equal the torch reference's.
+constexpr float LOG_MANTISSAS[16] = {0x1p+0f, 0x1.0b4p+0f, 0x1.174p+0f, 0x1.238p+0f, 0x1.308p+0f, 0x1.3ep+0f, 0x1.4cp+0f, 0x1.5acp+0f,
+                                     0x1.6ap+0f, 0x1.7ap+0f, 0x1.8acp+0f, 0x1.9c4p+0f, 0x1.ae8p+0f, 0x1.c18p+0f, 0x1.d58p+0f, 0x1.ea4p+0f};
+inline float meta8_scale(int c) { return std::ldexp(LOG_MANTISSAS[c & 15], (c >> 4) - 10); }
+inline float meta8_unit(int bits) { return std::ldexp(1.f, bits - 5); }      // zero code unit in steps
+
+// One (scale, zero) pair of a page: two fp16, or 8-bit codes (uint8 scale code, int8 zero code).
+inline void read_meta(const uint8_t* pair, bool meta8, int bits, float* s, float* z) {
+    if (meta8) {
+        *s = meta8_scale(pair[0]);
+        *z = (float)(int8_t)pair[1] * (*s * meta8_unit(bits));
+    } else {
+        *s = half_to_float(load_u16(pair));
+        *z = half_to_float(load_u16(pair + 2));
+    }
+}
+
+// quant.meta8_encode for one group: the smallest grid scale whose grid covers [mn, mx] from an int8 zero code.
+inline void meta8_encode(float mn, float mx, int bits, uint8_t* pair, float* s, float* z) {
+    const int top = (1 << bits) - 1;
+    const float unit = meta8_unit(bits), step = (mx - mn) / (float)top;
+    int c = 0;
+    while (c < 255 && meta8_scale(c) < step) ++c;
+    float zc;
+    for (;; ++c) {
+        *s = meta8_scale(c);
+        zc = std::floor(mn / (*s * unit));
+        const bool covered = !(zc * (*s * unit) + (float)top * *s < mx) && zc >= -128.f && zc <= 127.f;
+        if (covered || c == 255) break;
+    }
+    zc = std::min(127.f, std::max(-128.f, zc));
+    pair[0] = (uint8_t)c;
+    pair[1] = (uint8_t)(int8_t)zc;
+    *z = zc * (*s * unit);
+}
 
 // Unpacked codes of one token: element i sits in byte (i * bits) / 8 at bit offset (i * bits) % 8. Written byte by
 // byte (whole bytes first) so that the compiler vectorizes the loops.
@@ -111,12 +149,10 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
         return;
     }
     const uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off);
+    const int pair = D.meta8 ? 2 : 4;
     if (!which && D.k_channel) {                          // (scale, zero) per channel over the page's tokens
         float s[512], z[512];
-        for (int i = 0; i < r; ++i) {
-            s[i] = half_to_float(load_u16(meta + 4 * i));
-            z[i] = half_to_float(load_u16(meta + 4 * i + 2));
-        }
+        for (int i = 0; i < r; ++i) read_meta(meta + pair * i, D.meta8, bits, &s[i], &z[i]);
         for (int t = 0; t < count; ++t) {
             float* o = out + t * r;
             unpack(data + t * nbytes, bits, r, o);
@@ -129,8 +165,8 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
         float* o = out + t * r;
         unpack(data + t * nbytes, bits, r, o);
         for (int gi = 0; gi < groups; ++gi) {
-            const float s = half_to_float(load_u16(meta + 4 * (t * groups + gi)));
-            const float z = half_to_float(load_u16(meta + 4 * (t * groups + gi) + 2));
+            float s, z;
+            read_meta(meta + pair * (t * groups + gi), D.meta8, bits, &s, &z);
             float* og = o + gi * group;
             for (int i = 0; i < group; ++i) og[i] = og[i] * s + z;
         }
@@ -450,16 +486,23 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
                 continue;
             }
             const int groups = which ? D.v_groups : D.k_groups, group = r / groups, top = (1 << bits) - 1;
-            uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + t * groups * 4;
+            const int pair = D.meta8 ? 2 : 4;
+            uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + t * groups * pair;
             std::memset(data, 0, nbytes);
             for (int gi = 0; gi < groups; ++gi) {
                 const float* xg = x + gi * group;
                 float mn = xg[0], mx = xg[0];
                 for (int c = 1; c < group; ++c) { mn = std::min(mn, xg[c]); mx = std::max(mx, xg[c]); }
-                const uint16_t s16 = float_to_half((mx - mn) / (float)top), z16 = float_to_half(mn);
-                std::memcpy(meta + 4 * gi, &s16, 2);
-                std::memcpy(meta + 4 * gi + 2, &z16, 2);
-                const float s = half_to_float(s16), z = half_to_float(z16);
+                float s, z;
+                if (D.meta8) {
+                    meta8_encode(mn, mx, bits, meta + pair * gi, &s, &z);
+                } else {
+                    const uint16_t s16 = float_to_half((mx - mn) / (float)top), z16 = float_to_half(mn);
+                    std::memcpy(meta + pair * gi, &s16, 2);
+                    std::memcpy(meta + pair * gi + 2, &z16, 2);
+                    s = half_to_float(s16);
+                    z = half_to_float(z16);
+                }
                 for (int c = 0; c < group; ++c) {
                     int code = 0;
                     if (s != 0.f) {

@@ -8,8 +8,9 @@
 //
 // Where each token goes (page byte offset, slot, descriptor row) is computed in Python (kvcal/runtime/cuda/plan.py
 // `write_plan`) from the store's page tables; segment offsets come from PageDesc (page_desc.cuh). Rounding follows
-// kvcal.runtime.quant exactly: fp32 min/max, scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min), codes =
-// clamp(rint((x - zero) / scale), 0, 2^bits - 1), 0 where scale == 0; IEEE division, round-half-even (= torch.round).
+// kvcal.runtime.quant exactly: fp32 min/max, scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min) (meta8
+// formats: their 8-bit codes, quant.meta8_encode), codes = clamp(rint((x - zero) / scale), 0, 2^bits - 1), 0 where
+// scale == 0; IEEE division, round-half-even (= torch.round).
 // NOT EXECUTED IN DEVELOPMENT (no GPU was available): only compiled by NVRTC.
 #include "page_desc.cuh"
 
@@ -24,9 +25,38 @@ __device__ __forceinline__ unsigned encode(float x, float s, float z, int bits)
     return (unsigned)fminf(fmaxf(q, 0.f), (float)((1 << bits) - 1));
 }
 
+// (scale, zero) of [mn, mx] at `bits`, written as pair `i` of the meta segment at `meta`: two fp16, or
+// quant.meta8_encode's codes (the smallest grid scale whose grid covers [mn, mx] from an int8 zero code)
+__device__ __forceinline__ float2 put_meta(unsigned char* meta, int i, int meta8, int bits, float mn, float mx)
+{
+    const float levels = (float)((1 << bits) - 1);
+    const float step = __fdiv_rn(__fsub_rn(mx, mn), levels);
+    if (!meta8) {
+        const __half hs = __float2half_rn(step), hz = __float2half_rn(mn);
+        reinterpret_cast<__half*>(meta)[2 * i] = hs;
+        reinterpret_cast<__half*>(meta)[2 * i + 1] = hz;
+        return make_float2(__half2float(hs), __half2float(hz));
+    }
+    const float unit = meta8_unit(bits);
+    int c = 0;
+    while (c < 255 && meta8_scale(c) < step) ++c;
+    float s, zc;
+    for (;; ++c) {
+        s = meta8_scale(c);
+        const float u = __fmul_rn(s, unit);
+        zc = floorf(__fdiv_rn(mn, u));
+        const bool covered = !(__fadd_rn(__fmul_rn(zc, u), __fmul_rn(levels, s)) < mx) && zc >= -128.f && zc <= 127.f;
+        if (covered || c == 255) break;
+    }
+    zc = fminf(fmaxf(zc, -128.f), 127.f);
+    meta[2 * i] = (unsigned char)c;
+    meta[2 * i + 1] = (unsigned char)(signed char)zc;
+    return make_float2(s, __fmul_rn(zc, __fmul_rn(s, unit)));
+}
+
 // One warp writes one token's vector x [r] at slot t: codes into `off`, (scale, zero) pairs into `meta_off`
 __device__ void put_vector(unsigned char* page, int off, int meta_off, int nbytes, int bits, int group, int groups,
-                           int raw_bf16, int t, const float* x, int r, float2* sz_warp)
+                           int raw_bf16, int meta8, int t, const float* x, int r, float2* sz_warp)
 {
     const int lane = threadIdx.x & 31;
     unsigned char* row = page + off + t * nbytes;
@@ -38,16 +68,13 @@ __device__ void put_vector(unsigned char* page, int off, int meta_off, int nbyte
         }
         return;
     }
-    __half* meta = reinterpret_cast<__half*>(page + meta_off) + 2 * t * groups;
-    const float levels = (float)((1 << bits) - 1);
+    unsigned char* meta = page + meta_off + t * groups * (meta8 ? 2 : 4);
     for (int gi = 0; gi < groups; ++gi) {
         float mn = __int_as_float(0x7f800000), mx = -mn;
         for (int d = gi * group + lane; d < (gi + 1) * group; d += 32) { mn = fminf(mn, x[d]); mx = fmaxf(mx, x[d]); }
         mn = warp_min(mn);
         mx = warp_max(mx);
-        const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), levels)), hz = __float2half_rn(mn);
-        if (lane == 0) { meta[2 * gi] = hs; meta[2 * gi + 1] = hz; }
-        if (lane == 0) sz_warp[gi] = make_float2(__half2float(hs), __half2float(hz));
+        if (lane == 0) sz_warp[gi] = put_meta(meta, gi, meta8, bits, mn, mx);
     }
     __syncwarp();
     const int per = 8 / bits;                     // codes per byte; group % per == 0, so a byte never spans groups
@@ -84,9 +111,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) write_tokens(
     unsigned char* page = arena + tok_page_off[i];
     const int t = tok_slot[i];
     if (write_keys && !L.k_channel)
-        put_vector(page, L.k_off, L.k_meta_off, L.k_bytes, L.k_bits, L.k_group, L.k_groups, L.raw_bf16, t,
-                   keys + (long long)i * k_stride, L.r_k, sz[warp]);
-    put_vector(page, L.v_off, L.v_meta_off, L.v_bytes, L.v_bits, L.v_group, L.v_groups, L.raw_bf16, t,
+        put_vector(page, L.k_off, L.k_meta_off, L.k_bytes, L.k_bits, L.k_group, L.k_groups, L.raw_bf16, L.meta8,
+                   t, keys + (long long)i * k_stride, L.r_k, sz[warp]);
+    put_vector(page, L.v_off, L.v_meta_off, L.v_bytes, L.v_bits, L.v_group, L.v_groups, L.raw_bf16, L.meta8, t,
                values + (long long)i * v_stride, L.r_v, sz[warp]);
     if (lane == 0 && L.pos_off >= 0) {          // untracked tiers keep no score or position
         reinterpret_cast<float*>(page + L.score_off)[t] = score[i];
@@ -110,15 +137,10 @@ extern "C" __global__ void __launch_bounds__(128) write_channel_keys(
     __syncthreads();
     unsigned char* page = arena + page_off[pg];
     const float* x = keys + (long long)pg * L.tokens * k_stride;
-    const float levels = (float)((1 << L.k_bits) - 1);
-    __half* meta = reinterpret_cast<__half*>(page + L.k_meta_off);          // [r_k, 2]
     for (int d = threadIdx.x; d < L.r_k; d += blockDim.x) {                  // one thread per channel
         float mn = __int_as_float(0x7f800000), mx = -mn;
         for (int t = 0; t < L.tokens; ++t) { mn = fminf(mn, x[t * k_stride + d]); mx = fmaxf(mx, x[t * k_stride + d]); }
-        const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), levels)), hz = __float2half_rn(mn);
-        meta[2 * d] = hs;
-        meta[2 * d + 1] = hz;
-        sz[d] = make_float2(__half2float(hs), __half2float(hz));
+        sz[d] = put_meta(page + L.k_meta_off, d, L.meta8, L.k_bits, mn, mx);   // [r_k] pairs
     }
     __syncthreads();
     const int per = 8 / L.k_bits;

@@ -84,9 +84,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_split(
                 float dot[QT];
 #pragma unroll
                 for (int j = 0; j < QT; ++j) dot[j] = 0.f;
-                if (ps >= 0) {
+                if (ps >= 0 && L.meta8) {
                     for (int d = 0; d < L.r_k; ++d) {
-                        const float k = key_at(page, L, t, d);
+                        const float k = key_at<true>(page, L, t, d);
+#pragma unroll
+                        for (int j = 0; j < QT; ++j) dot[j] += q_s[j * r + d] * k;
+                    }
+                } else if (ps >= 0) {
+                    for (int d = 0; d < L.r_k; ++d) {
+                        const float k = key_at<false>(page, L, t, d);
 #pragma unroll
                         for (int j = 0; j < QT; ++j) dot[j] += q_s[j * r + d] * k;
                     }
@@ -132,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_split(
                 for (int j = 0; j < QT; ++j) acc[j][k] *= alpha_s[j];
                 for (int t = 0; t < fill; ++t) {
                     if (pos_s[t] < 0) continue;
-                    const float v = value_at(page, L, t, d);
+                    const float v = L.meta8 ? value_at<true>(page, L, t, d) : value_at<false>(page, L, t, d);
 #pragma unroll
                     for (int j = 0; j < QT; ++j) acc[j][k] += p_s[j * t_max + t] * v;
                 }

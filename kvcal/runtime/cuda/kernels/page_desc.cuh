@@ -32,7 +32,35 @@ struct PageDesc {
     int pos_off;      // score_off, pos_off: -1 when the tier keeps no score or position (untracked)
     int end;          // bytes of the page in use
     int raw_bf16;     // 1: 16-bit raw tiers hold bfloat16 (the store's `raw16`), 0: float16
+    int meta8;        // 1: (scale, zero) pairs are 8-bit codes (kvcal.runtime.quant.meta8_encode), 0: two fp16
 };
+
+// 8-bit (scale, zero) codes: kvcal.runtime.quant.LOG_SCALES, META8_ZERO_UNITS. A scale is the fp16 rounding of
+// 2^((c % 16) / 16) times 2^(c / 16 - 10): exp2f is within 2 fp32 ulps and every 2^(k/16) lies at least 800 ulps from
+// an fp16 rounding boundary, so the rounding is exact and both decoded values equal the torch reference's.
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }     // normal e only
+__device__ __forceinline__ float meta8_scale(int c)
+{
+    return __fmul_rn(__half2float(__float2half_rn(exp2f((float)(c & 15) * 0.0625f))), pow2((c >> 4) - 10));
+}
+__device__ __forceinline__ float meta8_unit(int bits) { return pow2(bits - 5); }     // zero code unit, in steps
+
+// code * (scale, zero) pair `i` of the meta segment at `meta`: code * scale + zero, fp32 multiply then fp32 add (no
+// FMA), what quant.dequantize_* computes
+template <bool META8>
+__device__ __forceinline__ float dequant(unsigned code, const unsigned char* meta, int i, int bits)
+{
+    float s, z;
+    if (META8) {
+        s = meta8_scale(meta[2 * i]);
+        z = __fmul_rn((float)(signed char)meta[2 * i + 1], __fmul_rn(s, meta8_unit(bits)));
+    } else {
+        const __half* h = reinterpret_cast<const __half*>(meta) + 2 * i;
+        s = __half2float(h[0]);
+        z = __half2float(h[1]);
+    }
+    return __fadd_rn(__fmul_rn((float)code, s), z);
+}
 
 // bits-wide code d of a packed row; element 0 in the least-significant bits of byte 0 (kvcal.runtime.quant.pack)
 __device__ __forceinline__ unsigned code_at(const unsigned char* row, int d, int bits)
@@ -48,29 +76,23 @@ __device__ __forceinline__ float raw_at(const unsigned char* row, int d, int bit
     return bf16 ? __bfloat162float(__ushort_as_bfloat16(u)) : __half2float(__ushort_as_half(u));
 }
 
-// code * scale + zero, fp32 multiply then fp32 add (no FMA): what quant.dequantize_* computes
-__device__ __forceinline__ float dequant(unsigned code, const __half* scale_zero)
-{
-    return __fadd_rn(__fmul_rn((float)code, __half2float(scale_zero[0])), __half2float(scale_zero[1]));
-}
-
-// Key channel d of token slot t in `page`
+// Key channel d of token slot t in `page` (META8 = L.meta8: callers branch once, outside their loops)
+template <bool META8>
 __device__ __forceinline__ float key_at(const unsigned char* page, const PageDesc& L, int t, int d)
 {
     const unsigned char* row = page + L.k_off + t * L.k_bytes;
     if (L.k_bits >= 16) return raw_at(row, d, L.k_bits, L.raw_bf16);
-    const __half* meta = reinterpret_cast<const __half*>(page + L.k_meta_off);
     const int pair = L.k_channel ? d : t * L.k_groups + d / L.k_group;   // [r_k, 2] or [T, k_groups, 2]
-    return dequant(code_at(row, d, L.k_bits), meta + 2 * pair);
+    return dequant<META8>(code_at(row, d, L.k_bits), page + L.k_meta_off, pair, L.k_bits);
 }
 
-// Value channel d of token slot t in `page` (values are always per token)
+// Value channel d of token slot t in `page` (values are always per token; META8 as key_at)
+template <bool META8>
 __device__ __forceinline__ float value_at(const unsigned char* page, const PageDesc& L, int t, int d)
 {
     const unsigned char* row = page + L.v_off + t * L.v_bytes;
     if (L.v_bits >= 16) return raw_at(row, d, L.v_bits, L.raw_bf16);
-    const __half* meta = reinterpret_cast<const __half*>(page + L.v_meta_off);
-    return dequant(code_at(row, d, L.v_bits), meta + 2 * (t * L.v_groups + d / L.v_group));
+    return dequant<META8>(code_at(row, d, L.v_bits), page + L.v_meta_off, t * L.v_groups + d / L.v_group, L.v_bits);
 }
 
 __device__ __forceinline__ float warp_max(float x)

@@ -1,0 +1,82 @@
+"""What 8-bit scales and zeros (tier formats ending in m8) cost in quality and save in bytes, one setting at a time.
+
+    python benchmarks/meta_bits.py --model smollm2-135m --bundle smollm2-135m.kvcal.safetensors \
+        --json docs/results/meta-bits-smollm2-135m.json
+
+For each setting, the probe measures it twice on the same windows: every quantized tier (high, low and sliding
+layers) with fp16 (scale, zero) pairs, then with their 8-bit codes (`kvcal.runtime.quant.meta8_encode`). Settings:
+the bundle's own, and the residual family's fp16 W=16 / K4cV4, alpha = (64, 0) and fp16 W=64 / K8cV4 with every
+token leaving the window low (the bundle's sliding format kept for sliding-window models), at full rank, on the
+evaluation split's first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvcal.bundle import load_bundle
+from kvcal.data import load_corpus, token_windows
+from kvcal.models import load_model
+from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
+from kvcal.runtime.layout import RAW_BITS, TierFormat
+
+
+def with_meta_bits(config: CompressionConfig, meta_bits: int) -> CompressionConfig:
+    """`config` with every quantized tier format's (scale, zero) pairs in `meta_bits` bits."""
+    def fmt(f: TierFormat | None) -> TierFormat | None:
+        if f is None or (f.k_bits in RAW_BITS and f.v_bits in RAW_BITS):
+            return f
+        return TierFormat.parse(f.name.removesuffix("m8") + ("m8" if meta_bits == 8 else ""))
+
+    return config.with_(high=fmt(config.high), low=fmt(config.low), sliding=fmt(config.sliding),
+                        low_layers=tuple((i, fmt(f)) for i, f in config.low_layers),
+                        sliding_layers=tuple((i, fmt(f)) for i, f in config.sliding_layers))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--bundle", required=True, help="a bundle of --model")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+
+    lm = load_model(args.model)
+    lm.model.to(torch.float32)
+    bundle = load_bundle(args.bundle)
+    P, M = 767, 256
+    w = token_windows(lm.tokenizer, load_corpus("default", "eval"), 4, P + M + 1, 1, long_first=True)
+    probe = DecodeProbe(lm.model, bundle, w[:, :P], w[:, P:], tokenizer=lm.tokenizer)
+    own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
+    residual = own.with_(high=TierFormat.parse("K16V16"), page_tokens=32, fastgen=None)
+    settings = {
+        "bundle": own,
+        "fp16 W=16 / K4cV4 a=(64,0)": residual.with_(low=TierFormat.parse("K4cV4")).with_tiering(
+            window=16, alpha_high=64.0, alpha_low=0.0),
+        "fp16 W=64 / K8cV4, every token low": residual.with_(low=TierFormat.parse("K8cV4")).with_tiering(
+            window=64, alpha_high=EVERY_TOKEN_LOW, alpha_low=0.0),
+    }
+    rows = []
+    for name, config in settings.items():
+        for meta_bits in (16, 8):
+            c = with_meta_bits(config, meta_bits)
+            t = time.perf_counter()
+            f = probe.measure(c, chunk=32)
+            rows.append({"setting": name, "meta_bits": meta_bits, "settings": c.to_dict(),
+                         "bytes_ratio": f.memory["ratio_to_fp16"], "top1": f.top1, "kl": f.kl,
+                         "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
+                         "seconds": round(time.perf_counter() - t, 1)})
+            print(f"{name:36} meta {meta_bits:2}  bytes {f.memory['ratio_to_fp16']:.3f}  top-1 {f.top1:.4f}  "
+                  f"KL {f.kl:.5f}  ppl {f.ppl_ratio:.4f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": args.model, "bundle_settings": bundle.settings, "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
