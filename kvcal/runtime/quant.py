@@ -136,8 +136,7 @@ def _log_scales() -> torch.Tensor:
     return mantissa * torch.exp2((c // META8_STEPS + META8_MIN_EXP).float())        # exact: power-of-two factor
 
 
-LOG_SCALES = _log_scales()   # float32 [256]; the kernels hold the same 16 mantissas (LOG_MANTISSAS)
-LOG_MANTISSAS = tuple(float(m) for m in LOG_SCALES[:META8_STEPS] * 2.0 ** -META8_MIN_EXP)
+LOG_SCALES = _log_scales()   # float32 [256]; the kernels hold its 16 mantissas, LOG_SCALES[:16] * 2**10
 
 
 def _zero_unit(bits: int) -> float:
@@ -176,9 +175,11 @@ def meta_to_bytes(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 def meta_from_bytes(raw: torch.Tensor, meta_bits: int, bits: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes of (scale, zero) pairs (`meta_to_bytes`), contiguous -> (scale, zero) of `shape` as the dequantizers
     take them, for `bits`-bit codes."""
-    pairs = raw.view(*shape, 2) if meta_bits == 8 else raw.view(torch.float16).view(*shape, 2)
-    return decode_meta(pairs[..., 0], pairs[..., 1].view(torch.int8) if meta_bits == 8 else pairs[..., 1], meta_bits,
-                       bits)
+    if meta_bits == 8:
+        pairs = raw.view(*shape, 2)
+        return meta8_decode(pairs[..., 0], pairs[..., 1].view(torch.int8), bits)
+    pairs = raw.view(torch.float16).view(*shape, 2)
+    return pairs[..., 0], pairs[..., 1]
 
 
 def decode_meta(scale: torch.Tensor, zero: torch.Tensor, meta_bits: int,

@@ -750,4 +750,3 @@ class CompressedStore:
         self._holey.clear()
         self._room.clear()
         return freed
-

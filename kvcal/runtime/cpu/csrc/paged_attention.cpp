@@ -71,7 +71,7 @@ inline uint16_t float_to_bf16(float f) {
 
 inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
-// 8-bit (scale, zero) pairs: kvcal.runtime.quant.LOG_MANTISSAS, META8_MIN_EXP, META8_ZERO_UNITS. Both decoded values
+// 8-bit (scale, zero) pairs: kvcal.runtime.quant.LOG_SCALES[:16] * 2**10, META8_MIN_EXP, META8_ZERO_UNITS. Both decoded values
 // are exact products, so they equal the torch reference's.
 constexpr float LOG_MANTISSAS[16] = {0x1p+0f, 0x1.0b4p+0f, 0x1.174p+0f, 0x1.238p+0f, 0x1.308p+0f, 0x1.3ep+0f, 0x1.4cp+0f, 0x1.5acp+0f,
                                      0x1.6ap+0f, 0x1.7ap+0f, 0x1.8acp+0f, 0x1.9c4p+0f, 0x1.ae8p+0f, 0x1.c18p+0f, 0x1.d58p+0f, 0x1.ea4p+0f};
