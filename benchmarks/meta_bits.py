@@ -16,12 +16,8 @@ import argparse
 import json
 import time
 
-import torch
+from format_swaps import eval_probe
 
-from kvcal.bundle import load_bundle
-from kvcal.data import load_corpus, token_windows
-from kvcal.models import load_model
-from kvcal.profile.quality import DecodeProbe
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.layout import RAW_BITS, TierFormat
@@ -46,12 +42,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
-    lm = load_model(args.model)
-    lm.model.to(torch.float32)
-    bundle = load_bundle(args.bundle)
-    P, M = 767, 256
-    w = token_windows(lm.tokenizer, load_corpus("default", "eval"), 4, P + M + 1, 1, long_first=True)
-    probe = DecodeProbe(lm.model, bundle, w[:, :P], w[:, P:], tokenizer=lm.tokenizer)
+    probe, bundle = eval_probe(args.model, args.bundle)
     own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
     residual = own.with_(high=TierFormat.parse("K16V16"), page_tokens=32, fastgen=None)
     settings = {

@@ -26,7 +26,8 @@ from kvcal.runtime.store import CompressedStore
 # (high, low) tier formats: precisions, per-token / per-channel keys, value and key groups, raw tiers
 MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K4V2", "K2cV2"), ("K8V8", "K8cV4"), ("K16V16", "K4cV2"),
          ("K32V32", "K8V8"), ("K8V4g4", "K2V2g4"), ("K8V4kg4", "K4cV4g4"), ("K2V2", "K2V2"),
-         ("K8V4m8", "K4cV2m8"), ("K16V16", "K4cV4m8"), ("K8V4kg4m8", "K2V2g4m8")]     # m8: 8-bit scales and zeros
+         ("K8V4m8", "K4cV2m8"), ("K16V16", "K4cV4m8"), ("K8V4kg4m8", "K2V2g4m8"),
+         ("K8V8m8", "K4cV4m8")]     # m8: 8-bit scales and zeros
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 

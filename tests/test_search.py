@@ -1,6 +1,6 @@
 """The search's decision rules, with mocks where the rule is the point (a monotone feasibility, a grid of points)."""
 
-from kvcal.profile.search import Point, QualityTarget, Search, cheapest, largest_feasible
+from kvcal.profile.search import LOW_TIERS, PRECISION_LADDER, Point, QualityTarget, Search, cheapest, largest_feasible
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 
@@ -69,11 +69,11 @@ def test_alpha_grid_picks_the_cheapest_point_meeting_the_target():
     search = Search(probe, bundle, QualityTarget())
     best = search.tiers(BASE)
     assert best.settings["alpha_high"] == 3.0 and best.settings["alpha_low"] == 1.0
-    assert best.settings["low"] == "K4cV2"                     # the cheaper key mode at equal alphas
+    k4c = LOW_TIERS[0]
+    assert best.settings["low"] == k4c                         # the cheaper key mode at equal alphas
     # bisection: alpha_high 3 then 4 (2 of 5), alpha_low 1, 2, 1.5 (3 of the 7 up to 3), for each low tier
-    k4c = [call for call in probe.calls if call[0] == "K4cV2"]
-    assert k4c == [("K4cV2", 3.0, 0.0), ("K4cV2", 4.0, 0.0), ("K4cV2", 3.0, 1.0), ("K4cV2", 3.0, 2.0),
-                   ("K4cV2", 3.0, 1.5)]
+    assert [call for call in probe.calls if call[0] == k4c] == [(k4c, 3.0, 0.0), (k4c, 4.0, 0.0), (k4c, 3.0, 1.0),
+                                                                 (k4c, 3.0, 2.0), (k4c, 3.0, 1.5)]
     assert all(p.settings for p in search.path)
     # a resumed search does not measure known points again
     again = Search(probe, bundle, QualityTarget(), memo=search.memo)
@@ -120,17 +120,19 @@ def _bundle(d=64, v_spectrum=None, layers=1, types=None):
 
 
 def test_precision_ladder_takes_the_cheapest_high_tier_meeting_the_target():
-    quality = {"K8V4": 0.95, "K8V4g32": 0.96, "K8V4g16": 0.99, "K8V8": 0.999}
+    k8v4, g32, g16, k8v8 = PRECISION_LADDER
+    quality = {k8v4: 0.95, g32: 0.96, g16: 0.99, k8v8: 0.999}
     probe = LadderProbe(quality)
     point = Search(probe, _bundle(), QualityTarget()).precision(BASE)
-    assert point.settings["high"] == "K8V4g16" and [c[0] for c in probe.calls] == ["K8V4", "K8V4g32", "K8V4g16"]
-    # a head dim that 32 does not divide skips the 32-channel groups
-    probe = LadderProbe(quality)
-    Search(probe, _bundle(d=48), QualityTarget()).precision(BASE)
-    assert [c[0] for c in probe.calls] == ["K8V4", "K8V4g16"]
+    assert point.settings["high"] == g16 and [c[0] for c in probe.calls] == [k8v4, g32, g16]
+    # a head dim that 32 does not divide skips the 32-channel groups, and one of 32 has no 32-channel groups to split
+    for d in (48, 32):
+        probe = LadderProbe(quality)
+        Search(probe, _bundle(d=d), QualityTarget()).precision(BASE)
+        assert [c[0] for c in probe.calls] == [k8v4, g16]
     # nothing feasible: the first (cheapest) point comes back, marked infeasible
     probe = LadderProbe(dict.fromkeys(quality, 0.5))
-    assert Search(probe, _bundle(), QualityTarget()).precision(BASE).settings["high"] == "K8V4"
+    assert Search(probe, _bundle(), QualityTarget()).precision(BASE).settings["high"] == k8v4
 
 
 def test_v_ranks_are_rounded_up_to_the_value_group():
@@ -178,10 +180,11 @@ def test_rates_with_the_same_ranks_are_measured_once():
 
 class ResidualProbe:
     """A fake probe for the residual family: 2-bit keys miss the target, so does every token leaving the window at
-    4-bit keys, so do windows under 32 and pruning past alpha_low 0.5."""
+    4-bit keys, so do windows under 32 and pruning past alpha_low 0.5; with `quantized_high_misses`, so does any high
+    tier that is not fp16."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, quantized_high_misses=False):
+        self.calls, self.quantized_high_misses = [], quantized_high_misses
 
     def measure(self, config, bundle):
         from kvcal.profile.quality import Fidelity
@@ -189,7 +192,7 @@ class ResidualProbe:
         p, low = config.tiering, config.low
         self.calls.append((low.name, p.alpha_high, p.window, p.alpha_low))
         ok = (low.k_bits >= 4 and not (low.k_bits == 4 and p.alpha_high > 100) and p.window >= 32
-              and p.alpha_low <= 0.5)
+              and p.alpha_low <= 0.5 and not (self.quantized_high_misses and config.high.k_bits < 16))
         ratio = (0.2 + 0.02 * low.k_bits + 0.01 * low.v_bits + p.window / 1e3 - 0.01 * p.alpha_low
                  - 1e-5 * min(p.alpha_high, 100))
         return Fidelity(kl=0.0, top1=0.99 if ok else 0.9, ppl=1.0, ppl_dense=1.0, ppl_ratio=1.0, predictions=10**6,
@@ -197,12 +200,12 @@ class ResidualProbe:
 
 
 def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruning():
-    from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
+    from kvcal.profile.search import RESIDUAL_HIGHS, RESIDUAL_PAGE_TOKENS
 
     probe = ResidualProbe()
     best = Search(probe, _bundle(), QualityTarget()).residual(BASE)
     c = best.config
-    assert (c.high.name, c.low.name, c.page_tokens) == ("K16V16", "K4cV2m8", RESIDUAL_PAGE_TOKENS)
+    assert (c.high.name, c.low.name, c.page_tokens) == (RESIDUAL_HIGHS[0], "K4cV2m8", RESIDUAL_PAGE_TOKENS)
     # alpha 64 is the first feasible; 16 and 4 keep more heavy hitters for under 1% more bytes, so 4 is taken
     assert (c.tiering.alpha_high, c.tiering.window, c.tiering.alpha_low) == (4.0, 32, 0.5)
     assert ("K2cV2m8", 16.0, 64, 0.0) in probe.calls and not any(call[0] == "K2cV2m8" and call[2] < 64
@@ -210,6 +213,18 @@ def test_residual_family_walks_cheaper_low_tiers_then_bisects_windows_then_pruni
     assert not any(call[2] == 16 and call[3] > 0 for call in probe.calls)     # windows stop at their first miss
     # a search whose residual family misses everywhere keeps none of it
     assert Search(ResidualProbe(), _bundle(), QualityTarget()).residual(BASE.with_tiering(window=8)) is None
+
+
+def test_residual_family_keeps_fp16_high_tier_where_a_quantized_one_misses():
+    from kvcal.profile.search import RESIDUAL_HIGHS
+
+    search = Search(ResidualProbe(quantized_high_misses=True), _bundle(), QualityTarget())
+    best = search.residual(BASE)
+    assert RESIDUAL_HIGHS[-1] == "K16V16" and best.config.high.name == "K16V16"
+    # each cheaper high tier is measured once, at the family's first point, and the walk then runs on fp16
+    quantized = [p for p in search.path if p.config.high.k_bits < 16]
+    assert len(quantized) == len(RESIDUAL_HIGHS) - 1 and not any(p.feasible for p in quantized)
+    assert best.config.low.name == "K4cV2m8" and best.feasible
 
 
 class TableProbe:

@@ -66,8 +66,9 @@ def test_a_sliding_layers_own_format_holds_its_window_in_that_formats_bytes():
     assert base.memory()["sliding_bytes"] - cache.memory()["sliding_bytes"] == saved
 
 
-@pytest.mark.parametrize("fmt,pair", [("K8V4g16", 4), ("K8V4g16m8", 2)])    # m8: 8-bit scales and zeros
-def test_a_quantized_row_holds_codes_then_scales_and_reads_back(fmt, pair):
+# m8: 8-bit scales and zeros; kg8: a key (scale, zero) per 8 channels
+@pytest.mark.parametrize("fmt,pair,k_groups", [("K8V4g16", 4, 1), ("K8V4g16m8", 2, 1), ("K8V4g16kg8m8", 2, 4)])
+def test_a_quantized_row_holds_codes_then_scales_and_reads_back(fmt, pair, k_groups):
     gen = torch.Generator().manual_seed(0)
     H, d = 2, 32
     rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
@@ -75,13 +76,14 @@ def test_a_quantized_row_holds_codes_then_scales_and_reads_back(fmt, pair):
     k, v = torch.randn(1, H, 9, d, generator=gen), torch.randn(1, H, 9, d, generator=gen)
     out_k, out_v = layer.update(k, v)
     assert torch.equal(out_k, k) and torch.equal(out_v, v)        # first call: no old tokens, new ones as given
-    assert layer.keys.shape == (1, H, 5, d + pair) and layer.values.shape == (1, H, 5, d // 2 + 2 * pair)
+    k_row, v_row = d + k_groups * pair, d // 2 + 2 * pair
+    assert layer.keys.shape == (1, H, 5, k_row) and layer.values.shape == (1, H, 5, v_row)
     assert layer.get_seq_length() == 9 and layer.get_mask_sizes(1) == (6, 4)   # transformers' sliding semantics
     k2, v2 = torch.randn(1, H, 1, d, generator=gen), torch.randn(1, H, 1, d, generator=gen)
     old_k, old_v = (t[:, :, :5] for t in layer.update(k2, v2))
     torch.testing.assert_close(old_k, k[:, :, 4:], atol=0.03, rtol=0)           # 8 bits over each token's range
     torch.testing.assert_close(old_v, v[:, :, 4:], atol=0.4, rtol=0)            # 4 bits per group of 16
-    assert layer.held_bytes() == H * 5 * (d + pair) + H * 5 * (d // 2 + 2 * pair)
+    assert layer.held_bytes() == H * 5 * (k_row + v_row)
 
 
 def test_settings_codec_and_refusals():
@@ -127,8 +129,10 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
         tried = [p.settings.get("sliding") for p in search.path if p.stage == "sliding"]
         if kind == "llama":
             assert chosen is start and tried == []
-        else:                        # a target anything meets: every format is tried, the cheapest kept
-            assert tried == list(SLIDING_FORMATS) and chosen.settings["sliding"] == SLIDING_FORMATS[-1]
+        else:                        # a target anything meets: every format is tried, the cheapest kept; at head dim
+            # 32 a key group of 32 channels is the ungrouped format, not tried twice
+            assert tried == [n for n in SLIDING_FORMATS if "kg32" not in n]
+            assert chosen.settings["sliding"] == SLIDING_FORMATS[-1]
             assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
 
 

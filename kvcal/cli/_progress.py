@@ -22,6 +22,7 @@ from kvcal.profile.search import (
     RATE_GRID,
     RECOVERY_GRID,
     RESIDUAL_ALPHA_GRID,
+    RESIDUAL_HIGHS,
     RESIDUAL_LOW_TIERS,
     RESIDUAL_WINDOWS,
 )
@@ -32,7 +33,8 @@ STAGE_POINTS = {
     "prefill": 1,
     "precision": len(PRECISION_LADDER),
     "tiers": len(LOW_TIERS) * (len(ALPHA_HIGH_GRID) + len(ALPHA_LOW_GRID)),
-    "residual": len(RESIDUAL_LOW_TIERS) * len(RESIDUAL_ALPHA_GRID) + len(RESIDUAL_WINDOWS) + len(ALPHA_LOW_GRID),
+    "residual": (len(RESIDUAL_HIGHS) - 1 + len(RESIDUAL_LOW_TIERS) * len(RESIDUAL_ALPHA_GRID) + len(RESIDUAL_WINDOWS)
+                 + len(ALPHA_LOW_GRID)),
     "policies": len(RECOVERY_GRID),
     "ranks": RANK_POINTS,
     "family": 1 + RANK_POINTS + len(RECOVERY_GRID),

@@ -16,8 +16,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    found by bisection over the grid (`last_feasible`), kept only if bytes drop: a low tier that can be pruned keeps
    each token's score and position (8 bytes), which a little pruning does not pay for. Small models need alpha_low
    far above the papers' 0.02-0.1 range to prune anything, so the grid follows the data rather than the paper;
-   Alongside, the residual family (KIVI's layout inside DiffKV's tiers): the high tier is raw fp16 and holds the
-   recent window plus the tokens above alpha_high (heavy hitters), the low tier has per-channel keys over pages of
+   Alongside, the residual family (KIVI's layout inside DiffKV's tiers): the high tier holds the recent window plus
+   the tokens above alpha_high (heavy hitters), in the first of `RESIDUAL_HIGHS` (8-bit, then fp16) that meets the
+   target at the family's first point; the low tier has per-channel keys over pages of
    `RESIDUAL_PAGE_TOKENS` low tokens. Per-channel scales survive outlier key channels that a per-token scale spends
    its range on. It walks `RESIDUAL_LOW_TIERS` cheaper and cheaper, with alpha_high over `RESIDUAL_ALPHA_GRID` from
    "every token leaves the window to the low tier" down to keeping more heavy hitters (the first feasible, or a
@@ -67,11 +68,13 @@ logger = logging.getLogger(__name__)
 
 ALPHA_HIGH_GRID = (1.0, 2.0, 3.0, 4.0, 5.0)
 ALPHA_LOW_GRID = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-LOW_TIERS = ("K4cV2", "K4V2")
+LOW_TIERS = ("K4cV2m8", "K4V2m8")
 # high tiers by bytes: 4-bit values with one (scale, zero) per token, per 32 and per 16 channels, then 8-bit values
 # (value groups sit between K8V4 and K8V8 in bytes and in quality: docs/results, benchmarks/value_groups.py)
-PRECISION_LADDER = ("K8V4", "K8V4g32", "K8V4g16", "K8V8")
-RESIDUAL_HIGH = "K16V16"
+PRECISION_LADDER = ("K8V4m8", "K8V4g32m8", "K8V4g16m8", "K8V8m8")
+# the residual family's high tier (window and heavy hitters), cheapest first: per-token 8-bit codes, which halve its
+# bytes, where they pass; else fp16, KIVI's residual (docs/calibration.md, "An 8-bit high tier")
+RESIDUAL_HIGHS = ("K8V8m8", "K16V16")
 # by bytes, most precise first; m8: 8-bit scales and zeros (a 4-bit low tier at head dim 64: 70 bytes a token, not
 # 76, for a few % more KL: docs/calibration.md)
 RESIDUAL_LOW_TIERS = ("K8cV4m8", "K4cV4m8", "K4cV2m8", "K2cV2m8")
@@ -79,7 +82,9 @@ RESIDUAL_LOW_TIERS = ("K8cV4m8", "K4cV4m8", "K4cV2m8", "K2cV2m8")
 RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 256.0, 64.0, 16.0, 4.0)
 RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
-SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4m8", "K4V2m8")   # sliding windows, by bytes, most precise first
+# sliding windows, by bytes, most precise first; 4-bit keys first with a (scale, zero) per 32 channels, which a
+# head dim of 256 needs (docs/calibration.md, "Sliding-window layers")
+SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4kg32m8", "K4V4m8", "K4V2m8")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -232,14 +237,19 @@ class Search:
 
     # ----------------------------------------------------------------------------------------------------- stages
 
-    def precision(self, base: CompressionConfig) -> Point:
-        """The cheapest high tier of `PRECISION_LADDER` that meets the target (value groups that do not divide the
-        head dim are skipped); the first one measured if none does."""
+    def _groups_split(self, fmt: TierFormat) -> bool:
+        """Whether `fmt`'s channel groups divide the head dim into more than one group each: a group that does not
+        divide it cannot be laid out, one as wide as the head is the ungrouped format under another name."""
         d = self.bundle.v_spectrum.shape[-1]
+        return all(d % g == 0 and g < d for g in (fmt.k_group, fmt.v_group) if g)
+
+    def precision(self, base: CompressionConfig) -> Point:
+        """The cheapest high tier of `PRECISION_LADDER` that meets the target (formats whose groups do not split the
+        head dim are skipped, `_groups_split`); the first one measured if none does."""
         points = []
         for name in PRECISION_LADDER:
             high = TierFormat.parse(name)
-            if high.v_group and d % high.v_group:
+            if not self._groups_split(high):
                 continue
             points.append(self.measure("precision", f"{name}, no tiers",
                                        base.with_(high=high).with_tiering(alpha_high=None)))
@@ -269,13 +279,19 @@ class Search:
 
     def residual(self, base: CompressionConfig) -> Point | None:
         """The residual family (module docstring, stage 2): the cheapest feasible point, or None."""
-        start = base.with_(high=TierFormat.parse(RESIDUAL_HIGH), page_tokens=RESIDUAL_PAGE_TOKENS)
+        start = base.with_(page_tokens=RESIDUAL_PAGE_TOKENS)
+        for high in RESIDUAL_HIGHS:         # the cheapest high tier feasible at the family's first point
+            start = start.with_(high=TierFormat.parse(high))
+            first = start.with_(low=TierFormat.parse(RESIDUAL_LOW_TIERS[0])).with_tiering(
+                alpha_high=RESIDUAL_ALPHA_GRID[0], alpha_low=0.0)
+            if self._measure_residual(first).feasible:
+                break
         chosen = None
         for name in RESIDUAL_LOW_TIERS:
             found = None
             for a_h in RESIDUAL_ALPHA_GRID:     # most aggressive first: the first feasible alpha is this tier's best,
-                p = self.measure("residual", f"fp16 W={base.tiering.window} / {name} a=({a_h:g},0)",
-                                 start.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h, alpha_low=0.0))
+                p = self._measure_residual(start.with_(low=TierFormat.parse(name)).with_tiering(alpha_high=a_h,
+                                                                                                 alpha_low=0.0))
                 if found is not None and not (p.feasible and p.bytes_ratio < found.bytes_ratio * (1 + MIN_GAIN)):
                     break
                 if p.feasible:      # ... unless the next one keeps more heavy hitters for under 1% more bytes:
@@ -294,12 +310,13 @@ class Search:
     def _bisect(self, start: Point, changes: list[dict]) -> Point:
         """The last feasible of the tiering `changes` to `start`, each more aggressive than the last
         (`last_feasible`); `start` if none is."""
-        def measure(change: dict) -> Point:
-            c = start.config.with_tiering(**change)
-            return self.measure("residual", f"fp16 W={c.tiering.window} / {c.low.name} "
-                                f"a=({c.tiering.alpha_high:g},{c.tiering.alpha_low:g})", c)
+        return last_feasible(changes, lambda change: self._measure_residual(start.config.with_tiering(**change))) \
+            or start
 
-        return last_feasible(changes, measure) or start
+    def _measure_residual(self, c: CompressionConfig) -> Point:
+        high = "fp16" if c.high.k_bits in RAW_BITS else c.high.name
+        return self.measure("residual", f"{high} W={c.tiering.window} / {c.low.name} "
+                            f"a=({c.tiering.alpha_high:g},{c.tiering.alpha_low:g})", c)
 
     def sliding(self, start: Point) -> Point:
         """The cheapest feasible `SLIDING_FORMATS` entry for the sliding-window layers on top of `start`; `start`
@@ -308,6 +325,8 @@ class Search:
             return start
         best = start
         for name in SLIDING_FORMATS:
+            if not self._groups_split(TierFormat.parse(name)):
+                continue
             p = self.measure("sliding", f"sliding layers {name} on {start.label}",
                              start.config.with_(sliding=TierFormat.parse(name)))
             if not p.feasible:

@@ -1,0 +1,81 @@
+"""A bundle's settings with some tier formats swapped, measured on evaluation text: which format a stage should offer.
+
+    python benchmarks/format_swaps.py --model gemma3-270m --bundle gemma3-270m.kvcal.safetensors \
+        --swap=-/-/- --swap=K8V4m8/K4cV2m8/K4V4kg32m8 --json docs/results/format-swaps-gemma3-270m.json
+
+Each `--swap` is `HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]`: tier formats (`TierFormat.parse`) for the high
+tier, the low tier and the sliding-window layers, `-` keeping the bundle's (write `--swap=-/-/-`: argparse reads a
+value that starts with `-` as an option); after `@`, the tiering, with the low tier in 32-token pages as the residual
+family's. Every row runs at full rank on the evaluation split's
+first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass), the same windows for all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvcal.bundle import Bundle, load_bundle
+from kvcal.data import load_corpus, token_windows
+from kvcal.models import load_model
+from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.layout import TierFormat
+
+PROMPT, STEPS, WINDOWS = 767, 256, 4
+
+
+def eval_probe(model: str, bundle_path: str) -> tuple[DecodeProbe, Bundle]:
+    """The probe the format benchmarks share: `model` in float32 on the evaluation split's first 4 windows."""
+    lm = load_model(model)
+    lm.model.to(torch.float32)
+    bundle = load_bundle(bundle_path)
+    w = token_windows(lm.tokenizer, load_corpus("default", "eval"), WINDOWS, PROMPT + STEPS + 1, 1, long_first=True)
+    return DecodeProbe(lm.model, bundle, w[:, :PROMPT], w[:, PROMPT:], tokenizer=lm.tokenizer), bundle
+
+
+def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
+    """`config` with the formats (and tiering) `swap` names; see the module docstring."""
+    formats, _, tiering = swap.partition("@")
+    parts = formats.split("/")
+    if len(parts) != 3:
+        raise SystemExit(f"--swap {swap!r} must name three formats, HIGH/LOW/SLIDING ('-' keeps the bundle's)")
+    changes = {field: TierFormat.parse(spec) for field, spec in zip(("high", "low", "sliding"), parts) if spec != "-"}
+    config = config.with_(**changes)
+    if tiering:
+        window, alpha_high, alpha_low = tiering.split(",")
+        config = config.with_(page_tokens=32).with_tiering(window=int(window), alpha_high=float(alpha_high),
+                                                           alpha_low=float(alpha_low))
+    return config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--bundle", required=True, help="a bundle of --model")
+    ap.add_argument("--swap", action="append", required=True, help="HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+
+    probe, bundle = eval_probe(args.model, args.bundle)
+    own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
+    rows = []
+    for swap in args.swap:
+        config = swapped(own, swap)
+        t = time.perf_counter()
+        f = probe.measure(config, chunk=32)
+        rows.append({"swap": swap, "settings": config.to_dict(), "bytes_ratio": f.memory["ratio_to_fp16"],
+                     "top1": f.top1, "kl": f.kl, "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
+                     "seconds": round(time.perf_counter() - t, 1)})
+        print(f"{swap:40} bytes {f.memory['ratio_to_fp16']:.3f}  top-1 {f.top1:.4f}  KL {f.kl:.5f}  "
+              f"ppl {f.ppl_ratio:.4f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": args.model, "bundle_settings": bundle.settings, "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
