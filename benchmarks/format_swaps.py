@@ -37,6 +37,18 @@ def eval_probe(model: str, bundle_path: str) -> tuple[DecodeProbe, Bundle]:
     return DecodeProbe(lm.model, bundle, w[:, :PROMPT], w[:, PROMPT:], tokenizer=lm.tokenizer), bundle
 
 
+def measured_row(probe: DecodeProbe, config: CompressionConfig, **labels) -> dict:
+    """One JSON row: `labels`, then `config` as measured by `probe` on its windows (printed as it lands)."""
+    t = time.perf_counter()
+    f = probe.measure(config, chunk=32)
+    row = {**labels, "settings": config.to_dict(), "bytes_ratio": f.memory["ratio_to_fp16"], "top1": f.top1,
+           "kl": f.kl, "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
+           "seconds": round(time.perf_counter() - t, 1)}
+    print(f"{' '.join(map(str, labels.values())):44} bytes {row['bytes_ratio']:.3f}  top-1 {f.top1:.4f}  "
+          f"KL {f.kl:.5f}  ppl {f.ppl_ratio:.4f}", flush=True)
+    return row
+
+
 def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
     """`config` with the formats (and tiering) `swap` names; see the module docstring."""
     formats, _, tiering = swap.partition("@")
@@ -62,16 +74,7 @@ def main() -> None:
 
     probe, bundle = eval_probe(args.model, args.bundle)
     own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
-    rows = []
-    for swap in args.swap:
-        config = swapped(own, swap)
-        t = time.perf_counter()
-        f = probe.measure(config, chunk=32)
-        rows.append({"swap": swap, "settings": config.to_dict(), "bytes_ratio": f.memory["ratio_to_fp16"],
-                     "top1": f.top1, "kl": f.kl, "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
-                     "seconds": round(time.perf_counter() - t, 1)})
-        print(f"{swap:40} bytes {f.memory['ratio_to_fp16']:.3f}  top-1 {f.top1:.4f}  KL {f.kl:.5f}  "
-              f"ppl {f.ppl_ratio:.4f}", flush=True)
+    rows = [measured_row(probe, swapped(own, swap), swap=swap) for swap in args.swap]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "bundle_settings": bundle.settings, "rows": rows}, fh, indent=2)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-from format_swaps import eval_probe
+from format_swaps import eval_probe, measured_row
 
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
@@ -52,18 +51,8 @@ def main() -> None:
         "fp16 W=64 / K8cV4, every token low": residual.with_(low=TierFormat.parse("K8cV4")).with_tiering(
             window=64, alpha_high=EVERY_TOKEN_LOW, alpha_low=0.0),
     }
-    rows = []
-    for name, config in settings.items():
-        for meta_bits in (16, 8):
-            c = with_meta_bits(config, meta_bits)
-            t = time.perf_counter()
-            f = probe.measure(c, chunk=32)
-            rows.append({"setting": name, "meta_bits": meta_bits, "settings": c.to_dict(),
-                         "bytes_ratio": f.memory["ratio_to_fp16"], "top1": f.top1, "kl": f.kl,
-                         "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
-                         "seconds": round(time.perf_counter() - t, 1)})
-            print(f"{name:36} meta {meta_bits:2}  bytes {f.memory['ratio_to_fp16']:.3f}  top-1 {f.top1:.4f}  "
-                  f"KL {f.kl:.5f}  ppl {f.ppl_ratio:.4f}", flush=True)
+    rows = [measured_row(probe, with_meta_bits(config, meta_bits), setting=name, meta_bits=meta_bits)
+            for name, config in settings.items() for meta_bits in (16, 8)]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "bundle_settings": bundle.settings, "rows": rows}, fh, indent=2)

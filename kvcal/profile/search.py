@@ -80,10 +80,10 @@ RESIDUAL_HIGHS = ("K8V8m8", "K16V16")
 RESIDUAL_LOW_TIERS = ("K8cV4m8", "K4cV4m8", "K4cV2m8", "K2cV2m8")
 # most aggressive first; 256/N and 64/N keep little more than the attention sinks in fp16
 RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 256.0, 64.0, 16.0, 4.0)
-RESIDUAL_WINDOWS = (32, 16)              # shorter fp16 windows tried after the base window, longest first
+RESIDUAL_WINDOWS = (32, 16)              # shorter windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
 # sliding windows, by bytes, most precise first; 4-bit keys first with a (scale, zero) per 32 channels, which a
-# head dim of 256 needs (docs/calibration.md, "Sliding-window layers")
+# head dim of 256 needs (docs/calibration.md, "An 8-bit high tier and key groups in sliding layers")
 SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4kg32m8", "K4V4m8", "K4V2m8")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
