@@ -6,7 +6,7 @@
 Each `--swap` is `HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]`: tier formats (`TierFormat.parse`) for the high
 tier, the low tier and the sliding-window layers, `-` keeping the bundle's (write `--swap=-/-/-`: argparse reads a
 value that starts with `-` as an option); after `@`, the tiering, with the low tier in 32-token pages as the residual
-family's. Every row runs at full rank on the evaluation split's
+family's and no token policy (FastGen) on top. Every row runs at full rank on the evaluation split's
 first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass), the same windows for all.
 """
 
@@ -59,8 +59,8 @@ def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
     config = config.with_(**changes)
     if tiering:
         window, alpha_high, alpha_low = tiering.split(",")
-        config = config.with_(page_tokens=32).with_tiering(window=int(window), alpha_high=float(alpha_high),
-                                                           alpha_low=float(alpha_low))
+        config = config.with_(page_tokens=32, fastgen=None).with_tiering(
+            window=int(window), alpha_high=float(alpha_high), alpha_low=float(alpha_low))
     return config
 
 
