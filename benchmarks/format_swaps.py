@@ -5,9 +5,10 @@
 
 Each `--swap` is `HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]`: tier formats (`TierFormat.parse`) for the high
 tier, the low tier and the sliding-window layers, `-` keeping the bundle's (write `--swap=-/-/-`: argparse reads a
-value that starts with `-` as an option); after `@`, the tiering, with the low tier in 32-token pages as the residual
-family's and no token policy (FastGen) on top. Every row runs at full rank on the evaluation split's
-first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass), the same windows for all.
+value that starts with `-` as an option); after `@`, the tiering, with the low tier in pages of the residual family's
+size (`RESIDUAL_PAGE_TOKENS`) and no token policy (FastGen) on top. Every row runs at full rank on the evaluation
+split's first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass), the same windows
+for all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvcal.bundle import Bundle, load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
+from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 
@@ -59,7 +61,7 @@ def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
     config = config.with_(**changes)
     if tiering:
         window, alpha_high, alpha_low = tiering.split(",")
-        config = config.with_(page_tokens=32, fastgen=None).with_tiering(
+        config = config.with_(page_tokens=RESIDUAL_PAGE_TOKENS, fastgen=None).with_tiering(
             window=int(window), alpha_high=float(alpha_high), alpha_low=float(alpha_low))
     return config
 

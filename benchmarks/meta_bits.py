@@ -17,6 +17,7 @@ import json
 
 from format_swaps import eval_probe, measured_row
 
+from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.layout import RAW_BITS, TierFormat
@@ -43,7 +44,7 @@ def main() -> None:
 
     probe, bundle = eval_probe(args.model, args.bundle)
     own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
-    residual = own.with_(high=TierFormat.parse("K16V16"), page_tokens=32, fastgen=None)
+    residual = own.with_(high=TierFormat.parse("K16V16"), page_tokens=RESIDUAL_PAGE_TOKENS, fastgen=None)
     settings = {
         "bundle": own,
         "fp16 W=16 / K4cV4 a=(64,0)": residual.with_(low=TierFormat.parse("K4cV4")).with_tiering(

@@ -310,8 +310,8 @@ class Search:
     def _bisect(self, start: Point, changes: list[dict]) -> Point:
         """The last feasible of the tiering `changes` to `start`, each more aggressive than the last
         (`last_feasible`); `start` if none is."""
-        return last_feasible(changes, lambda change: self._measure_residual(start.config.with_tiering(**change))) \
-            or start
+        found = last_feasible(changes, lambda change: self._measure_residual(start.config.with_tiering(**change)))
+        return found or start
 
     def _measure_residual(self, c: CompressionConfig) -> Point:
         high = "fp16" if c.high.k_bits in RAW_BITS else c.high.name
