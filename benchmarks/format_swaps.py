@@ -39,12 +39,14 @@ def eval_probe(model: str, bundle_path: str) -> tuple[DecodeProbe, Bundle]:
     return DecodeProbe(lm.model, bundle, w[:, :PROMPT], w[:, PROMPT:], tokenizer=lm.tokenizer), bundle
 
 
-def measured_row(probe: DecodeProbe, config: CompressionConfig, **labels) -> dict:
-    """One JSON row: `labels`, then `config` as measured by `probe` on its windows (printed as it lands)."""
+def measured_row(probe: DecodeProbe, config: CompressionConfig, chunk: int = 32, **labels) -> dict:
+    """One JSON row: `labels`, then `config` as measured by `probe` on its windows, `chunk` tokens a forward pass
+    (1: stepwise, as the decision on evaluation text; printed as it lands)."""
     t = time.perf_counter()
-    f = probe.measure(config, chunk=32)
+    f = probe.measure(config, chunk=chunk)
     row = {**labels, "settings": config.to_dict(), "bytes_ratio": f.memory["ratio_to_fp16"], "top1": f.top1,
-           "kl": f.kl, "ppl_ratio": f.ppl_ratio, "predictions": f.predictions,
+           "kl": f.kl, "ppl_ratio": f.ppl_ratio, "predictions": f.predictions, "chunk": chunk,
+           "top1_windows": f.top1_windows,
            "seconds": round(time.perf_counter() - t, 1)}
     print(f"{' '.join(map(str, labels.values())):44} bytes {row['bytes_ratio']:.3f}  top-1 {f.top1:.4f}  "
           f"KL {f.kl:.5f}  ppl {f.ppl_ratio:.4f}", flush=True)

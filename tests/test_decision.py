@@ -8,13 +8,16 @@ from kvcal.profile.search import Point
 TARGET = {"top1": 0.97, "ppl_ratio": 1.02, "z": 1.5}
 
 
-def _point(label, bytes_ratio, feasible=True):
+def _point(label, bytes_ratio, feasible=True, kl=None):
+    """A search point; its KL on the search text falls as bytes grow unless given."""
     return Point(stage="precision", label=label, settings={"high": label}, bytes_ratio=bytes_ratio, top1=0.99,
-                 kl=0.0, ppl_ratio=1.0, tiers={}, feasible=feasible, seconds=0.0, predictions=512)
+                 kl=1 - bytes_ratio if kl is None else kl, ppl_ratio=1.0, tiers={}, feasible=feasible, seconds=0.0,
+                 predictions=512)
 
 
 def _fid(top1):
-    return {"top1": top1, "ppl_ratio": 1.0, "kl": 0.0, "predictions": 512, "memory": {"ratio_to_fp16": 0.5}}
+    return {"top1": top1, "ppl_ratio": 1.0, "kl": 0.0, "predictions": 512, "memory": {"ratio_to_fp16": 0.5},
+            "top1_windows": [top1] * 4}
 
 
 def _decide(path, quality, max_checks):
@@ -33,6 +36,29 @@ def test_the_candidates_are_the_feasible_dearer_points_each_settings_once():
             _point("K8V4 again", 0.44), _point("K2V2", 0.20), _point("K8V8", 0.56)]
     path[4].settings = dict(path[1].settings)              # measured twice: one candidate
     assert [p.label for p in frontier(path[0], path)] == ["K4V4", "K8V4", "K8V4g32", "K8V8"]
+
+
+def test_a_dearer_point_no_closer_to_dense_on_the_search_text_is_not_a_candidate():
+    path = [_point("K4V4", 0.30, kl=0.010), _point("K4V4 W=64", 0.32, kl=0.012), _point("K8V4", 0.44, kl=0.004),
+            _point("K8V4 more", 0.46, kl=0.004), _point("K8V8", 0.56, kl=0.001)]
+    assert [p.label for p in frontier(path[0], path)] == ["K4V4", "K8V4", "K8V8"]
+
+
+def test_meeting_as_measured_is_not_enough_while_a_point_meets_at_the_bounds():
+    """0.975 over 512 predictions meets top-1 0.97 as measured, not at its Wilson bound (z = 1.5): the bisection
+    goes on to the cheapest point that meets there."""
+    path = [_point(f"p{i}", 0.30 + 0.01 * i) for i in range(5)]
+    quality = {"p0": 0.975, "p1": 0.975, "p2": 0.99, "p3": 0.99, "p4": 0.99}
+    point, _, checks, checked = _decide(path, quality, max_checks=5)
+    assert checked == ["p0", "p2", "p1"] and point.label == "p2"
+    assert [(c["met"], c["met_at_bounds"]) for c in checks] == [(True, False), (True, True), (True, False)]
+
+
+def test_with_nothing_at_the_bounds_the_cheapest_point_met_as_measured_is_kept():
+    path = [_point(f"p{i}", 0.30 + 0.01 * i) for i in range(3)]
+    point, _, checks, checked = _decide(path, {"p0": 0.96, "p1": 0.975, "p2": 0.976}, max_checks=5)
+    assert checked == ["p0", "p1", "p2"] and point.label == "p1"
+    assert not any(c["met_at_bounds"] for c in checks)
 
 
 def test_a_miss_bisects_to_the_cheapest_safer_point_that_meets():

@@ -14,11 +14,11 @@ from kvcal.runtime.sliding import QuantizedSlidingLayer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _serve(sliding: str | None, steps: int = 12, sliding_layers: tuple = ()):
+def _serve(sliding: str | None, steps: int = 12, sliding_layers: tuple = (), sliding_recent: int = 0):
     model, tok = make_model("gemma3_text")
     bundle = random_bundle(model, tok)
     config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding) if sliding else None,
-                               sliding_layers=sliding_layers)
+                               sliding_layers=sliding_layers, sliding_recent=sliding_recent)
     ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
     cache = KvcalCache.from_bundle(bundle, model, config)
     logits = decode_logits(model, cache, ids, ids.shape[1] - steps)
@@ -104,6 +104,76 @@ def test_settings_codec_and_refusals():
         layer.activate_past_recording()
 
 
+def _layers(recent: int, window: int = 12, d: int = 8):
+    rotation = torch.linalg.qr(torch.randn(1, d, d, generator=torch.Generator().manual_seed(0)))[0]
+    basis = torch.linalg.qr(torch.randn(1, d, d, generator=torch.Generator().manual_seed(1)))[0]
+    return [QuantizedSlidingLayer(window, TierFormat.parse("K4V4m8"), rotation, basis, recent=r) for r in (0, recent)]
+
+
+def test_the_recent_tokens_stay_as_they_came_and_the_older_ones_as_without_them():
+    """`sliding_recent`: the newest r tokens are read back exactly and cost 2 bytes an element; a token that leaves
+    them is quantized from what came, so it reads back as a layer without recent tokens stores it."""
+    r, window = 4, 12
+    plain, with_recent = _layers(r, window)
+    g = torch.Generator().manual_seed(2)
+    seen = []
+    for n in (7, 1, 3, 1, 1, 1, 1, 1, 1, 1):           # a prompt, then decode steps past the window (11 kept)
+        k, v = torch.randn(2, 1, n, 8, generator=g), torch.randn(2, 1, n, 8, generator=g)
+        seen.append(k)
+        (k0, v0), (k1, v1) = plain.update(k, v), with_recent.update(k, v)
+        assert k1.shape == k0.shape and v1.shape == v0.shape
+        past = torch.cat(seen, -2)[:, :, -k1.shape[-2]:]
+        held = k1.shape[-2] - n                          # tokens read from the cache, the new ones after them
+        newest = min(r, held)
+        torch.testing.assert_close(k1[:, :, held - newest:], past[:, :, held - newest:], rtol=0, atol=0)
+        torch.testing.assert_close(k1[:, :, :held - newest], k0[:, :, :held - newest], rtol=0, atol=0)
+        torch.testing.assert_close(v1[:, :, :held - newest], v0[:, :, :held - newest], rtol=0, atol=0)
+        assert not torch.equal(k0[:, :, held - newest:held], past[:, :, held - newest:held]) or newest == 0
+    assert with_recent.tokens_held() == plain.tokens_held() == 2 * (window - 1)
+    row = plain.held_bytes() // plain.tokens_held()
+    assert with_recent.held_bytes() == 2 * ((window - 1 - r) * row + r * 2 * 8 * 2)
+
+
+def test_recent_tokens_follow_batch_edits_and_crop():
+    plain, layer = _layers(4)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(3, 1, 8, 8, generator=g), torch.randn(3, 1, 8, 8, generator=g)
+    for each in (plain, layer):
+        each.update(k, v)
+        each.batch_select_indices(torch.tensor([2, 0]))
+    quantized, _ = plain.update(k[:2, :, :1], v[:2, :, :1])
+    keys, _ = layer.update(k[:2, :, :1], v[:2, :, :1])
+    torch.testing.assert_close(keys[:, :, 4:8], k[[2, 0], :, 4:8], rtol=0, atol=0)     # the recent ones
+    layer.crop(-3)              # 9 held (tokens 0-4 quantized, 5-8 recent): the 3 newest go, all recent ones
+    assert layer.get_seq_length() == 6 and layer.tokens_held() == 2 * 6
+    again, _ = layer.update(k[:2, :, :1], v[:2, :, :1])
+    torch.testing.assert_close(again[:, :, :5], quantized[:, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(again[:, :, 5], k[[2, 0], :, 5], rtol=0, atol=0)
+
+
+def test_recent_tokens_in_the_cache_settings_and_bytes():
+    logits, cache, model = _serve("K4V4", sliding_recent=6)
+    plain_logits, plain, _ = _serve("K4V4")
+    dense_logits, _, _ = _serve(None)
+    window, d, H = model.config.sliding_window, model.config.head_dim, model.config.num_key_value_heads
+    n = sum(layer.is_sliding for layer in cache.layers)
+    per_token = quant.packed_size(d, 4) * 2 + 2 * 4
+    assert cache.memory()["sliding_bytes"] == n * 2 * H * ((window - 1 - 6) * per_token + 6 * d * 2 * 2)
+    p = torch.log_softmax(dense_logits, -1)
+
+    def kl(x):
+        q = torch.log_softmax(x, -1)
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    assert kl(logits) < kl(plain_logits)
+    config = CompressionConfig(sliding=TierFormat.parse("K4V4"), sliding_recent=6)
+    assert config.to_dict()["sliding_recent"] == 6 and CompressionConfig.from_dict(config.to_dict()) == config
+    assert "sliding_recent" not in CompressionConfig(sliding=TierFormat.parse("K4V4")).to_dict()
+    for bad in ({"sliding_recent": -1, "sliding": TierFormat.parse("K4V4")}, {"sliding_recent": 4}):
+        with pytest.raises(ValueError, match="must be a non-negative integer, and 0 unless"):
+            CompressionConfig(**bad)
+
+
 def test_the_manifest_export_refuses_quantized_sliding_layers(tmp_path):
     from kvcal.export import export_manifest
 
@@ -134,6 +204,27 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
             assert tried == [n for n in SLIDING_FORMATS if "kg32" not in n]
             assert chosen.settings["sliding"] == SLIDING_FORMATS[-1]
             assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
+
+
+def test_the_search_offers_recent_tokens_next_to_its_choice_and_never_keeps_them():
+    """Stage 6 measures the chosen point with the sliding layers' newest tokens at 16 bits, for the decision: more
+    bytes, closer to dense; a point without quantized sliding layers gets none."""
+    from kvcal.profile.quality import DecodeProbe, QualityTarget
+    from kvcal.profile.search import SLIDING_RECENT, Search
+
+    model, tok = make_model("gemma3_text")
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids[:, :44]
+    search = Search(DecodeProbe(model, bundle, ids[:, :32], ids[:, 32:]), bundle, QualityTarget(top1=0.0,
+                                                                                                ppl_ratio=10.0))
+    dense = search.measure("precision", "fp16", CompressionConfig(high=TierFormat(16, 16)))
+    search.recent(dense)
+    assert len(search.path) == 1
+    chosen = search.measure("sliding", "sliding layers K4V2", dense.config.with_(sliding=TierFormat.parse("K4V2")))
+    search.recent(chosen)
+    recent = [p for p in search.path if p.stage == "recent"]
+    assert [p.settings.get("sliding_recent") for p in recent] == list(SLIDING_RECENT)
+    assert all(chosen.bytes_ratio < p.bytes_ratio for p in recent) and all(p.kl < chosen.kl for p in recent)
 
 
 def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_bytes():

@@ -67,7 +67,8 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
         if p.alpha_low > 0:
             parts.append(f"tokens below {p.alpha_low:g}/N dropped")
     if config.sliding is not None:
-        parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)})")
+        recent = f", the {config.sliding_recent} newest tokens at 16 bits" if config.sliding_recent else ""
+        parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)}){recent}")
     parts += _per_layer("sliding layers", config.sliding_layers)
     if config.smooth:
         parts.append("keys smoothed per rotated channel, the queries carrying the factors (bundle `qk.smoothing`)")
@@ -92,13 +93,14 @@ def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
             f"{ratio:.3f} of fp16, {1 / ratio:.2f}x compression")
 
 
-def held_out_met(held_out: dict, target: dict) -> bool:
-    """Whether a configuration meets the quality target on evaluation text, as measured: `QualityTarget.met` at
-    z = 0. The search and `kvcal bench` ask for top-1 at the target's bounds (`target["z"]`), so a bundle at the
-    target's edge can meet here and miss there; docs/calibration.md ("The decision") says why the check does not.
-    held_out: {top1, ppl_ratio, ...}; target: {top1, ppl_ratio, ...} (the report's JSON)."""
-    as_measured = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=0.0)
-    return as_measured.met(SimpleNamespace(top1=held_out["top1"], predictions=0, ppl_ratio=held_out["ppl_ratio"]))
+def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
+    """Whether a configuration meets the quality target on evaluation text: as measured (`QualityTarget.met` at
+    z = 0), or, `at_bounds`, at the target's own bounds (`target["z"]`: what the search and `kvcal bench` ask for).
+    docs/calibration.md ("The decision") says how the decision uses each.
+    held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
+    rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=target["z"] if at_bounds else 0.0)
+    return rule.met(SimpleNamespace(top1=held_out["top1"], predictions=held_out.get("predictions", 0),
+                                    ppl_ratio=held_out["ppl_ratio"], top1_windows=held_out.get("top1_windows")))
 
 
 def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:

@@ -19,6 +19,7 @@ order:
     low_layers        {layer: str}  low-tier format of these layers instead of `low` (bits where they matter; same
                                     key mode and groups as `low`, other bits); absent = `low` everywhere
     sliding_layers    {layer: str}  format of these sliding-window layers instead of `sliding`; absent = `sliding`
+    sliding_recent    int    newest tokens each quantized sliding-window layer keeps at 16 bits; written only when > 0
     smooth            bool   channel smoothing (bundle `qk.smoothing`: keys / D, queries * D); written only when true
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
@@ -39,7 +40,7 @@ from kvcal.runtime.streamingllm import StreamingLLMConfig
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
-                 "sliding_layers", "smooth")
+                 "sliding_layers", "sliding_recent", "smooth")
 # keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
 _TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
                     "streamingllm": StreamingLLMConfig}
@@ -73,6 +74,7 @@ class CompressionConfig:
     low_layers: tuple[tuple[int, TierFormat], ...] = ()
     # (layer, format) pairs, ascending by layer: these sliding-window layers in `format` instead of `sliding`
     sliding_layers: tuple[tuple[int, TierFormat], ...] = ()
+    sliding_recent: int = 0       # newest tokens a quantized sliding-window layer keeps unquantized (KIVI's residual)
 
     def __post_init__(self):
         for layer, fmt in self.low_layers:
@@ -90,6 +92,10 @@ class CompressionConfig:
                 check_sliding_format(fmt)
         if self.sliding_layers and self.sliding is None:
             raise ValueError("`sliding_layers` overrides `sliding` for some layers; set `sliding` too")
+        if not isinstance(self.sliding_recent, int) or self.sliding_recent < 0 \
+                or (self.sliding_recent and self.sliding is None):
+            raise ValueError(f"`sliding_recent={self.sliding_recent!r}` must be a non-negative integer, and 0 unless "
+                             "`sliding` quantizes the sliding-window layers")
         if self.smooth and (self.static_keys or not self.rotate):
             raise ValueError("channel smoothing (`smooth`) scales the rotated key coordinates: serve it with "
                              "`rotate=True` and without static (K…s) key tiers")
@@ -177,6 +183,8 @@ class CompressionConfig:
         for name in ("low_layers", "sliding_layers"):
             if getattr(self, name):
                 out[name] = {str(layer): fmt.name for layer, fmt in getattr(self, name)}
+        if self.sliding_recent:
+            out["sliding_recent"] = self.sliding_recent
         if self.smooth:
             out["smooth"] = True
         return out
@@ -197,7 +205,8 @@ class CompressionConfig:
                        page_tokens=d.get("page_tokens"),
                        sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None,
                        low_layers=_layer_formats(d.get("low_layers", {})),
-                       sliding_layers=_layer_formats(d.get("sliding_layers", {})), smooth=bool(d.get("smooth")),
+                       sliding_layers=_layer_formats(d.get("sliding_layers", {})),
+                       sliding_recent=d.get("sliding_recent", 0), smooth=bool(d.get("smooth")),
                        **policies)
 
 

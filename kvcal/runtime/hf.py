@@ -178,7 +178,7 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
-        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0])
+        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0], self.config.sliding_recent)
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:

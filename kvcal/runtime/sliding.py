@@ -17,6 +17,14 @@ Storage, per (sequence, KV head, kept token): one uint8 row per tensor,
 so the parent's slicing along tokens and indexing along sequences act on codes and scales together. `update`
 quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
 attends to itself unquantized, as in the paged runtime), rotated back to the model basis (R, B orthogonal).
+
+With `recent` > 0 (`CompressionConfig.sliding_recent`, KIVI's full-precision residual), the newest `recent` tokens
+stay as they came, in the model's dtype and counted at 16 bits, and a token is quantized once it leaves them:
+
+    recent_keys, recent_values   [B, H, r, d]   r <= recent, the newest tokens, oldest first
+
+A local layer's queries put most of their weight on the last few tokens, so these are where quantization error
+costs most (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -43,10 +51,10 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
     rotation R D M (kvcal.runtime.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself."""
 
     def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
-                 query_rotation: torch.Tensor | None = None):
+                 query_rotation: torch.Tensor | None = None, recent: int = 0):
         check_sliding_format(fmt)
         super().__init__(sliding_window)
-        self.fmt, self.rotation, self.basis = fmt, rotation, basis
+        self.fmt, self.rotation, self.basis, self.recent = fmt, rotation, basis, recent
         self.key_inverse_t = rotation if query_rotation is None else query_rotation
         d = rotation.shape[-1]
         self.head_dim = d
@@ -63,6 +71,7 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
                                 device=self.device)
         self.values = torch.empty(B, H, 0, self._row(self.v_bytes, self.fmt.v_group), dtype=torch.uint8,
                                   device=self.device)
+        self.recent_keys, self.recent_values = key_states[:, :, :0], value_states[:, :, :0]
 
     def activate_past_recording(self):
         raise NotImplementedError("a quantized sliding layer keeps no tokens beyond its window, so it cannot be "
@@ -93,20 +102,61 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         fmt = self.fmt
-        old_k = self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes)
-        old_v = self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes)
-        new_k = self._encode(key_states, self.rotation, fmt.k_bits, fmt.k_group)
-        new_v = self._encode(value_states, self.basis, fmt.v_bits, fmt.v_group)
-        self.cumulative_length += key_states.shape[-2]
+        old_k = torch.cat([self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes),
+                           self.recent_keys], -2)
+        old_v = torch.cat([self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes),
+                           self.recent_values], -2)
         keep = self.sliding_window - 1
-        self.keys = torch.cat([self.keys, new_k], -2)[:, :, -keep:]
-        self.values = torch.cat([self.values, new_v], -2)[:, :, -keep:]
+        unquantized_k = torch.cat([self.recent_keys, key_states], -2)[:, :, -keep:]
+        unquantized_v = torch.cat([self.recent_values, value_states], -2)[:, :, -keep:]
+        leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now
+        new_k = self._encode(unquantized_k[:, :, :leaving], self.rotation, fmt.k_bits, fmt.k_group)
+        new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
+        self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
+        self.cumulative_length += key_states.shape[-2]
+        rows = keep - self.recent_keys.shape[-2]
+        self.keys = torch.cat([self.keys, new_k], -2)[:, :, max(self.keys.shape[-2] + leaving - rows, 0):]
+        self.values = torch.cat([self.values, new_v], -2)[:, :, max(self.values.shape[-2] + leaving - rows, 0):]
         return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
 
+    # the recent tokens follow the rows through generate's edits of the batch
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.is_initialized:
+            self.recent_keys, self.recent_values = self.recent_keys[indices], self.recent_values[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.is_initialized:
+            self.recent_keys = self.recent_keys.repeat_interleave(repeats, dim=0)
+            self.recent_values = self.recent_values.repeat_interleave(repeats, dim=0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest `-tokens_to_remove` tokens (before the window fills; transformers' rules), the recent
+        ones first."""
+        if self.recent == 0 or tokens_to_remove >= 0 or not self.is_initialized \
+                or self.get_seq_length() >= self.sliding_window:
+            super().crop(tokens_to_remove)
+            return
+        n = min(-tokens_to_remove, self.get_seq_length())
+        from_recent = min(n, self.recent_keys.shape[-2])
+        r = self.recent_keys.shape[-2] - from_recent
+        self.recent_keys, self.recent_values = self.recent_keys[:, :, :r], self.recent_values[:, :, :r]
+        rows = self.keys.shape[-2] - (n - from_recent)
+        self.keys, self.values = self.keys[:, :, :rows], self.values[:, :, :rows]
+        self.cumulative_length -= n
+
     def held_bytes(self) -> int:
-        """Bytes of the kept tokens: codes and (scale, zero), nothing else."""
-        return self.keys.numel() + self.values.numel() if self.is_initialized else 0
+        """Bytes of the kept tokens: codes and (scale, zero), and the recent tokens at 16 bits; nothing else."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() + self.values.numel() + 2 * (self.recent_keys.numel() + self.recent_values.numel())
 
     def tokens_held(self) -> int:
         """B x H x kept tokens (for the fp16 reference)."""
-        return self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2] if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        return self.keys.shape[0] * self.keys.shape[1] * (self.keys.shape[2] + self.recent_keys.shape[2])
