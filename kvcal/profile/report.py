@@ -98,7 +98,8 @@ def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
     z = 0), or, `at_bounds`, at the target's own bounds (`target["z"]`: what the search and `kvcal bench` ask for).
     docs/calibration.md ("The decision") says how the decision uses each.
     held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
-    rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=target["z"] if at_bounds else 0.0)
+    z = target.get("z", QualityTarget.z) if at_bounds else 0.0
+    rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=z)
     return rule.met(SimpleNamespace(top1=held_out["top1"], predictions=held_out.get("predictions", 0),
                                     ppl_ratio=held_out["ppl_ratio"], top1_windows=held_out.get("top1_windows")))
 
