@@ -167,25 +167,25 @@ def test_search_bar_shows_stage_points_and_what_is_measured():
 
     bar = SearchBar(Console(width=100), quiet=True)
     bar.step("prefill", "dense prefill of 16 x 512 tokens", None)
-    assert "1/9 dense reference" in _render(bar.get_renderable())
+    assert "1/8 dense reference" in _render(bar.get_renderable())
     bar.step("precision", "K8V4, no tiers", None)
     shown = _render(bar.get_renderable())
-    assert "2/9 precision" in shown and "measuring K8V4, no tiers" in shown and "0 points" in shown
+    assert "2/8 precision" in shown and "measuring K8V4, no tiers" in shown and "0 points" in shown
     bar.step("precision", "K8V4, no tiers", point("precision", "K8V4, no tiers", 20.0))
     bar.step("precision", "K8V4g32, no tiers", point("precision", "K8V4g32, no tiers", 30.0))
     bar.step("tiers", "K8V4g32/K4cV2 a=(1,0)", None)
     shown = _render(bar.get_renderable())
-    assert "3/9 tiers" in shown and "2 points" in shown and "measuring K8V4g32/K4cV2 a=(1,0)" in shown
+    assert "3/8 tiers" in shown and "2 points" in shown and "measuring K8V4g32/K4cV2 a=(1,0)" in shown
     assert "took 25 s on average" in shown
     assert bar.tasks[0].completed == pytest.approx(2.0)           # two stages done, none of this one yet
     # each family alone: its points come as "ranks"/"policies" but the bar does not go back
     bar.step("family", "each family alone", None)
     bar.step("ranks", "qk removal rate 0.010", point("ranks", "qk removal rate 0.010", 10.0))
-    assert "8/9 families alone" in _render(bar.get_renderable())
+    assert "7/8 families alone" in _render(bar.get_renderable())
     bar.step("held-out", "the chosen configuration on evaluation text", None)
     bar.finish()
     shown = _render(bar.get_renderable())
-    assert "9/9 evaluation text" in shown and "3 points" in shown and "measuring" not in shown
+    assert "8/8 evaluation text" in shown and "3 points" in shown and "measuring" not in shown
     assert bar.tasks[0].completed == len(STAGES)
 
 
@@ -199,7 +199,7 @@ def test_calibrate_shows_the_search_bar_and_the_summary_in_words(tiny_dir, text_
                             "--target-top1", "0.999"], env={"COLUMNS": "100"})
     assert r.exit_code in (0, 3), r.output      # 3: nothing met the target on evaluation text
     err = r.stderr
-    assert re.search(r"search 9/9 evaluation text\s+━+\s+\d+ points \d:\d\d:\d\d", err), err
+    assert re.search(r"search 8/8 evaluation text\s+━+\s+\d+ points \d:\d\d:\d\d", err), err
     text = " ".join(r.stdout.split())
     assert "stored every token as K8V" in text and "bytes per token against 256 in fp16" in text
     assert "search text: top-1" in text and "evaluation text: top-1" in text

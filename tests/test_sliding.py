@@ -206,27 +206,6 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
             assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
 
 
-def test_the_search_offers_recent_tokens_next_to_its_choice_and_never_keeps_them():
-    """Stage 6 measures the chosen point with the sliding layers' newest tokens at 16 bits, for the decision: more
-    bytes, closer to dense; a point without quantized sliding layers gets none."""
-    from kvcal.profile.quality import DecodeProbe, QualityTarget
-    from kvcal.profile.search import SLIDING_RECENT, Search
-
-    model, tok = make_model("gemma3_text")
-    bundle = random_bundle(model, tok)
-    ids = tok([random_text(60, seed=3)], return_tensors="pt").input_ids[:, :44]
-    search = Search(DecodeProbe(model, bundle, ids[:, :32], ids[:, 32:]), bundle, QualityTarget(top1=0.0,
-                                                                                                ppl_ratio=10.0))
-    dense = search.measure("precision", "fp16", CompressionConfig(high=TierFormat(16, 16)))
-    search.recent(dense)
-    assert len(search.path) == 1
-    chosen = search.measure("sliding", "sliding layers K4V2", dense.config.with_(sliding=TierFormat.parse("K4V2")))
-    search.recent(chosen)
-    recent = [p for p in search.path if p.stage == "recent"]
-    assert [p.settings.get("sliding_recent") for p in recent] == list(SLIDING_RECENT)
-    assert all(chosen.bytes_ratio < p.bytes_ratio for p in recent) and all(p.kl < chosen.kl for p in recent)
-
-
 def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_bytes():
     from kvcal.profile.quality import DecodeProbe, QualityTarget
     from kvcal.profile.search import FASTGEN, Search

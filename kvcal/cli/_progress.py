@@ -25,7 +25,6 @@ from kvcal.profile.search import (
     RESIDUAL_HIGHS,
     RESIDUAL_LOW_TIERS,
     RESIDUAL_WINDOWS,
-    SLIDING_RECENT,
 )
 
 RANK_POINTS = 2 * (len(RATE_GRID) + 2)       # QK then V: the grid walk plus two bisection steps each
@@ -38,7 +37,6 @@ STAGE_POINTS = {
                  + len(ALPHA_LOW_GRID)),
     "policies": len(RECOVERY_GRID),
     "ranks": RANK_POINTS,
-    "recent": len(SLIDING_RECENT),
     "family": 1 + RANK_POINTS + len(RECOVERY_GRID),
     "held-out": 1,
 }

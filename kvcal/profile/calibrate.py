@@ -578,14 +578,13 @@ def _malloc_trim():
 
 def frontier(chosen, path: list) -> list:
     """The decision's candidates, cheapest first: `chosen`, then the feasible points of `path` with more bytes, each
-    settings once, that each lower the search's KL below every cheaper candidate's (its Pareto frontier of bytes and
-    KL): a dearer point that is no closer to dense on the search text is not a safer one."""
+    settings once."""
     from kvcal.profile.search import settings_key
 
     seen, order = {settings_key(chosen.settings)}, [chosen]
     for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
-                    key=lambda p: (p.bytes_ratio, p.kl)):
-        if settings_key(p.settings) not in seen and p.kl < min(q.kl for q in order):
+                    key=lambda p: p.bytes_ratio):
+        if settings_key(p.settings) not in seen:
             seen.add(settings_key(p.settings))
             order.append(p)
     return order
@@ -593,11 +592,10 @@ def frontier(chosen, path: list) -> list:
 
 def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -> tuple:
     """The decision that has to hold on evaluation text: `check(point)` measures a point there (a Fidelity dict).
-    The search's `chosen` point is checked first; if it misses the target at its bounds (as `kvcal bench` asks), a
-    bisection over the rest of its `frontier` looks for the cheapest candidate that meets them, taking quality on
-    evaluation text to grow along the frontier, in at most `max_checks` checks in all. Returns (point, its check,
-    every check as a row): the cheapest candidate found that meets `target` at its bounds; if none checked does, the
-    cheapest that meets it as measured (z = 0); if none does, the one checked with the best top-1."""
+    The search's `chosen` point is checked first; if it misses, a bisection over the rest of its `frontier` looks
+    for the cheapest candidate that meets, taking quality on evaluation text to grow along the frontier, in at most
+    `max_checks` checks in all. Returns (point, its check, every check as a row): the cheapest candidate found that
+    meets `target`, or, if none checked does, the one checked with the best top-1."""
     from kvcal.profile.report import held_out_met
 
     order = frontier(chosen, path)
@@ -605,10 +603,10 @@ def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -
 
     def meets(i: int) -> bool:
         fids[i] = check(order[i])
-        at_bounds = held_out_met(fids[i], target, at_bounds=True)
-        checks.append({"label": order[i].label, "settings": order[i].settings, "met": held_out_met(fids[i], target),
-                       "met_at_bounds": at_bounds, **_brief(fids[i])})
-        return at_bounds
+        met = held_out_met(fids[i], target)
+        checks.append({"label": order[i].label, "settings": order[i].settings, "met": met,
+                       "met_at_bounds": held_out_met(fids[i], target, at_bounds=True), **_brief(fids[i])})
+        return met
 
     lo, hi = 0, len(order)          # order[lo] misses; order[hi] meets (hi == len(order): none known to)
     if meets(0):                    # max_checks >= 1 (CalibrationConfig)
@@ -621,8 +619,7 @@ def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -
             lo = mid
     if hi < len(order):
         return order[hi], fids[hi], checks
-    as_measured = [i for i in sorted(fids) if held_out_met(fids[i], target)]
-    best = as_measured[0] if as_measured else max(fids, key=lambda i: fids[i]["top1"])
+    best = max(fids, key=lambda i: fids[i]["top1"])
     return order[best], fids[best], checks
 
 

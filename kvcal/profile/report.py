@@ -95,8 +95,8 @@ def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
 
 def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
     """Whether a configuration meets the quality target on evaluation text: as measured (`QualityTarget.met` at
-    z = 0), or, `at_bounds`, at the target's own bounds (`target["z"]`: what the search and `kvcal bench` ask for).
-    docs/calibration.md ("The decision") says how the decision uses each.
+    z = 0; what the decision asks), or, `at_bounds`, at the target's own bounds (`target["z"]`: what the search and
+    `kvcal bench` ask, reported beside it). docs/calibration.md ("The decision") says why the decision does not.
     held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
     z = target.get("z", QualityTarget.z) if at_bounds else 0.0
     rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=z)

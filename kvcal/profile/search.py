@@ -37,10 +37,7 @@ Stages, each starting from the previous stage's choice; every measured point is 
    over `RECOVERY_GRID`, descending until the target is missed; kept only if bytes drop. A token FastGen drops is
    pruned whatever its tier; the tokens it keeps are tiered by significance as before;
 5. ranks: the FDC removal rate for QK, then for V, ascending over `RATE_GRID` until the target is missed, refined by
-   bisection; kept only if bytes drop;
-6. recent: where sliding-window layers are quantized, the chosen point with their newest `SLIDING_RECENT` tokens
-   at 16 bits (KIVI's residual inside a local layer's window), measured but never chosen: safer candidates for the
-   decision on evaluation text (`kvcal.profile.calibrate.decide`), at a small cost in bytes.
+   bisection; kept only if bytes drop.
 
 Feasibility is assumed monotone along each grid (more aggressive never gets better), which is what makes early stops
 and bisection valid; the path records every point, so a reader can check that assumption.
@@ -88,7 +85,6 @@ RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
 # sliding windows, by bytes, most precise first; 4-bit keys first with a (scale, zero) per 32 channels, which a
 # head dim of 256 needs (docs/calibration.md, "An 8-bit high tier and key groups in sliding layers")
 SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4kg32m8", "K4V4m8", "K4V2m8")
-SLIDING_RECENT = (16, 32)     # newest tokens a sliding-window layer keeps at 16 bits in the decision's safer points
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -390,16 +386,6 @@ class Search:
         n = self.probe.prompt.shape[1] + self.probe.continuation.shape[1]
         return min(n, self.probe.model.config.sliding_window - 1) if sliding else n
 
-    def recent(self, chosen: Point) -> None:
-        """Safer points next to `chosen`, for the decision on evaluation text (`kvcal.profile.calibrate.decide`):
-        `chosen` with its quantized sliding-window layers' newest `SLIDING_RECENT` tokens at 16 bits
-        (`CompressionConfig.sliding_recent`), each measured. They cost bytes, so the search never keeps one."""
-        if chosen.config.sliding is None:
-            return
-        for tokens in SLIDING_RECENT:
-            self.measure("recent", f"{chosen.label}, the sliding layers' {tokens} newest tokens at 16 bits",
-                         chosen.config.with_(sliding_recent=tokens))
-
     def fastgen_patterns(self, start: Point) -> Point:
         """FastGen recovery thresholds on top of `start`, most conservative first."""
         best = start
@@ -475,7 +461,6 @@ class Search:
             chosen = self.layer_bits(chosen)
             chosen = self.fastgen_patterns(chosen)
             chosen = self.ranks(chosen)
-            self.recent(chosen)
         if chosen is None:
             logger.warning("no candidate met the quality target (%s); keeping the most precise one measured",
                            self.target)
