@@ -114,9 +114,9 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
         self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
         self.cumulative_length += key_states.shape[-2]
-        rows = keep - self.recent_keys.shape[-2]
-        self.keys = torch.cat([self.keys, new_k], -2)[:, :, max(self.keys.shape[-2] + leaving - rows, 0):]
-        self.values = torch.cat([self.values, new_v], -2)[:, :, max(self.values.shape[-2] + leaving - rows, 0):]
+        rows = keep - self.recent_keys.shape[-2]          # quantized tokens the window still holds
+        self.keys, self.values = (_last(torch.cat([old, new], -2), rows)
+                                  for old, new in ((self.keys, new_k), (self.values, new_v)))
         return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
 
     # the recent tokens follow the rows through generate's edits of the batch
@@ -160,3 +160,8 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             return 0
         return self.keys.shape[0] * self.keys.shape[1] * (self.keys.shape[2] + self.recent_keys.shape[2])
+
+
+def _last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n tokens of x [B, H, tokens, ...] (all of them if fewer, none if n = 0)."""
+    return x[:, :, max(x.shape[2] - n, 0):]
