@@ -30,12 +30,13 @@ from kvcal.models import load_model
 from kvcal.profile.codebooks import encode as nearest
 from kvcal.profile.codebooks import fit_codebooks
 from kvcal.profile.quality import DecodeProbe
+from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime import quant
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 
-RESIDUAL = CompressionConfig(high=TierFormat.parse("K16V16"), page_tokens=32, use_ranks=False).with_tiering(
-    window=16, alpha_high=64.0, alpha_low=0.0)
+RESIDUAL = CompressionConfig(high=TierFormat.parse("K16V16"), page_tokens=RESIDUAL_PAGE_TOKENS,
+                             use_ranks=False).with_tiering(window=16, alpha_high=64.0, alpha_low=0.0)
 SAMPLES_PER_PAGE = 2000
 
 

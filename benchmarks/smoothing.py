@@ -24,12 +24,13 @@ from kvcal.models import load_model
 from kvcal.profile.calibrate import key_range_pass
 from kvcal.profile.key_ranges import DEFAULT_PERCENTILE, DEFAULT_WINDOWS, spread_windows
 from kvcal.profile.quality import DecodeProbe
+from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 
 FULL = CompressionConfig(use_ranks=False)
-RESIDUAL = FULL.with_(high=TierFormat.parse("K16V16"), page_tokens=32).with_tiering(window=16, alpha_high=64.0,
-                                                                                     alpha_low=0.0)
+RESIDUAL = FULL.with_(high=TierFormat.parse("K16V16"), page_tokens=RESIDUAL_PAGE_TOKENS).with_tiering(
+    window=16, alpha_high=64.0, alpha_low=0.0)
 ROWS = {
     "K8V4 per-token": FULL,
     "K4V4 per-token": FULL.with_(high=TierFormat.parse("K4V4")),
