@@ -3,12 +3,13 @@
     python benchmarks/format_swaps.py --model gemma3-270m --bundle gemma3-270m.kvcal.safetensors \
         --swap=-/-/- --swap=K8V4m8/K4cV2m8/K4V4kg32m8 --json docs/results/format-swaps-gemma3-270m.json
 
-Each `--swap` is `HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]`: tier formats (`TierFormat.parse`) for the high
-tier, the low tier and the sliding-window layers, `-` keeping the bundle's (write `--swap=-/-/-`: argparse reads a
-value that starts with `-` as an option); after `@`, the tiering, with the low tier in pages of the residual family's
-size (`RESIDUAL_PAGE_TOKENS`) and no token policy (FastGen) on top. Every row runs at full rank on the evaluation
-split's first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, 32 tokens a pass), the same windows
-for all.
+Each `--swap` is `HIGH/LOW/SLIDING[+RECENT][@WINDOW,ALPHA_HIGH,ALPHA_LOW]`: tier formats (`TierFormat.parse`) for
+the high tier, the low tier and the sliding-window layers, `-` keeping the bundle's; `+RECENT`, the sliding layers'
+newest tokens kept at 16 bits (`sliding_recent`, else none) (write `--swap=-/-/-`: argparse reads a value that
+starts with `-` as an option); after `@`, the tiering, with the low tier in pages of the residual family's size
+(`RESIDUAL_PAGE_TOKENS`) and no token policy (FastGen) on top. Every row runs at full rank on the evaluation split's
+first 4 windows (767 prompt + 256 teacher-forced tokens, batched probe, `--chunk` tokens a pass: 32, or 1 for
+stepwise decode as the calibration's decision measures), the same windows for all.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
     parts = formats.split("/")
     if len(parts) != 3:
         raise SystemExit(f"--swap {swap!r} must name three formats, HIGH/LOW/SLIDING ('-' keeps the bundle's)")
+    parts[2], _, recent = parts[2].partition("+")
     changes = {field: TierFormat.parse(spec) for field, spec in zip(("high", "low", "sliding"), parts) if spec != "-"}
-    config = config.with_(**changes)
+    config = config.with_(**changes, **({"sliding_recent": int(recent)} if recent else {}))
     if tiering:
         window, alpha_high, alpha_low = tiering.split(",")
         config = config.with_(page_tokens=RESIDUAL_PAGE_TOKENS, fastgen=None).with_tiering(
@@ -72,13 +74,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--bundle", required=True, help="a bundle of --model")
-    ap.add_argument("--swap", action="append", required=True, help="HIGH/LOW/SLIDING[@WINDOW,ALPHA_HIGH,ALPHA_LOW]")
+    ap.add_argument("--swap", action="append", required=True,
+                    help="HIGH/LOW/SLIDING[+RECENT][@WINDOW,ALPHA_HIGH,ALPHA_LOW]")
+    ap.add_argument("--chunk", type=int, default=32, help="continuation tokens a forward pass (1: stepwise)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
     probe, bundle = eval_probe(args.model, args.bundle)
     own = CompressionConfig.from_dict(bundle.settings).with_(use_ranks=False)
-    rows = [measured_row(probe, swapped(own, swap), swap=swap) for swap in args.swap]
+    rows = [measured_row(probe, swapped(own, swap), args.chunk, swap=swap) for swap in args.swap]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "bundle_settings": bundle.settings, "rows": rows}, fh, indent=2)
