@@ -1,0 +1,38 @@
+"""A copy of a bundle whose settings are a `format_swaps.py` swap of its own, to put a hand-set configuration through
+`kvcal bench` (its `kvcal-joint` row serves the bundle's settings).
+
+    python benchmarks/with_settings.py --bundle gemma3-270m.kvcal.safetensors \
+        --swap=K8V8m8/K8cV4m8/K8V4m8+16@32,256,0 --out gemma3-270m-hand.kvcal.safetensors
+
+The copy records the swap under `calibration["hand_set"]`, so a reader of the bench can tell it from a calibrated one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from format_swaps import swapped
+
+from kvcal.bundle import load_bundle, save_bundle
+from kvcal.runtime.config import CompressionConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--swap", required=True, help="HIGH/LOW/SLIDING[+RECENT][@WINDOW,ALPHA_HIGH,ALPHA_LOW]")
+    ap.add_argument("--out", required=True, help="a new file (an existing one is refused)")
+    args = ap.parse_args()
+    if Path(args.out).exists():
+        raise SystemExit(f"--out {args.out} exists; name a new file")
+    bundle = load_bundle(args.bundle)
+    config = swapped(CompressionConfig.from_dict(bundle.settings), args.swap)
+    calibration = {**bundle.calibration, "hand_set": args.swap}
+    save_bundle(dataclasses.replace(bundle, settings=config.to_dict(), calibration=calibration), args.out)
+    print(f"{args.out}: {config.to_dict()}")
+
+
+if __name__ == "__main__":
+    main()
