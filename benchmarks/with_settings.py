@@ -11,22 +11,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from format_swaps import swapped
 
 from kvcal.bundle import load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
+from kvcal.safe_paths import check_bundle_out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--swap", required=True, help="HIGH/LOW/SLIDING[+RECENT][@WINDOW,ALPHA_HIGH,ALPHA_LOW]")
-    ap.add_argument("--out", required=True, help="a new file (an existing one is refused)")
+    ap.add_argument("--out", required=True, help="the copy (an existing file is refused unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a kvcal bundle already at --out")
     args = ap.parse_args()
-    if Path(args.out).exists():
-        raise SystemExit(f"--out {args.out} exists; name a new file")
+    try:
+        check_bundle_out(args.out, overwrite=args.overwrite, inputs=[args.bundle])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     bundle = load_bundle(args.bundle)
     config = swapped(CompressionConfig.from_dict(bundle.settings), args.swap)
     calibration = {**bundle.calibration, "hand_set": args.swap}
