@@ -196,13 +196,14 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
         search = Search(probe, bundle, QualityTarget(top1=0.0, ppl_ratio=10.0))
         start = search.measure("precision", "fp16", CompressionConfig(high=TierFormat(16, 16)))
         chosen = search.sliding(start)
-        tried = [p.settings.get("sliding") for p in search.path if p.stage == "sliding"]
+        tried = [p.settings.get("sliding") + (f"+{p.settings['sliding_recent']}" if "sliding_recent" in p.settings
+                                              else "") for p in search.path if p.stage == "sliding"]
         if kind == "llama":
             assert chosen is start and tried == []
         else:                        # a target anything meets: every format is tried, the cheapest kept; at head dim
             # 32 a key group of 32 channels is the ungrouped format, not tried twice
             assert tried == [n for n in SLIDING_FORMATS if "kg32" not in n]
-            assert chosen.settings["sliding"] == SLIDING_FORMATS[-1]
+            assert chosen.settings["sliding"] == SLIDING_FORMATS[-1] and "sliding_recent" not in chosen.settings
             assert chosen.bytes_ratio < start.bytes_ratio and isinstance(chosen, Point)
 
 

@@ -25,9 +25,10 @@ Stages, each starting from the previous stage's choice; every measured point is 
    later one while it costs under `MIN_GAIN` more bytes: quality the later stages can spend), then (by bisection)
    shorter windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
    Models with sliding-window layers (Gemma3) then walk `SLIDING_FORMATS` for those layers' window
-   (`CompressionConfig.sliding`, per-token formats in the rotated basis), cheaper and cheaper until the target is
-   missed; kept only if bytes drop. Where the windows hold most of the bytes at the probe's context, this runs first,
-   right after the precision stage, and the tiers build on it (`Search.run`);
+   (`CompressionConfig.sliding`, per-token formats in the rotated basis, some with the window's newest tokens at 16
+   bits: `sliding_recent`), cheaper and cheaper until the target is missed; kept only if bytes drop. Where the
+   windows hold most of the bytes at the probe's context, this runs first, right after the precision stage, and the
+   tiers build on it (`Search.run`);
 3. bits: per-layer precision of the low tier and of sliding-window layers, keys and values apart (KVTuner-style;
    `Search.layer_bits`). A one-pass estimate (`sensitivity`, kvcal.profile.sensitivity: Fisher-weighted coding
    error) ranks every (layer, side) by the loss halving its bits adds per byte saved; the steps, least sensitive
@@ -82,9 +83,11 @@ RESIDUAL_LOW_TIERS = ("K8cV4m8", "K4cV4m8", "K4cV2m8", "K2cV2m8")
 RESIDUAL_ALPHA_GRID = (EVERY_TOKEN_LOW, 256.0, 64.0, 16.0, 4.0)
 RESIDUAL_WINDOWS = (32, 16)              # shorter windows tried after the base window, longest first
 RESIDUAL_PAGE_TOKENS = 32                # per-channel key group (KIVI's G = 32)
-# sliding windows, by bytes, most precise first; 4-bit keys first with a (scale, zero) per 32 channels, which a
-# head dim of 256 needs (docs/calibration.md, "An 8-bit high tier and key groups in sliding layers")
-SLIDING_FORMATS = ("K8V8m8", "K8V4m8", "K4V4kg32m8", "K4V4m8", "K4V2m8")
+# sliding windows, by bytes, most precise first; "+r": the window's r newest tokens at 16 bits (`sliding_recent`,
+# where a local layer's 4-bit values lose most: docs/calibration.md, "Where gemma3-270m's error sits"); 4-bit keys
+# first with a (scale, zero) per 32 channels, which a head dim of 256 needs (docs/calibration.md, "An 8-bit high
+# tier and key groups in sliding layers")
+SLIDING_FORMATS = ("K8V8m8", "K8V4m8+32", "K8V4m8+16", "K8V4m8", "K4V4kg32m8", "K4V4m8", "K4V2m8")
 RATE_GRID = (0.01, 0.02, 0.04, 0.08, 0.16, 0.3)   # FDC removal rates, ascending: small models fail early
 RECOVERY_GRID = (0.98, 0.95, 0.9)                  # FastGen T, descending = more aggressive (paper: 0.91-0.98)
 MIN_GAIN = 0.01     # a stage's change is kept only if it saves at least 1% of bytes: not worth risk for less
@@ -196,7 +199,8 @@ class Search:
 
     def measure(self, stage: str, label: str, candidate: CompressionConfig) -> Point:
         if candidate.sliding is not None and "sliding" not in label:   # stages after the sliding one build on it
-            label = f"{label}, sliding layers {candidate.sliding.name}"
+            recent = f"+{candidate.sliding_recent}" if candidate.sliding_recent else ""
+            label = f"{label}, sliding layers {candidate.sliding.name}{recent}"
         settings = candidate.to_dict()
         qk_rank, v_rank = ranks_of(self.bundle, candidate)
         key = self._key(settings, qk_rank, v_rank)
@@ -325,10 +329,11 @@ class Search:
             return start
         best = start
         for name in SLIDING_FORMATS:
-            if not self._groups_split(TierFormat.parse(name)):
+            fmt, _, recent = name.partition("+")
+            if not self._groups_split(TierFormat.parse(fmt)):
                 continue
-            p = self.measure("sliding", f"sliding layers {name} on {start.label}",
-                             start.config.with_(sliding=TierFormat.parse(name)))
+            p = self.measure("sliding", f"sliding layers {name} on {start.label}", start.config.with_(
+                sliding=TierFormat.parse(fmt), sliding_recent=int(recent or 0)))
             if not p.feasible:
                 break
             if _saves(p, best):
