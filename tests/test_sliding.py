@@ -209,7 +209,7 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
 
 def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_bytes():
     from kvcal.profile.quality import DecodeProbe, QualityTarget
-    from kvcal.profile.search import FASTGEN, Search
+    from kvcal.profile.search import FASTGEN, SLIDING_FORMATS, Search
 
     model, tok = make_model("gemma3_text")            # layers: sliding, sliding, full; window 16
     bundle = random_bundle(model, tok)
@@ -225,4 +225,7 @@ def test_the_search_chooses_the_sliding_format_first_where_windows_hold_most_byt
         assert (stages.index("sliding") < stages.index("tiers")) == first
         for p in search.path:                    # every label says what the sliding layers hold
             assert ("sliding" in p.label) == ("sliding" in p.settings), p.label
+        # no stage chooses on dense sliding layers: they start at the ladder's first format
+        assert all(p.settings.get("sliding") for p in search.path if p.stage != "smoothing")
+        assert search.path[stages.index("precision")].settings["sliding"] == SLIDING_FORMATS[0]
         assert result.config.sliding is not None                 # a target anything meets: the cheapest kept

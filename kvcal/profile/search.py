@@ -26,9 +26,9 @@ Stages, each starting from the previous stage's choice; every measured point is 
    shorter windows over `RESIDUAL_WINDOWS`, then pruning over `ALPHA_LOW_GRID`. The cheaper of the two families goes on;
    Models with sliding-window layers (Gemma3) then walk `SLIDING_FORMATS` for those layers' window
    (`CompressionConfig.sliding`, per-token formats in the rotated basis, some with the window's newest tokens at 16
-   bits: `sliding_recent`), cheaper and cheaper until the target is missed; kept only if bytes drop. Where the
-   windows hold most of the bytes at the probe's context, this runs first, right after the precision stage, and the
-   tiers build on it (`Search.run`);
+   bits: `sliding_recent`), cheaper and cheaper until the target is missed; kept only if bytes drop. Every earlier
+   stage already holds them in the first (8-bit) entry. Where the windows hold most of the bytes at the probe's
+   context, this runs first, right after the precision stage, and the tiers build on it (`Search.run`);
 3. bits: per-layer precision of the low tier and of sliding-window layers, keys and values apart (KVTuner-style;
    `Search.layer_bits`). A one-pass estimate (`sensitivity`, kvcal.profile.sensitivity: Fisher-weighted coding
    error) ranks every (layer, side) by the loss halving its bits adds per byte saved; the steps, least sensitive
@@ -330,10 +330,10 @@ class Search:
         best = start
         for name in SLIDING_FORMATS:
             fmt, _, recent = name.partition("+")
-            if not self._groups_split(TierFormat.parse(fmt)):
+            candidate = start.config.with_(sliding=TierFormat.parse(fmt), sliding_recent=int(recent or 0))
+            if not self._groups_split(candidate.sliding) or candidate == start.config:
                 continue
-            p = self.measure("sliding", f"sliding layers {name} on {start.label}", start.config.with_(
-                sliding=TierFormat.parse(fmt), sliding_recent=int(recent or 0)))
+            p = self.measure("sliding", f"sliding layers {name} on {start.label}", candidate)
             if not p.feasible:
                 break
             if _saves(p, best):
@@ -442,16 +442,20 @@ class Search:
         return base.with_(smooth=smooth.kl < plain.kl * (1 - SMOOTHING_MIN_GAIN))
 
     def run(self, base: CompressionConfig) -> SearchResult:
-        """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window. Where sliding
-        windows hold most of the bytes at the probe's context (`sliding_share` > 1/2, Gemma3 at a few thousand
-        tokens), their format is chosen first, so the quality budget goes to the larger share of the bytes; else
-        after the tiers. Channel smoothing is decided first, on the base's high tier (`smoothing`)."""
+        """base: the starting candidate, e.g. `CompressionConfig()` with the calibration's window. Sliding-window
+        layers start every stage in the first, nearly lossless `SLIDING_FORMATS` entry, not dense: a stage that chose
+        on dense sliding layers could spend the whole quality budget and leave them dense. Where those windows hold
+        most of the bytes at the probe's context (`sliding_share` > 1/2, Gemma3 at 1k), the cheaper sliding formats
+        are walked first, so the quality budget goes to the larger share of the bytes; else after the tiers. Channel
+        smoothing is decided first, on the base's high tier (`smoothing`)."""
         base = self.smoothing(base)
+        if "sliding_attention" in self.bundle.model.layer_types:      # nearly lossless, a large share of the bytes
+            base = base.with_(sliding=TierFormat.parse(SLIDING_FORMATS[0]))
         start = self.precision(base)
         sliding_first = start.feasible and self.sliding_share() > 0.5
         if sliding_first:
             start = self.sliding(start)
-            base = base.with_(sliding=start.config.sliding)
+            base = base.with_(sliding=start.config.sliding, sliding_recent=start.config.sliding_recent)
         chosen = start if start.feasible else None
         if start.feasible:
             tiered = self.tiers(start.config)
