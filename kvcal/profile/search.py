@@ -333,7 +333,8 @@ class Search:
             candidate = start.config.with_(sliding=TierFormat.parse(fmt), sliding_recent=int(recent or 0))
             if not self._groups_split(candidate.sliding) or candidate == start.config:
                 continue
-            p = self.measure("sliding", f"sliding layers {name} on {start.label}", candidate)
+            on = start.label.partition(", sliding layers ")[0]      # less the sliding part `measure` adds
+            p = self.measure("sliding", f"sliding layers {name} on {on}", candidate)
             if not p.feasible:
                 break
             if _saves(p, best):
