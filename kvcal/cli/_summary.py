@@ -34,8 +34,10 @@ def verdict(held_out: dict, target: dict) -> Text:
     if held_out_met(held_out, target, at_bounds=True):
         return Text.assemble(("TARGET MET", "bold green"), f" on evaluation text ({rule}).")
     if held_out_met(held_out, target):
+        margin = min(round(target["top1"] + 0.01, 3), 0.999)    # docs/bench.md, "gemma3-270m at 4k"
         return Text.assemble(("TARGET MET", "bold green"), f" on evaluation text ({rule}), as measured; not at its "
-                             "bounds, which `kvcal bench` asks for: it may report a miss.")
+                             "bounds, which `kvcal bench` asks for: it may report a miss. For a margin, calibrate "
+                             f"with `--target-top1 {margin:g}`.")
     return Text.assemble(("TARGET NOT MET", "bold red"), f" on evaluation text ({rule}): top-1 "
                          f"{held_out['top1']:.3f}, perplexity ratio {held_out['ppl_ratio']:.3f}. The bundle is "
                          "written; the report lists every point measured.")
