@@ -383,6 +383,30 @@ def test_bench_table_and_one_line_errors(bundle_path, tiny_dir, text_file, tmp_p
     assert r.exit_code == 1 and "calibrate this model" in r.stderr
 
 
+def test_target_top1_judges_against_another_target(bundle_path, tiny_dir, text_file, tmp_path):
+    """`--target-top1` replaces the bundle's top-1 target, and the report says where the target came from; the
+    measurements are the same run's whatever the target."""
+    reports = {}
+    for top1 in (None, 0.01, 1.0):
+        extra = [] if top1 is None else ["--target-top1", str(top1)]
+        r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--out",
+                                str(tmp_path / f"o{top1}"), "--dataset", str(text_file), "--methods", "dense",
+                                "--json", *QUICK, *extra])
+        assert r.exit_code == 0, r.output
+        reports[top1] = json.loads(r.stdout)
+    target = {k: reports[k]["bundle"]["target"] for k in reports}
+    assert target[None]["source"] == "bundle" and target[None]["top1"] == 0.5          # the calibration's
+    assert target[0.01]["source"] == target[1.0]["source"] == "command line" and target[1.0]["top1"] == 1.0
+    for k in reports:
+        assert validate(reports[k]) == []
+    joint = {k: next(m for m in reports[k]["methods"] if m["key"] == "kvcal-joint")["quality"] for k in reports}
+    assert joint[0.01]["top1"] == joint[1.0]["top1"] < 1.0
+    assert joint[0.01]["meets_target"] and not joint[1.0]["meets_target"]
+    r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--target-top1", "1.5",
+                            *QUICK])
+    assert r.exit_code == 1 and "`--target-top1 1.5` must lie in (0, 1]" in r.stderr
+
+
 def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
     """The same measurement through calibrate's search (`Search.measure` -> `Point.feasible`) and through bench
     (`measure_quality` -> `meets_target`) gets the same verdict, including a target that the point estimate meets

@@ -10,7 +10,7 @@ value does not apply.
     model        {name, family, fingerprint, weights_hash, dtype: str; num_layers, num_kv_heads, num_q_heads,
                   head_dim, max_positions, fp16_bytes_per_token: int}
     bundle       {path, sha256: str|null; created, kvcal_version: str; policy: dict;
-                  target: {top1, ppl_ratio, z: number, source: "bundle"|"default"}}
+                  target: {top1, ppl_ratio, z: number, source: "bundle"|"default"|"command line"}}
     environment  {kvcal, torch, transformers, python, platform, machine, cpu, attention_backend: str;
                   cpu_count, torch_threads: int; cuda: bool}
     settings     {quality: {dataset, dataset_sha256, windows_sha256: str; windows, prompt, steps: int},

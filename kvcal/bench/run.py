@@ -25,6 +25,7 @@ random (the runtime's mixing rotation is seeded by its rank).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -69,6 +70,7 @@ class BenchSettings:
     speed_steps: int = 16                 # speed: decode steps averaged per context
     calib_windows: int = 4                # calibration windows (of `prompt` tokens): Palu, KVTuner-style sensitivity
     methods: tuple[str, ...] | None = None   # keys / families / series to run (None: all); kvcal joint always runs
+    target_top1: float | None = None      # top-1 of the quality target (None: the bundle's, `bundle_target`)
     command: str | None = None            # the command line, recorded in the report
 
     QUICK = {"windows": 4, "prompt": 512, "steps": 32, "passkey_lengths": (1024,), "contexts": (1024,),
@@ -88,6 +90,8 @@ class BenchSettings:
             raise ValueError("context and passkey lengths must be >= 1")
         if any(not 0 <= x <= 1 for x in self.passkey_depths):
             raise ValueError(f"passkey depths {self.passkey_depths} must lie in [0, 1]")
+        if self.target_top1 is not None and not 0 < self.target_top1 <= 1:
+            raise ValueError(f"`--target-top1 {self.target_top1:g}` must lie in (0, 1]")
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -258,6 +262,8 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
     torch.manual_seed(settings.seed)
     s = settings
     target, target_source = bundle_target(bundle)
+    if s.target_top1 is not None:       # judged against another target than the bundle was searched for
+        target, target_source = dataclasses.replace(target, top1=s.target_top1), "command line"
     max_pos = adapter.max_positions
     if s.prompt + s.steps + 1 > max_pos:
         raise ValueError(f"`--prompt {s.prompt}` + `--steps {s.steps}` exceeds the model's window ({max_pos} "

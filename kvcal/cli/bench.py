@@ -88,6 +88,9 @@ def bench(
                                                         show_default="1024,4096,16384; 1024 with --quick")] = None,
     speed_steps: Annotated[int | None, typer.Option(help="Speed: decode steps averaged.",
                                                     show_default="16; 8 with --quick")] = None,
+    target_top1: Annotated[float | None, typer.Option(help="Judge 'meets the target' at this top-1 instead of the "
+                                                           "bundle's own target (e.g. a bundle calibrated with a "
+                                                           "margin).", show_default="the bundle's")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     offload: Annotated[bool, typer.Option("--offload", help="Only the KVPR offloading section: modelled step time "
@@ -110,7 +113,7 @@ def bench(
             methods=tuple(x.strip() for x in methods.split(",") if x.strip()) if methods else None,
             windows=windows, prompt=prompt, steps=steps, contexts=_ints(contexts, "contexts"),
             passkey_lengths=_ints(passkey_lengths, "passkey-lengths"), speed_steps=speed_steps,
-            command=" ".join(["kvcal", *sys.argv[1:]]))
+            target_top1=target_top1, command=" ".join(["kvcal", *sys.argv[1:]]))
         from kvcal.runtime.attention import select_backend
 
         select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
