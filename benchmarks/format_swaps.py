@@ -25,7 +25,7 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
 from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
-from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.config import CompressionConfig, split_sliding_spec
 from kvcal.runtime.layout import TierFormat
 
 PROMPT, STEPS, WINDOWS = 767, 256, 4
@@ -60,9 +60,9 @@ def swapped(config: CompressionConfig, swap: str) -> CompressionConfig:
     parts = formats.split("/")
     if len(parts) != 3:
         raise SystemExit(f"--swap {swap!r} must name three formats, HIGH/LOW/SLIDING ('-' keeps the bundle's)")
-    parts[2], _, recent = parts[2].partition("+")
+    parts[2], recent = split_sliding_spec(parts[2])
     changes = {field: TierFormat.parse(spec) for field, spec in zip(("high", "low", "sliding"), parts) if spec != "-"}
-    config = config.with_(**changes, **({"sliding_recent": int(recent)} if recent else {}))
+    config = config.with_(**changes, **({"sliding_recent": recent} if recent is not None else {}))
     if tiering:
         window, alpha_high, alpha_low = tiering.split(",")
         config = config.with_(page_tokens=RESIDUAL_PAGE_TOKENS, fastgen=None).with_tiering(

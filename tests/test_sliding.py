@@ -169,6 +169,10 @@ def test_recent_tokens_in_the_cache_settings_and_bytes():
     config = CompressionConfig(sliding=TierFormat.parse("K4V4"), sliding_recent=6)
     assert config.to_dict()["sliding_recent"] == 6 and CompressionConfig.from_dict(config.to_dict()) == config
     assert "sliding_recent" not in CompressionConfig(sliding=TierFormat.parse("K4V4")).to_dict()
+    from kvcal.runtime.config import split_sliding_spec  # the "+r" spec of the search and benchmarks
+
+    assert config.sliding_spec == "K4V4+6" and split_sliding_spec("K4V4+6") == ("K4V4", 6)
+    assert split_sliding_spec("K4V4") == ("K4V4", None) and CompressionConfig().sliding_spec is None
     for bad in ({"sliding_recent": -1, "sliding": TierFormat.parse("K4V4")}, {"sliding_recent": 4}):
         with pytest.raises(ValueError, match="must be a non-negative integer, and 0 unless"):
             CompressionConfig(**bad)
@@ -196,8 +200,7 @@ def test_the_search_tries_sliding_formats_only_where_layers_slide():
         search = Search(probe, bundle, QualityTarget(top1=0.0, ppl_ratio=10.0))
         start = search.measure("precision", "fp16", CompressionConfig(high=TierFormat(16, 16)))
         chosen = search.sliding(start)
-        tried = [p.settings.get("sliding") + (f"+{p.settings['sliding_recent']}" if "sliding_recent" in p.settings
-                                              else "") for p in search.path if p.stage == "sliding"]
+        tried = [p.config.sliding_spec for p in search.path if p.stage == "sliding"]
         if kind == "llama":
             assert chosen is start and tried == []
         else:                        # a target anything meets: every format is tried, the cheapest kept; at head dim

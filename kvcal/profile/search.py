@@ -59,7 +59,7 @@ import torch
 from kvcal.profile.quality import QualityTarget, wilson_lower  # noqa: F401  (wilson_lower: re-exported)
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.sensitivity import SIDES, halved
-from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.config import CompressionConfig, split_sliding_spec
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import RAW_BITS, TierFormat
@@ -199,8 +199,7 @@ class Search:
 
     def measure(self, stage: str, label: str, candidate: CompressionConfig) -> Point:
         if candidate.sliding is not None and "sliding" not in label:   # stages after the sliding one build on it
-            recent = f"+{candidate.sliding_recent}" if candidate.sliding_recent else ""
-            label = f"{label}, sliding layers {candidate.sliding.name}{recent}"
+            label = f"{label}, sliding layers {candidate.sliding_spec}"
         settings = candidate.to_dict()
         qk_rank, v_rank = ranks_of(self.bundle, candidate)
         key = self._key(settings, qk_rank, v_rank)
@@ -329,8 +328,8 @@ class Search:
             return start
         best = start
         for name in SLIDING_FORMATS:
-            fmt, _, recent = name.partition("+")
-            candidate = start.config.with_(sliding=TierFormat.parse(fmt), sliding_recent=int(recent or 0))
+            fmt, recent = split_sliding_spec(name)
+            candidate = start.config.with_(sliding=TierFormat.parse(fmt), sliding_recent=recent or 0)
             if not self._groups_split(candidate.sliding) or candidate == start.config:
                 continue
             on = start.label.partition(", sliding layers ")[0]      # less the sliding part `measure` adds

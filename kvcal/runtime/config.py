@@ -131,6 +131,13 @@ class CompressionConfig:
         return dict(self.sliding_layers).get(layer, self.sliding)
 
     @property
+    def sliding_spec(self) -> str | None:
+        """`sliding` and `sliding_recent` as one spec, "K8V4m8+16" (`split_sliding_spec` reads it); None: dense."""
+        if self.sliding is None:
+            return None
+        return f"{self.sliding.name}+{self.sliding_recent}" if self.sliding_recent else self.sliding.name
+
+    @property
     def formats(self) -> tuple[TierFormat, ...]:
         """Every tier format the cache may store in its pages (what a backend must serve)."""
         return (self.high, self.low, *(fmt for _, fmt in self.low_layers))
@@ -208,6 +215,12 @@ class CompressionConfig:
                        sliding_layers=_layer_formats(d.get("sliding_layers", {})),
                        sliding_recent=d.get("sliding_recent", 0), smooth=bool(d.get("smooth")),
                        **policies)
+
+
+def split_sliding_spec(spec: str) -> tuple[str, int | None]:
+    """"K8V4m8+16" -> ("K8V4m8", 16): a sliding-window format and its newest tokens at 16 bits (None without "+")."""
+    fmt, plus, recent = spec.partition("+")
+    return fmt, int(recent) if plus else None
 
 
 def _layer_formats(by_layer: dict[str, str]) -> tuple[tuple[int, TierFormat], ...]:
