@@ -60,6 +60,7 @@ def test_allocation_meets_the_budget_and_gives_bits_to_the_sensitive_layer():
 PROMPT = 110     # decode_logits: prefill this many tokens, then one per step
 
 
+@pytest.mark.float_order
 def test_layerwise_cache_with_one_format_is_the_kvcal_cache(tiny):
     model, tok, a = tiny
     bundle = random_bundle(model, tok)
