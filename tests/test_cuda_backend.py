@@ -100,15 +100,10 @@ def decode_inputs(store: CompressedStore, g: int, n: int, seed: int = 1):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("file", sorted(KERNELS))
-def test_kernels_compile_within_register_budget(nvrtc_cache, file, arch, capsys):
+def test_kernels_compile_within_register_budget(nvrtc_cache, file, arch):
+    # the register/spill report is logged at debug level (`pytest --log-level=DEBUG` shows it with a failure)
     mod = compile_kernel(kernel_text(file), list(KERNELS[file]), arch, cache_dir=nvrtc_cache, name=file[:-3])
     assert mod.cubin[:4] == b"\x7fELF" and set(mod.symbols) == set(KERNELS[file])
-    with capsys.disabled():      # the register/spill report belongs in the CI log, not only in failures
-        print()
-        for k in KERNELS[file]:
-            stores, loads = mod.spills[k]
-            print(f"{file} {arch}: {k:<20} {mod.registers[k]:3d} registers, spill stores {stores} B, "
-                  f"spill loads {loads} B")
     for fn, spill in mod.spills.items():     # callees too
         assert spill <= SPILL_BUDGET, f"{fn} spills {spill} B on {arch}:\n{mod.log}"
     for k in KERNELS[file]:

@@ -72,10 +72,24 @@ def test_compile_smoke_kernel(nvrtc_cache, arch):
     assert mod.cubin[:4] == b"\x7fELF" and mod.arch == arch
     assert mod.symbols == {SMOKE: SMOKE}  # extern "C": no mangling
     regs, spills = mod.registers[SMOKE], mod.spills[SMOKE]
-    print(f"\nsmoke.cu {arch}: {SMOKE} {regs} registers, spill stores {spills[0]} B, spill loads {spills[1]} B, "
-          f"cubin {len(mod.cubin)} B")
     assert 0 < regs <= REGISTER_BUDGET
     assert spills <= SPILL_BUDGET
+
+
+def test_a_build_prints_nothing_and_logs_its_report_at_debug(nvrtc_cache, capfd, caplog):
+    """A build is a library call: its ptxas report goes to the logger at debug level, never to stdout or stderr
+    (where it would land between pytest's dots or in a command's JSON)."""
+    import logging
+
+    src = kernel_source("smoke.cu") + f"\n// quiet test {nvrtc_cache.name}\n"     # unique source: a real compile
+    with caplog.at_level(logging.DEBUG, logger="kvcal.runtime.cuda.build"):
+        mod = compile_kernel(src, [SMOKE], "sm_80", cache_dir=nvrtc_cache, name="smoke")
+        compile_kernel(src, [SMOKE], "sm_80", cache_dir=nvrtc_cache, name="smoke")          # and a cache hit
+    out, err = capfd.readouterr()             # file descriptors: NVRTC's own writes would show here too
+    assert out == "" and err == ""
+    report = [r for r in caplog.records if f"{SMOKE} {mod.registers[SMOKE]} registers" in r.getMessage()]
+    assert len(report) == 2 and all(r.levelno == logging.DEBUG for r in report)
+    assert report[0].getMessage().startswith("smoke sm_80: ")
 
 
 def test_compile_template_kernel_maps_mangled_names(nvrtc_cache):

@@ -1,14 +1,17 @@
-"""What `kvcal calibrate` and `kvcal inspect` print for people: what is stored, bytes per token, quality, whether the
-target was met on evaluation text, then provenance. Plain data in, rich renderables out."""
+"""What `kvcal calibrate`, `kvcal inspect` and `kvcal export` print for people: what is stored, bytes per token,
+quality, whether the target was met on evaluation text, then provenance. Plain data in, rich renderables out, and
+`print_plain` to print them as plain lines."""
 
 from __future__ import annotations
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 from kvcal.bundle import Bundle
 from kvcal.profile.report import bytes_in_words, held_out_met, settings_in_words
+from kvcal.runtime.config import CompressionConfig
 
 
 def fp16_bytes_per_token(bundle: Bundle) -> int:
@@ -17,7 +20,22 @@ def fp16_bytes_per_token(bundle: Bundle) -> int:
     return 2 * L * H * d * 2
 
 
-def _table() -> Table:
+def print_plain(renderable: RenderableType, console: Console | None = None) -> None:
+    """Print `renderable` line by line without the spaces rich pads table cells with up to the column's (and so the
+    terminal's) width: copied or piped output, and diffs of it, should hold only what was written."""
+    if console is None:
+        from kvcal.cli._options import stdout as console
+    for line in console.render_lines(renderable, pad=False):
+        while line and not line[-1].control and not line[-1].text.rstrip():
+            line.pop()
+        if line:
+            line[-1] = Segment(line[-1].text.rstrip(), line[-1].style, line[-1].control)
+        console.print(Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control)), soft_wrap=True,
+                      highlight=False)
+
+
+def key_value_table() -> Table:
+    """The layout of every command's summary: a bold name, then its value; no box, no header."""
     t = Table(show_header=False, box=None, padding=(0, 1), pad_edge=False)
     t.add_column(style="bold", no_wrap=True)
     t.add_column(overflow="fold")
@@ -48,6 +66,17 @@ def _rank_means(bundle: Bundle) -> dict:
             "v_rank_mean": bundle.v_rank.float().mean().item()}
 
 
+def defaults_in_words(bundle: Bundle, **ranks) -> str:
+    """What a bundle made without a search is served with: its settings block records only the window, and the
+    runtime reads the rest as `CompressionConfig`'s defaults (`CompressionConfig.from_dict`), named here."""
+    config = CompressionConfig.from_dict(bundle.settings)
+    words = settings_in_words(config.to_dict(), **ranks)
+    if not config.tiering.tiered:           # the tiers exist but no token moves to the low one: name them anyway
+        words += (f"; tiers {config.high.name} / {config.low.name} with a window of {config.tiering.window} tokens, "
+                  "unused without thresholds")
+    return f"the runtime's defaults, as no search chose settings: {words}"
+
+
 def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
     """stored / size / quality rows of a searched bundle (`search` as kept in calibration metadata)."""
     chosen, held = search["chosen"], search.get("held_out")
@@ -64,7 +93,7 @@ def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
 def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
     """The end of `kvcal calibrate` (s: CalibrationResult.summary)."""
     head = Text.assemble(("kvcal calibrate", "bold"), f": {s['model']} -> ", (s["bundle"], "bold"))
-    t = _table()
+    t = key_value_table()
     search = bundle.calibration.get("search")
     parts: list[RenderableType] = [head]
     if search:
@@ -74,7 +103,8 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
                       f"{name}: " + ("no point met the target" if p is None else
                                      f"{p['bytes_ratio']:.3f} of fp16 ({p['label']})"))
     else:
-        t.add_row("stored", "statistics only (--no-search): ranks from --removal-rate, the runtime's default tiers")
+        t.add_row("stored", f"statistics only (--no-search), ranks from --removal-rate; "
+                            f"{defaults_in_words(bundle, **_rank_means(bundle))}")
     t.add_row("time", f"{s['wall_seconds']:.0f} s (load {s['load_seconds']:.1f} s, passes {s['pass_seconds']:.1f} s, "
                       f"search {s['search_seconds']:.1f} s); peak RSS {s['peak_rss_mib']:.0f} MiB")
     t.add_row("statistics", f"{s['tokens']['random']} random + {s['tokens']['text']} text tokens; energy kept qk "
@@ -98,7 +128,7 @@ def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
     # markup, like the table's cells: the caller passes metadata escaped (`terminal_safe`), so brackets stay literal
     head = Text.from_markup(f"[bold]bundle {path}[/bold]: {m.name} ({m.family}, {m.num_layers} layers, "
                             f"{m.num_kv_heads} KV heads, head dim {m.head_dim})", overflow="fold")
-    t = _table()
+    t = key_value_table()
     search = cal.get("search")
     if search:
         search_rows(t, bundle, search)
@@ -106,7 +136,7 @@ def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
         t.add_row("target", f"top-1 >= {target['top1']:g} (at a Wilson bound, z = {target.get('z', 0):g}, in the "
                             f"search) and perplexity ratio <= {target['ppl_ratio']:g}")
     else:
-        t.add_row("stored", settings_in_words(bundle.settings, **_rank_means(bundle)))
+        t.add_row("stored", defaults_in_words(bundle, **_rank_means(bundle)))
         t.add_row("size", "not measured (made with `kvcal calibrate --no-search`)")
     t.add_row("created", f"{bundle.created} by kvcal {bundle.kvcal_version}")
     if cal:

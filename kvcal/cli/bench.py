@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, stderr, stdout
-from kvcal.cli._suggest import missing_bundle
+from kvcal.cli._suggest import resolve_bundle, shipped_bundle, shown_path
 from kvcal.models import DEFAULT_MODEL
 
 
@@ -106,8 +106,7 @@ def bench(
 
     try:
         if bundle is None:
-            raise ValueError("`kvcal bench` needs `--bundle` (the model's bundle); create one with "
-                             f"`kvcal calibrate --model {model}`")
+            raise ValueError(_needs_bundle(model))
         settings = BenchSettings.preset(
             quick, seed=seed, backend=backend.value, dataset=dataset,
             methods=tuple(x.strip() for x in methods.split(",") if x.strip()) if methods else None,
@@ -117,8 +116,7 @@ def bench(
         from kvcal.runtime.attention import select_backend
 
         select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
-        if not bundle.is_file():
-            raise ValueError(missing_bundle(bundle))
+        bundle = resolve_bundle(bundle)
         b = load_bundle(bundle)
         lm = load_model(model, dtype=dtype)
         out_dir = out or Path(f"bench-{lm.name}")
@@ -153,6 +151,16 @@ def bench(
                  f"{paths['decode_png'].name})", highlight=False)
 
 
+def _needs_bundle(model: str) -> str:
+    """The error for a bench without `--bundle`: the model's existing bundle when there is one (the shipped one in
+    `artifacts/`), since calibrating a new one takes tens of minutes."""
+    found = shipped_bundle(model)
+    if found is not None:
+        return (f"`kvcal bench` needs `--bundle` (the model's bundle); add `--bundle {shown_path(found)}`, the "
+                f"existing bundle of {model}, or create another with `kvcal calibrate --model {model}`")
+    return f"`kvcal bench` needs `--bundle` (the model's bundle); create one with `kvcal calibrate --model {model}`"
+
+
 def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dtype: str, seed: int,
              contexts: str | None, json_out: bool, quiet: bool) -> None:
     """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled."""
@@ -162,8 +170,8 @@ def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dty
 
     status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{msg}[/]", highlight=False))
     try:
-        if bundle is not None and not bundle.is_file():
-            raise ValueError(missing_bundle(bundle))
+        if bundle is not None:
+            bundle = resolve_bundle(bundle)
         b = load_bundle(bundle) if bundle is not None else None
         lm = load_model(model, dtype=dtype)
         settings = OffloadSettings.preset(quick, seed=seed, contexts=_ints(contexts, "contexts"))

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.console import Group
+from rich.text import Text
 
-from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
-from kvcal.cli._suggest import missing_bundle
+from kvcal.cli._errors import plain
+from kvcal.cli._options import BundleArg, JsonOpt, fail
+from kvcal.cli._suggest import resolve_bundle
+from kvcal.cli._summary import key_value_table, print_plain
 from kvcal.export import DEFAULT_MARGIN
 
 
@@ -69,8 +72,7 @@ def export(
     try:
         if model is None and fmt is not ExportFormat.manifest:
             raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
-        if not bundle.is_file():
-            raise ValueError(missing_bundle(bundle))
+        bundle = resolve_bundle(bundle)
         from kvcal.safe_paths import check_out_folder
 
         # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory
@@ -89,21 +91,28 @@ def export(
         print(json.dumps({"format": result.format, "out": str(result.out), "files": result.files,
                           "summary": result.summary}, indent=2, default=str))
         return
-    t = Table(title=f"kvcal export {result.format}: {b.model.name}", show_header=False)
-    t.add_row("out", str(result.out))
-    t.add_row("files", ", ".join(result.files) if len(result.files) <= 8 else f"{len(result.files)} files")
+    # the layout of `calibrate` and `inspect`: a head line, then names and values; names and paths come from files
+    # and the command line, so they are shown as plain text, never as markup
+    head = Text.from_markup(f"[bold]kvcal export {result.format}[/bold]: {plain(b.model.name)}")
+    t = key_value_table()
+
+    def row(name: str, value: str) -> None:
+        t.add_row(name, plain(value))
+
+    row("out", str(result.out))
+    row("files", ", ".join(result.files) if len(result.files) <= 8 else f"{len(result.files)} files")
     s = result.summary
     if result.format == "vllm-fp8":
-        t.add_row("scheme", f"compressed-tensors kv_cache_scheme, strategy {s['strategy']}, margin {s['margin']}")
-        t.add_row("k_scale", f"{s['k_scale_range'][0]:.3g} .. {s['k_scale_range'][1]:.3g}")
-        t.add_row("v_scale", f"{s['v_scale_range'][0]:.3g} .. {s['v_scale_range'][1]:.3g}")
-        t.add_row("use", f"vllm serve {result.out} --kv-cache-dtype fp8" if s["with_weights"] else
-                  "merge into the model folder (docs/export.md), then --kv-cache-dtype fp8")
+        row("scheme", f"compressed-tensors kv_cache_scheme, strategy {s['strategy']}, margin {s['margin']}")
+        row("k_scale", f"{s['k_scale_range'][0]:.3g} .. {s['k_scale_range'][1]:.3g}")
+        row("v_scale", f"{s['v_scale_range'][0]:.3g} .. {s['v_scale_range'][1]:.3g}")
+        row("use", f"vllm serve {result.out} --kv-cache-dtype fp8" if s["with_weights"] else
+            "merge into the model folder (docs/export.md), then --kv-cache-dtype fp8")
     elif result.format == "manifest":
         c = s["config"]
-        t.add_row("tiers", f"high {c['high']['name']}, low {c['low']['name']}, pages of {c['page_bytes']} B")
-        t.add_row("compressed layers", str(s["compressed_layers"]))
+        row("tiers", f"high {c['high']['name']}, low {c['low']['name']}, pages of {c['page_bytes']} B")
+        row("compressed layers", str(s["compressed_layers"]))
     else:
-        t.add_row("folded layers", ", ".join(map(str, s["folded_layers"])) or "none")
-        t.add_row("use", f"AutoModelForCausalLM.from_pretrained('{result.out}')")
-    stdout.print(t)
+        row("folded layers", ", ".join(map(str, s["folded_layers"])) or "none")
+        row("use", f"AutoModelForCausalLM.from_pretrained('{result.out}')")
+    print_plain(Group(head, t))

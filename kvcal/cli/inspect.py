@@ -16,8 +16,8 @@ from rich.table import Table
 from kvcal.bundle import Bundle, BundleError, load_bundle
 from kvcal.cli._errors import terminal_safe
 from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
-from kvcal.cli._suggest import missing_bundle
-from kvcal.cli._summary import bundle_summary
+from kvcal.cli._suggest import resolve_bundle
+from kvcal.cli._summary import bundle_summary, print_plain
 from kvcal.profile.ranks import energy_kept
 
 
@@ -57,8 +57,7 @@ def inspect(
 ) -> None:
     """Print what a bundle stores, its bytes per token and measured quality, its provenance, and its reduced ranks."""
     try:
-        if not bundle.is_file():
-            raise ValueError(missing_bundle(bundle))
+        bundle = resolve_bundle(bundle)
         shape = config = None
         if model is not None:
             from kvcal.models import adapter_for, read_config, resolve_model
@@ -79,7 +78,7 @@ def inspect(
         return
     # metadata is file content: show it as text, never as rich markup or terminal escape sequences
     b, info = terminal_safe(b), terminal_safe(info)
-    stdout.print(bundle_summary(b, terminal_safe(str(bundle))))
+    print_plain(bundle_summary(b, terminal_safe(str(bundle))))
     d = b.model.head_dim
     rows = [r for r in info["heads"] if heads or r["qk_rank"] < d or r["v_rank"] < d]
     full = len(info["heads"]) - len(rows)
@@ -95,4 +94,4 @@ def inspect(
         t.add_row(str(row["layer"]), str(row["kv_head"]), row["layer_type"].replace("_attention", ""),
                   str(row["qk_rank"]), f"{row['qk_energy_kept']:.3f}", str(row["v_rank"]),
                   f"{row['v_energy_kept']:.3f}")
-    stdout.print(t)
+    print_plain(t)

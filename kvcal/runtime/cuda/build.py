@@ -210,6 +210,7 @@ def compile_kernel(source: str, kernels: Sequence[str], arch: str, *, options: S
     key = hashlib.sha256(key_src.encode()).hexdigest()
     if use_cache and (hit := _load_cached(folder, key, arch)) is not None:
         logger.debug("cuda cache hit %s (%s, %s)", key[:12], name, arch)
+        _log_report(name, hit)
         return hit
 
     folder.mkdir(parents=True, exist_ok=True)  # also holds the unpacked NVRTC headers
@@ -220,7 +221,23 @@ def compile_kernel(source: str, kernels: Sequence[str], arch: str, *, options: S
         meta = {"format": _CACHE_FORMAT, "name": name, "arch": arch, "nvrtc": version, "log": log, "symbols": symbols}
         _atomic_write(folder / f"{key}.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
     logger.info("compiled %s for %s with NVRTC %d.%d", name, arch, *version)
-    return _module(cubin, arch, log, symbols, False, key)
+    mod = _module(cubin, arch, log, symbols, False, key)
+    _log_report(name, mod)
+    return mod
+
+
+def _log_report(name: str, mod: CompiledModule) -> None:
+    """The ptxas report, per kernel, at debug level: a build is a library call, and what it prints to stdout would
+    land in the caller's output (a test run's dots, a CLI's JSON). Logging at DEBUG (`pytest --log-level=DEBUG`)
+    shows it."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    for k, regs in mod.registers.items():
+        stores, loads = mod.spills.get(k, (0, 0))
+        logger.debug("%s %s: %s %d registers, spill stores %d B, spill loads %d B", name, mod.arch, k, regs, stores,
+                     loads)
+    if mod.log:
+        logger.debug("NVRTC log of %s for %s:\n%s", name, mod.arch, mod.log)
 
 
 def kernel_source(filename: str) -> str:
