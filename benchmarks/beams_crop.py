@@ -65,7 +65,7 @@ def main() -> None:
             cache.reorder_cache = timed
         t0 = time.perf_counter()
         with torch.inference_mode():
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
                                  num_beams=args.beams, do_sample=False, max_new_tokens=args.new_tokens,
                                  min_new_tokens=args.new_tokens)
         return time.perf_counter() - t0, cache, reorder, seq
@@ -98,7 +98,7 @@ def main() -> None:
         for k in args.crops:
             cache = KvcalCache.from_bundle(bundle, model, configs[name])
             with torch.inference_mode():
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
                                do_sample=False, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
             arena = cache.kv.store.arena
             before = arena.num_used

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.calibrate import CalibrationConfig
 from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 

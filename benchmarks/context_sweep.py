@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe, QualityTarget
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.bundle import load_bundle
 
 try:                                   # older commits (to compare with) held the config in runtime.cache
     from kvcal.runtime.config import CompressionConfig

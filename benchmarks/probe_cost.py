@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.fastgen import FastGenConfig
 
 

@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
 from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat

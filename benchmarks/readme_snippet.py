@@ -4,8 +4,10 @@ state, and generation time with the kvcal cache against the plain model.
     python benchmarks/readme_snippet.py [--bundle artifacts/smollm2-135m.kvcal.safetensors] \
         [--json docs/results/readme-snippet-smollm2-135m.json]
 
-Short prompt: the snippet as written ("Hello", 20 new tokens, greedy). Steady state: a prompt of `--long` tokens of
-evaluation text plus 20 new tokens, where partly filled pages are a small share of the pages held. Time: the
+Short prompt: the snippet as written ("Hello", 20 new tokens, greedy). Long prompt: `--long` tokens of evaluation
+text plus 20 new tokens, where partly filled pages are a small share of the pages held. For each, `memory()`: the
+ratio held now (the tokens' storage against fp16), every byte held against fp16, and the steady-state ratio (what a
+long sequence converges to, per token). Time: the
 snippet's generate call, with a fresh KvcalCache and with the model's own cache, alternated `--repeats` times after
 one warm-up each; the median of each and their ratio. On a shared machine only the ratio means anything.
 """
@@ -25,6 +27,12 @@ from kvcal.models import load_model
 from kvcal.runtime.hf import KvcalCache
 
 
+def fp16_per_token(bundle) -> int:
+    """Bytes per token of an fp16 dense cache of the bundle's model."""
+    m = bundle.model
+    return m.num_layers * m.num_kv_heads * m.head_dim * 2 * 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -42,7 +50,7 @@ def main() -> None:
 
     def kvcal_generate(inputs):
         cache = KvcalCache.from_bundle(bundle, model, tokenizer=tok)
-        out = model.generate(**inputs, past_key_values=cache, **gen)
+        out = model.generate(**inputs, cache=cache, **gen)
         return out, cache
 
     with torch.inference_mode():
@@ -69,8 +77,10 @@ def main() -> None:
                              "repeats": args.repeats, "all": times},
         "same_text": text_kvcal == text_plain, "text": text_kvcal, "torch_threads": torch.get_num_threads(),
     }
-    print(f"memory() ratio to fp16: short prompt {short_mem['ratio_to_fp16']:.3f}, steady state ({args.long} tokens) "
-          f"{long_mem['ratio_to_fp16']:.3f}")
+    for name, mem in ((f"short prompt ({short_mem['fp16_bytes'] // fp16_per_token(bundle)} tokens)", short_mem),
+                      (f"long prompt ({args.long} + {args.new_tokens} tokens)", long_mem)):
+        print(f"memory() {name}: ratio to fp16 {mem['ratio_to_fp16']:.3f} held now, {mem['held_ratio_to_fp16']:.3f} "
+              f"with every byte, steady state {mem['steady_state_ratio']:.3f} (raw phase: {mem['raw_tokens']} tokens)")
     print(f"generate {args.new_tokens} tokens: kvcal {kvcal_s:.2f} s, plain {plain_s:.2f} s, "
           f"{kvcal_s / plain_s:.2f}x slower (median of {args.repeats})")
     print(f"text: {text_kvcal!r} (same as plain: {text_kvcal == text_plain})")

@@ -60,7 +60,7 @@ def record_prefill(model, bundle, prompt: torch.Tensor) -> dict:
     """Run the prompt [1, P] once; per layer the post-RoPE K/V and prefill scores (KvcalCache.prime's records)."""
     recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
     recording.record = True
-    model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
+    model(input_ids=prompt, cache=recording, use_cache=True, logits_to_keep=1)
     records = dict(recording.kv.recorder)
     for i, layer in enumerate(recording.layers):
         if recording.sliding[i]:
@@ -107,7 +107,7 @@ def decode_speed(model, bundle, ids: torch.Tensor, P: int, batches: list[int], s
             token = ids[:, P + i:P + i + 1].expand(B, 1)
             for name, cache in caches.items():
                 t0 = time.perf_counter()
-                model(input_ids=token, past_key_values=cache, use_cache=True)
+                model(input_ids=token, cache=cache, use_cache=True)
                 if i:
                     times[name].append(time.perf_counter() - t0)
         dense_ms = 1000 * statistics.median(times["dense"])

@@ -15,10 +15,10 @@ import json
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.quality import DecodeProbe
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.cache import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 

@@ -14,7 +14,7 @@ import dataclasses
 
 from format_swaps import swapped
 
-from kvcal.bundle import load_bundle, save_bundle
+from kvcal.runtime.bundle import load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.safe_paths import check_bundle_out
 

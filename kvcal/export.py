@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvcal.bundle import Bundle, BundleError, load_bundle, make_shareable
+from kvcal.runtime.bundle import Bundle, BundleError, load_bundle
+from kvcal.runtime.files import make_shareable
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def atomic_dir(out: str | Path, *, overwrite: bool = False, inputs: tuple = ()):
     Refuses (FileExistsError) an `out` that is a file, or a non-empty folder unless `overwrite`, and (ValueError) an
     `out` that is, contains or lies inside one of `inputs` (the model's folder, the bundle) or the working directory.
     """
-    from kvcal.safe_paths import check_out_folder, remove_stale_temps
+    from kvcal.runtime.files import remove_stale_temps
+    from kvcal.safe_paths import check_out_folder
 
     out = Path(out)
     check_out_folder(out, inputs=inputs)
@@ -132,7 +134,8 @@ def _target(model, *, need_weights: bool, dtype: str = "bfloat16") -> _Target:
             from transformers import AutoConfig
 
             source = resolve_model(str(model))
-            return _Target(AutoConfig.from_pretrained(source.folder), None, None, Path(source.folder), source.name)
+            config = AutoConfig.from_pretrained(source.folder, local_files_only=True)
+            return _Target(config, None, None, Path(source.folder), source.name)
     if isinstance(model, LoadedModel):
         return _Target(model.model.config, model.model, model.tokenizer, Path(model.source.folder), model.name)
     if isinstance(model, nn.Module) and hasattr(model, "config"):
@@ -158,7 +161,7 @@ def _bundle(bundle: Bundle | str | Path) -> Bundle:
 
 def _provenance(bundle: Bundle, fmt: str, **fields) -> dict[str, Any]:
     from kvcal import __version__
-    from kvcal.bundle import content_hash
+    from kvcal.runtime.bundle import content_hash
 
     return {
         "format": fmt,

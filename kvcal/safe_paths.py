@@ -6,26 +6,20 @@ Every output path is checked before any work starts, so a bad `--out` costs a se
   folder, another file, or a file of the model or the dataset being read.
 * `check_out_folder`: an export folder may not be, contain or lie inside an input (the model's folder, the bundle)
   or the working directory.
-* `remove_stale_temps`: `.NAME.tmp-PID` files left by a writer that was killed (kill -9, power loss) are removed
-  once their process is gone; a live writer's temp file is left alone.
+
+Telling a kvcal bundle from other files (`kvcal.runtime.bundle.is_kvcal_bundle`) and removing the temporary files of
+a killed writer (`kvcal.runtime.files.remove_stale_temps`) live in the runtime, which writes bundles too.
 
 Errors are `ValueError` (bad input) with one line naming the path and the fix.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import re
-import shutil
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
-_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+from kvcal.runtime.bundle import is_kvcal_bundle
 
 
 def _resolved(path: str | os.PathLike) -> Path:
@@ -35,32 +29,6 @@ def _resolved(path: str | os.PathLike) -> Path:
 def _inside(path: Path, folder: Path) -> bool:
     """`path` is `folder` or lies under it (both resolved)."""
     return path == folder or folder in path.parents
-
-
-def safetensors_header(path: str | os.PathLike) -> tuple[int, dict] | None:
-    """(header length n, JSON header) of a safetensors file (8-byte little-endian n, then a JSON object; the tensor
-    data starts at byte 8 + n), read without the tensors; None when `path` cannot be read or its header is not one
-    that fits in the file (at most 100 MB)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return None
-            (n,) = struct.unpack("<Q", head)
-            if not 2 <= n <= min(size - 8, 100 << 20):
-                return None
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return None
-    return (n, header) if isinstance(header, dict) else None
-
-
-def is_kvcal_bundle(path: str | os.PathLike) -> bool:
-    """True when `path` is a safetensors file whose metadata says `format = kvcal-bundle` (reads the header only)."""
-    found = safetensors_header(path)
-    meta = found[1].get("__metadata__") if found else None
-    return isinstance(meta, dict) and meta.get("format") == "kvcal-bundle"
 
 
 def check_bundle_out(out: str | os.PathLike, *, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = (),
@@ -112,39 +80,3 @@ def check_out_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLi
     if _inside(cwd, real):
         raise ValueError(f"`--out {out}` {'is' if cwd == real else 'contains'} the working directory; choose a "
                          "new folder for the export")
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:       # someone else's live process
-        return True
-    return True
-
-
-def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
-    """Remove `.NAME.tmp-PID` files and folders beside `path` (NAME = its file name) whose writer process is dead.
-    Returns what was removed."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        return []
-    removed = []
-    for p in folder.glob(f".{path.name}.tmp-*"):
-        m = _TMP.match(p.name)
-        if m is None or m["name"] != path.name or _pid_alive(int(m["pid"])):
-            continue
-        try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        except OSError as e:
-            logger.warning("could not remove stale temporary file %s (%s)", p, e)
-            continue
-        removed.append(p)
-    return removed

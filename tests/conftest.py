@@ -110,9 +110,9 @@ def nvrtc_cache(tmp_path_factory):
 def random_bundle(model, tok, rank_k=None, rank_v=None, seed=0):
     """A valid bundle for `model` with random orthonormal bases: the runtime's math and the exports must hold for any
     rotation."""
-    from kvcal.bundle import Bundle, ModelInfo
     from kvcal.models import adapter_for, fingerprint, tokenizer_hash, weights_hash
     from kvcal.profile.rotation import eig_basis
+    from kvcal.runtime.bundle import Bundle, ModelInfo
 
     a = adapter_for(model.config)
     L, H, d = a.num_layers, a.num_kv_heads, a.head_dim
@@ -143,7 +143,7 @@ def one_thread():
 def decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Prefill ids[:, :prompt] through `cache`, then teacher-force the rest one token per step: logits
     [B, S - prompt + 1, vocab], the prefill's last position first."""
-    logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    logits = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
     for t in range(prompt, ids.shape[1]):
-        logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
     return torch.stack(logits, dim=1)

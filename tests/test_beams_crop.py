@@ -41,9 +41,9 @@ def test_beam_search_matches_dense(smol):
     inputs = lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=12, do_sample=False, num_beams=2, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+        ref = model.generate(**inputs, cache=DynamicCache(config=model.config), **kw)
         cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
-        got = model.generate(**inputs, past_key_values=cache, **kw)
+        got = model.generate(**inputs, cache=cache, **kw)
     assert torch.equal(ref.sequences, got.sequences)
     assert _max_diff(ref.scores, got.scores) < 1e-4
     arena = cache.kv.store.arena
@@ -65,23 +65,24 @@ def test_select_and_repeat_match_dense(smol, config):
     model = lm.model
     inputs = lm.tokenizer(PROMPTS, return_tensors="pt", padding=True)
     with torch.no_grad():
-        cache = KvcalCache.from_bundle(bundle, model, config)
-        out = model(**inputs, past_key_values=cache)
+        # raw_tokens=0: the short prompts would stay in the raw phase, whose rows are copied, not shared pages
+        cache = KvcalCache.from_bundle(bundle, model, config, raw_tokens=0)
+        out = model(**inputs, cache=cache)
         nxt = out.logits[:, -1].argmax(-1)                                          # [2]
         cache.batch_repeat_interleave(2)                                            # rows 0 0 1 1
         cache.batch_select_indices(torch.tensor([3, 0, 2]))                         # rows 1 0 1
         assert cache.kv.store.arena.shared
         ids = torch.stack([nxt[1], nxt[0], torch.tensor(17)])[:, None]            # row 2 diverges from row 0
         mask = torch.cat([inputs.attention_mask[[1, 0, 1]], torch.ones(3, 1, dtype=torch.long)], 1)
-        got = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        got = model(input_ids=ids, attention_mask=mask, cache=cache).logits[:, -1]
         cache.kv.store.arena.check_invariants()
 
         ref_cache = (DynamicCache(config=model.config) if config is CompressionConfig.none()
-                     else KvcalCache.from_bundle(bundle, model, config))
-        model(**inputs, past_key_values=ref_cache)
+                     else KvcalCache.from_bundle(bundle, model, config, raw_tokens=0))
+        model(**inputs, cache=ref_cache)
         ref_ids = torch.stack([nxt[0], nxt[1]])[:, None]
         ref01 = model(input_ids=ref_ids, attention_mask=torch.cat([inputs.attention_mask, torch.ones(2, 1,
-                      dtype=torch.long)], 1), past_key_values=ref_cache).logits[:, -1]
+                      dtype=torch.long)], 1), cache=ref_cache).logits[:, -1]
     assert (got[1] - ref01[0]).abs().max() < 1e-4
     assert (got[0] - ref01[1]).abs().max() < 1e-4
     assert not torch.allclose(got[0], got[2], atol=1e-3)       # same history, another token: its own pages
@@ -99,10 +100,10 @@ def test_crop_then_generate_matches_a_fresh_run(smol, config):
     P = inputs.input_ids.shape[1]
     kw = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
-        fresh = model.generate(**inputs, past_key_values=KvcalCache.from_bundle(bundle, model, config),
+        fresh = model.generate(**inputs, cache=KvcalCache.from_bundle(bundle, model, config),
                                max_new_tokens=20, **kw)
         cache = KvcalCache.from_bundle(bundle, model, config)
-        first = model.generate(**inputs, past_key_values=cache, max_new_tokens=16, **kw)
+        first = model.generate(**inputs, cache=cache, max_new_tokens=16, **kw)
         assert cache.get_seq_length() == P + 15                     # the last token is not fed yet
         pages = cache.kv.store.arena.num_used
         cache.crop(-7)                                              # keep the prompt and 8 generated tokens
@@ -111,7 +112,7 @@ def test_crop_then_generate_matches_a_fresh_run(smol, config):
         cache.kv.store.arena.check_invariants()
         keep = first.sequences[:, :P + 9]                           # the 9th generated token is not cached
         mask = torch.cat([inputs.attention_mask, torch.ones(2, 9, dtype=torch.long)], 1)
-        cont = model.generate(input_ids=keep, attention_mask=mask, past_key_values=cache, max_new_tokens=11, **kw)
+        cont = model.generate(input_ids=keep, attention_mask=mask, cache=cache, max_new_tokens=11, **kw)
     assert torch.equal(cont.sequences, fresh.sequences)
     assert _max_diff(cont.scores, fresh.scores[9:]) < 1e-4
 
@@ -124,8 +125,9 @@ def test_crop_refuses_tokens_that_left_the_high_tier(smol):
                             tiering=TieringConfig(alpha_high=1e9, alpha_low=0.0, window=4))
     inputs = lm.tokenizer(PROMPTS[:1], return_tensors="pt")
     with torch.no_grad():
-        cache = KvcalCache.from_bundle(bundle, model, cfg)
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        # raw_tokens=0: in the raw phase no token leaves the high tier, and crop is always exact
+        cache = KvcalCache.from_bundle(bundle, model, cfg, raw_tokens=0)
+        model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
     n = cache.get_seq_length()
     before = cache.memory()
     with pytest.raises(ValueError, match=r"^cannot crop the cache to \d+ tokens: .*no longer at the high tier.*; "

@@ -10,7 +10,7 @@ from conftest import make_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kvcal.bundle import load_bundle, save_bundle
+from kvcal.runtime.bundle import load_bundle, save_bundle
 from kvcal.runtime.hf import KvcalCache
 
 DATA = Path(__file__).parent / "data"
@@ -24,9 +24,9 @@ def test_v1_bundle_serves_the_recorded_logits():
     ids = want["input_ids"]
     with torch.inference_mode():
         cache = KvcalCache.from_bundle(bundle, model, tokenizer=tok)
-        logits = [model(input_ids=ids[:, :32], past_key_values=cache, use_cache=True).logits[:, -1]]
+        logits = [model(input_ids=ids[:, :32], cache=cache, use_cache=True).logits[:, -1]]
         for t in range(32, 48):
-            logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
     counts = cache.kv.tier_counts()
     assert [counts["high"], counts["low"]] == want["tier_counts"].tolist()
     assert int(cache.memory()["total_bytes"]) == int(want["total_bytes"])

@@ -31,7 +31,7 @@ def unsearched_bundle(tmp_path):
     """A bundle as `kvcal calibrate --no-search` writes it: its settings block records the window only."""
     from conftest import make_model, random_bundle
 
-    from kvcal.bundle import save_bundle
+    from kvcal.runtime.bundle import save_bundle
     from kvcal.runtime.config import CompressionConfig
 
     model, tok = make_model()

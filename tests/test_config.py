@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcal.bundle import load_bundle
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import SETTINGS_KEYS, CompressionConfig
 from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.layout import TierFormat

@@ -209,8 +209,8 @@ def test_write_refuses_what_the_quantizer_refuses_and_writes_nothing(bad, messag
 def _decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Prefill `prompt` tokens, then teacher-force the rest one token per step; logits [B, steps, vocab]."""
     with torch.inference_mode():
-        model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        steps = [model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        model(input_ids=ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1)
+        steps = [model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[:, -1]
                  for i in range(prompt, ids.shape[1])]
     return torch.stack(steps, 1)
 
@@ -239,7 +239,10 @@ def test_whole_decode_matches_torch_backend(name):
     ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :56]
     runs = {}
     for backend in ("torch", "cpu"):
-        cache = KvcalCache.from_bundle(bundle, model, CONFIGS[name].with_(backend=backend), tokenizer=tok)
+        # raw_tokens=0: the tier moves and stored scores compared are the pages' (the per-token low config would
+        # hold all 56 tokens raw); the backends across the raw phase's hand-over: test_cache_bytes.py
+        cache = KvcalCache.from_bundle(bundle, model, CONFIGS[name].with_(backend=backend), tokenizer=tok,
+                                       raw_tokens=0)
         runs[backend] = (_decode_logits(model, cache, ids, 24), cache)
     (want, ref), (got, cache) = runs["torch"], runs["cpu"]
     assert cache.kv.backend is CpuBackend and ref.kv.backend is TorchBackend

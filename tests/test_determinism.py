@@ -47,7 +47,7 @@ def test_bundle_tensors_are_bit_identical_across_thread_counts(model_type, searc
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
         assert torch.equal(a[name].contiguous().view(torch.uint8), b[name].contiguous().view(torch.uint8)), name
     if search == "search":
-        from kvcal.bundle import load_bundle
+        from kvcal.runtime.bundle import load_bundle
 
         first, second = (load_bundle(out) for out in outs)
         assert first.settings == second.settings

@@ -12,7 +12,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvcal.bundle import BundleError, BundleMismatchError, load_bundle, save_bundle
 from kvcal.cli import app
 from kvcal.export import (
     atomic_dir,
@@ -24,6 +23,7 @@ from kvcal.export import (
 from kvcal.models import adapter_for, load_model
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
+from kvcal.runtime.bundle import BundleError, BundleMismatchError, load_bundle, save_bundle
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
@@ -378,7 +378,7 @@ def test_manifest_offsets_match_the_runtime_store_bytes(tmp_path, name):
     tok.padding_side = "left"
     inputs = tok([random_text(60, seed=1), random_text(45, seed=2)], return_tensors="pt", padding=True)
     with torch.no_grad():
-        model.generate(**inputs, max_new_tokens=6, do_sample=False, past_key_values=cache)
+        model.generate(**inputs, max_new_tokens=6, do_sample=False, cache=cache)
     store = cache.kv.store
     arena = store.arena
     checked = {HIGH: 0, LOW: 0}

@@ -408,7 +408,7 @@ def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(mon
 
     monkeypatch.setattr(attention.TorchBackend, "prefill", staticmethod(prefill))
     with torch.no_grad():
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, cache=cache, use_cache=True)
     key, value, score, real, statistics = cache.kv.recorder[0]
     query, keys, mask, scale = captured["args"]
     full = attention.prompt_probs(query, keys, mask, scale, slice(0, n))            # every row, every key

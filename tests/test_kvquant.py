@@ -46,7 +46,7 @@ def test_undo_rope_gives_the_models_pre_rope_keys_and_rope_restores_them(family,
         lambda mod, args, out, i=i: seen.__setitem__(i, out)) for i in layers]
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     for h in hooks:
         h.remove()
     cos, sin = RopeTable(model.model.rotary_emb)(S, "cpu")
@@ -107,12 +107,12 @@ def test_reconstruction_error_drops_as_bits_grow(tiny):
     ids = _ids(tok, n_words=60, seed=20)
     dense = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=dense, use_cache=True)
+        model(input_ids=ids, cache=dense, use_cache=True)
     errors = []
     for bits in (2, 3, 4):
         cache = KQ.KVQuantCache(model, calib, bits, bits, list(a.layer_types))
         with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, cache=cache, use_cache=True)
         err = 0.0
         for layer, ref in zip(cache.layers, dense.layers):
             k, v = layer._read()
@@ -167,7 +167,7 @@ def test_decoding_tracks_dense_better_at_4_bits_than_at_2(tiny):
     assert 0 < kl[4] < kl[2] / 4, kl
     with torch.inference_mode():                                         # and it serves `generate`
         out = model.generate(input_ids=ids[:1, :40], max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id,
-                             past_key_values=KQ.KVQuantCache(model, calib, 4, 4, list(a.layer_types)))
+                             cache=KQ.KVQuantCache(model, calib, 4, 4, list(a.layer_types)))
     assert out.shape == (1, 46)
 
 

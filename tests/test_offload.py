@@ -22,12 +22,12 @@ def _run_both(model, ids, steps, **cache_kw):
     """Prefill `ids` and run `steps` greedy steps through a DynamicCache and an OffloadedCache side by side."""
     ref, cache = DynamicCache(config=model.config), OffloadedCache(model, **cache_kw)
     with torch.no_grad():
-        a = model(input_ids=ids, past_key_values=ref)
-        b = model(input_ids=ids, past_key_values=cache)
+        a = model(input_ids=ids, cache=ref)
+        b = model(input_ids=ids, cache=cache)
         for _ in range(steps):
             assert torch.equal(a.logits, b.logits)
             nxt = a.logits[:, -1:].argmax(-1)
-            a, b = model(input_ids=nxt, past_key_values=ref), model(input_ids=nxt, past_key_values=cache)
+            a, b = model(input_ids=nxt, cache=ref), model(input_ids=nxt, cache=cache)
     return ref, cache
 
 
@@ -93,10 +93,10 @@ def test_generation_with_offloading_is_unchanged_on_tiny_models(model_type):
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    want = model.generate(**kw, past_key_values=DynamicCache(config=model.config))
+    want = model.generate(**kw, cache=DynamicCache(config=model.config))
     for split in ("none", "full", 7, lambda layer, s: s // 2):
         with OffloadedCache(model, split=split) as cache:
-            got = model.generate(**kw, past_key_values=cache)
+            got = model.generate(**kw, cache=cache)
         assert torch.equal(got, want), split
         steps = cache.history[cache.offloaded[0]]
         assert len(steps) == 11                          # one split per decode step (prefill has nothing to fetch)
@@ -114,9 +114,9 @@ def test_next_layer_is_fetched_before_it_runs():
         for i in range(4):            # prepend: logs before the cache's own pre-hook runs
             cache._attn[i].register_forward_pre_hook(lambda m, a, i=i: events.append(("attn", i)), prepend=True)
         with torch.no_grad():
-            out = model(input_ids=torch.randint(3, 100, (1, 9)), past_key_values=cache)
+            out = model(input_ids=torch.randint(3, 100, (1, 9)), cache=cache)
             events.clear()
-            model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache)
     assert events == [("attn", 0), ("fetch", 0), ("fetch", 1), ("attn", 1), ("fetch", 2), ("attn", 2), ("fetch", 3),
                       ("attn", 3)]
 
@@ -126,7 +126,7 @@ def test_closed_hooks_capture_nothing():
     cache = OffloadedCache(model, split="none")
     cache.close()
     with torch.no_grad(), pytest.raises(RuntimeError, match="pre-hook did not run"):
-        model(input_ids=torch.randint(3, 100, (1, 5)), past_key_values=cache)
+        model(input_ids=torch.randint(3, 100, (1, 5)), cache=cache)
     with pytest.raises(ValueError, match="split"):
         OffloadedCache(model, split="half")
 
@@ -168,12 +168,12 @@ def test_smollm2_greedy_generation_unchanged_with_offloading(smol):
     model, tok = lm.model, lm.tokenizer
     ids = tok("The history of the printing press begins in the fifteenth century, when", return_tensors="pt")
     kw = dict(**ids, max_new_tokens=32, do_sample=False)
-    want = model.generate(**kw, past_key_values=DynamicCache(config=model.config))
+    want = model.generate(**kw, cache=DynamicCache(config=model.config))
     # "auto" with the paper's row model on an A100 recomputes ~94% of the tokens; the pipelined model picks l = 0
     # (SmolLM2 is GQA: X is 576 values/token, its K+V 384). A fixed half split exercises the merge.
     for split, mode in (("auto", "row"), ("auto", "pipelined"), (lambda layer, s: s // 2, "row")):
         with OffloadedCache(model, split=split, hardware=A100, mode=mode) as cache:
-            got = model.generate(**kw, past_key_values=cache)
+            got = model.generate(**kw, cache=cache)
         assert torch.equal(got, want), (split, mode)
         ls = [l for h in cache.history.values() for l in h]
         assert len(ls) == 30 * 31
@@ -263,9 +263,9 @@ def test_cuda_streams_path_matches_dense():
     model = model.cuda()
     ids = torch.randint(3, 100, (2, 40), device="cuda")
     kw = dict(input_ids=ids, max_new_tokens=12, do_sample=False)
-    want = model.generate(**kw, past_key_values=DynamicCache(config=model.config))
+    want = model.generate(**kw, cache=DynamicCache(config=model.config))
     for split in ("none", "full", 7):
         with OffloadedCache(model, split=split) as cache:
-            got = model.generate(**kw, past_key_values=cache)
+            got = model.generate(**kw, cache=cache)
         assert torch.equal(got, want), split
         assert cache.layers[0].host.x.is_pinned()

@@ -70,9 +70,9 @@ def _serve(config: CompressionConfig, prompt: int = 40, steps: int = 12):
     ids = torch.randint(3, len(tok), (2, prompt + steps), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
-        logits = [model(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        logits = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
         for t in range(prompt, prompt + steps):
-            logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+            logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
     counts = cache.kv.tier_counts()
     total = 2 * (prompt + steps) * len(cache.kv.layers) * cache.kv.store.num_kv_heads
     tiers = {"high": counts["high"], "low": counts["low"], "pruned": total - counts["high"] - counts["low"]}
@@ -125,7 +125,7 @@ def test_a_layers_own_low_bits_shape_its_pages_and_only_its_pages():
     model, tok, bundle = _model()
     cache = KvcalCache.from_bundle(bundle, model, per_layer)
     with torch.inference_mode():
-        model(input_ids=torch.arange(3, 19)[None], past_key_values=cache, use_cache=True)
+        model(input_ids=torch.arange(3, 19)[None], cache=cache, use_cache=True)
     formats = {layer: {g.layouts[LOW].fmt.name for g in groups} for layer, groups in cache.kv.store.groups.items()}
     assert formats == {0: {"K4cV4"}, 1: {"K2cV2"}}
     # a page of the cheaper format holds more low tokens, so more wait in fp16 for it to fill: saving shows over
@@ -149,7 +149,7 @@ def test_eviction_budgets_count_the_real_tokens_of_left_padded_prompts(name):
                 "snapkv": SnapKVConfig(0.5, window=8)}[name]
     cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(**{name: settings}), tokenizer=tok)
     with torch.inference_mode():
-        model(**inputs, past_key_values=cache, use_cache=True)
+        model(**inputs, cache=cache, use_cache=True)
     kv = cache.kv
     n = inputs.input_ids.shape[1]
     real = inputs.attention_mask.sum(-1)

@@ -26,7 +26,7 @@ def padded_batch(tok, lengths=(40, 23)):
 def generate(model, inputs, cache, n=16):
     with torch.no_grad():
         return model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True, past_key_values=cache)
+                              return_dict_in_generate=True, cache=cache)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
@@ -268,11 +268,11 @@ def test_per_channel_low_tier_seals_pages_in_prefill_and_decode():
                             tiering=TieringConfig(window=4, alpha_high=2.0, alpha_low=0.9))
     cache = KvcalCache.from_bundle(bundle, model, cfg)
     with torch.no_grad():
-        model(input_ids=ids[:, :50], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :50], cache=cache, use_cache=True)
         T_low = cache.kv.store.groups[0][0].layouts[LOW].tokens
         after_prefill = cache.kv.store.fill[:, :, :, LOW].clone()
         for t in range(50, 89):
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
         cache_tokens = cache.kv.store.fill[:, :, :, LOW]
     assert int(after_prefill.sum()) > 0 and bool((after_prefill % T_low == 0).all())   # whole pages only
     assert bool((cache_tokens > after_prefill).any())                                   # sealed during decode too
@@ -357,10 +357,10 @@ def test_fastgen_token_ids_go_to_the_cache_of_each_call():
     prompts = [tok([random_text(50, seed=s)], return_tensors="pt").input_ids for s in (3, 4)]
 
     def steps(cache, ids, n=6):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, cache=cache, use_cache=True)
         yield out.logits[:, -1]
         for _ in range(n):
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
             yield out.logits[:, -1]
 
     with torch.no_grad():
@@ -374,7 +374,7 @@ def test_fastgen_token_ids_go_to_the_cache_of_each_call():
             torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=0, atol=0)
         cache = KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok)
         with pytest.raises(ValueError, match="`input_ids`, not `inputs_embeds`"):
-            model(inputs_embeds=model.get_input_embeddings()(prompts[0]), past_key_values=cache, use_cache=True)
+            model(inputs_embeds=model.get_input_embeddings()(prompts[0]), cache=cache, use_cache=True)
 
 
 def test_runtime_depends_only_on_torch_safetensors_transformers():

@@ -38,9 +38,9 @@ def test_no_compression_generate_matches_dense_logits(smol):
     assert inputs.attention_mask[1].sum() < inputs.attention_mask[0].sum()   # different prompt lengths, padded
     kw = dict(max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+        ref = model.generate(**inputs, cache=DynamicCache(config=model.config), **kw)
         cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.none())
-        got = model.generate(**inputs, past_key_values=cache, **kw)
+        got = model.generate(**inputs, cache=cache, **kw)
     assert len(got.scores) == 64
     diff = max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores))
     assert diff < 1e-4, diff

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import decode_logits, make_model, random_bundle, random_text
 
-from kvcal.bundle import BundleError, load_bundle, save_bundle
 from kvcal.profile.capture import capturing
 from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
 from kvcal.runtime.bases import served_bases
+from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.layout import TierFormat

@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import make_model, random_bundle
 
-from kvcal.bundle import BundleError, load_bundle, save_bundle
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
 from kvcal.profile.key_ranges import KeyRangeCollector, clip_range, spread_windows, tail_rows
 from kvcal.runtime import quant
 from kvcal.runtime.attention import TorchBackend, select_backend
 from kvcal.runtime.bases import served_bases
+from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.cpu.backend import CpuBackend
 from kvcal.runtime.cuda.emulate import EmulatedCudaBackend
@@ -255,11 +255,12 @@ def test_static_keys_serve_close_to_dense_and_bytes_are_counted_apart():
     out = {}
     for name in ("K8sV8", "K8V8"):
         config = CompressionConfig(high=TierFormat.parse(name), use_ranks=False).with_tiering(alpha_high=None)
-        cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
+        # raw_tokens=0: 48 tokens would stay in the raw phase, and the bytes compared are the pages'
+        cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok, raw_tokens=0)
         with torch.no_grad():
-            logits = [model(input_ids=ids[:, :32], past_key_values=cache, use_cache=True).logits]
+            logits = [model(input_ids=ids[:, :32], cache=cache, use_cache=True).logits]
             for t in range(32, 48):
-                logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+                logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits)
         out[name] = (torch.cat(logits, 1), cache.memory(), cache.kv.backend)
     logits, mem, backend = out["K8sV8"]
     assert backend is TorchBackend
@@ -276,10 +277,10 @@ def test_static_keys_need_ranges_and_the_rotated_basis():
     config = CompressionConfig(high=TierFormat.parse("K4sV4"))
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, config)
     with pytest.raises(ValueError, match="K4sV4 needs calibrated static key ranges"), torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     cache = KvcalCache.from_bundle(_bundle_with_ranges(model, tok), model, config.with_(rotate=False))
     with pytest.raises(ValueError, match="rotated basis"), torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
 
 
 def test_static_keys_are_served_in_the_unmixed_rotation():
@@ -303,9 +304,9 @@ def test_tiered_static_low_tier_serves():
     cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
     ids = torch.randint(3, len(tok), (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        model(input_ids=ids[:, :32], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :32], cache=cache, use_cache=True)
         for t in range(32, 40):
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
     counts = cache.kv.tier_counts()
     assert counts["low"] > 0 and counts["high"] + counts["low"] <= 2 * 40 * 2 * 2
     assert cache.memory()["fixed_bytes"] == 4 * 2 * 2 * 16                     # the low tier only
@@ -360,7 +361,7 @@ def test_bundle_file_with_bad_key_ranges_is_refused_on_load(tmp_path):
     with pytest.raises(BundleError, match=r"`k.range_low` has shape \[2, 2, 4\].*recalibrate") as e:
         load_bundle(tmp_path / "shape.kvcal.safetensors")
     assert "\n" not in str(e.value)
-    from kvcal.bundle import METADATA_HASH, _metadata_hash
+    from kvcal.runtime.bundle import METADATA_HASH, _metadata_hash
 
     v1 = dict(meta, schema_version="1")
     v1[METADATA_HASH] = _metadata_hash(v1)                     # a consistent file, only its version is wrong

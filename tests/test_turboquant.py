@@ -111,8 +111,8 @@ def test_zero_vector_round_trips_to_zero():
 
 def _run(model, cache, ids, prefill):
     """Prefill ids[:, :prefill], then one token at a time; logits [B, steps, V] of the decode steps."""
-    model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
-    out = [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+    model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
+    out = [model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1]
            for t in range(prefill, ids.shape[1])]
     return torch.stack(out, 1)
 
@@ -175,7 +175,7 @@ def test_generation_tracks_dense_more_closely_with_more_bits():
     # `generate` drives the cache too; a random tiny model's greedy path has near ties, so only the first new
     # token (decided on the dequantised prompt) is compared with dense
     cache = TurboQuantCache(q, 8, 8, ["full_attention"] * 2)
-    out = model.generate(ids[:1, :20], past_key_values=cache, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids[:1, :20], cache=cache, max_new_tokens=8, do_sample=False)
     want = model.generate(ids[:1, :20], max_new_tokens=1, do_sample=False)
     assert out.shape == (1, 28) and cache.get_seq_length() == 27 and torch.equal(out[:, :21], want)
 

@@ -40,7 +40,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
-from kvcal.bench.methods import Method
+from kvcal.bench.method import Method
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.profile.codebooks import encode, fit_codebooks
 from kvcal.profile.key_ranges import clip_range
@@ -199,7 +199,7 @@ def kvquant_calibration(model, adapter, windows: torch.Tensor, bits: tuple[int, 
     values: dict[int, list[torch.Tensor]] = {i: [] for i in full}
     for w in windows:
         cache = DynamicCache(config=model.config)
-        model(input_ids=w[None].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=w[None].to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
         cos, sin = rope(w.shape[0], model.device)
         for i in full:
             layer = cache.layers[i]

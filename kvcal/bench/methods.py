@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvcal.bench import caches
 from kvcal.bench.lowrank import PaluCache, unsupported_reason
+from kvcal.bench.method import Method
 from kvcal.bench.turboquant import turboquant_methods
-from kvcal.bundle import Bundle
 from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW, TieringConfig
 from kvcal.runtime.fastgen import FastGenConfig
@@ -62,39 +62,6 @@ FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a fa
     "tiers-only (DiffKV)": CompressionConfig(tiering=TieringConfig(alpha_high=2.0, alpha_low=0.5)),
     "policies-only (FastGen)": CompressionConfig(high=TierFormat(16, 16), fastgen=FastGenConfig(0.95, 0.3, 0.3)),
 }
-
-
-@dataclass
-class Method:
-    key: str                   # stable id (JSON, --methods)
-    name: str                  # display name
-    family: str                # dense | quantization | eviction | low-rank | seed | kvcal
-    series: str                # plot series
-    description: str
-    settings: dict = field(default_factory=dict)
-    config: CompressionConfig | None = None          # KvcalCache methods
-    bundle: Bundle | None = None                     # ... with these ranks
-    factory: Callable[[int], Any] | None = None      # other caches: reserve (decode steps to come) -> fresh cache
-    unavailable: str | None = None                   # one-line reason it cannot run here
-    note: str | None = None                          # how it was built, when that needs saying
-
-    @property
-    def replays(self) -> bool:
-        """Whether a recorded prefill can serve this method: on the store, and needing no prompt statistics the
-        probes do not record (SnapKV's window votes; FastGen's are recorded)."""
-        return self.config is not None and self.config.snapkv is None
-
-    def make_cache(self, model, tokenizer, reserve: int = 0):
-        """A fresh, empty cache for this method; `reserve`: decode steps to come (SnapKV budgets its prompt so
-        that its memory matches after them)."""
-        if self.config is not None:
-            from kvcal.runtime.hf import KvcalCache
-
-            config = self.config
-            if config.snapkv is not None:
-                config = config.with_(snapkv=dataclasses.replace(config.snapkv, reserve=reserve))
-            return KvcalCache.from_bundle(self.bundle, model, config, tokenizer=tokenizer)
-        return self.factory(reserve)
 
 
 def kivi_config(k_bits: int, v_bits: int, window: int = KIVI_WINDOW, group: int = KIVI_GROUP,

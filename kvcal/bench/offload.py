@@ -82,12 +82,12 @@ def modelled(adapter, hw: kvpr.Hardware, x_bytes: float, kv_bytes: list[float] |
 def _timed_greedy(model, ids: torch.Tensor, cache, steps: int) -> tuple[list[int], float]:
     """Prefill `ids`, then `steps` + 1 greedy steps; (tokens, mean seconds per step over the last `steps`)."""
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
         tokens, times = [int(tok)], []
         for _ in range(steps + 1):
             t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            out = model(input_ids=tok, cache=cache, use_cache=True)
             if ids.is_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

@@ -3,7 +3,7 @@
 Files in the output folder: `bench.json`, `bench.md`, `pareto.png` (quality vs bytes, each method a series, the
 Pareto front drawn through the best points), `decode_time.png` (decode ms/step and prefill tokens/s vs context).
 
-JSON schema, version 2 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`). Numbers are JSON numbers; `null` where a
+JSON schema, version 3 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`, 3 `environment.threads`). Numbers are JSON numbers; `null` where a
 value does not apply.
 
     schema_version int, kind "kvcal-bench", created str, command str, seed int, quick bool, wall_seconds number
@@ -12,7 +12,8 @@ value does not apply.
     bundle       {path, sha256: str|null; created, kvcal_version: str; policy: dict;
                   target: {top1, ppl_ratio, z: number, source: "bundle"|"default"|"command line"}}
     environment  {kvcal, torch, transformers, python, platform, machine, cpu, attention_backend: str;
-                  cpu_count, torch_threads: int; cuda: bool}
+                  cpu_count, torch_threads: int; cuda: bool;
+                  threads: str}   (why torch_threads: "1 (auto: load 1.0 on 2 cores)", "2 (--threads 2)", ...)
     settings     {quality: {dataset, dataset_sha256, windows_sha256: str; windows, prompt, steps: int},
                   passkey: {lengths: [int], depths: [number], new_tokens: int, filler: str},
                   speed: {contexts: [int], decode_steps, batch: int}, matched_ratio: number, backend: str,
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from kvcal.runtime.config import CompressionConfig
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
 BASELINE_FAMILIES = ("quantization", "eviction", "low-rank", "seed")
 
@@ -68,7 +69,8 @@ SCHEMA = {
                "target": dict},
     "bundle.target": {"top1": _NUM, "ppl_ratio": _NUM, "z": _NUM, "source": str},
     "environment": {"kvcal": str, "torch": str, "transformers": str, "python": str, "platform": str, "machine": str,
-                    "cpu": str, "cpu_count": int, "torch_threads": int, "cuda": bool, "attention_backend": str},
+                    "cpu": str, "cpu_count": int, "torch_threads": int, "cuda": bool, "attention_backend": str,
+                    "threads": str},
     "settings": {"quality": dict, "passkey": dict, "speed": dict, "matched_ratio": _NUM, "backend": str,
                  "palu_calibration_tokens": int},
     "settings.quality": {"dataset": str, "dataset_sha256": str, "windows_sha256": str, "windows": int, "prompt": int,
@@ -352,8 +354,8 @@ def markdown(r: dict) -> str:
                      f"{row['note'] or ''} |")
     lines += ["", f"Passkey: lengths {sp['lengths']}, depths {sp['depths']}, {sp['new_tokens']} greedy tokens, "
               f"{sp['filler']} filler. Speed: batch {ss['batch']}, one prefill per context, decode ms/step = mean of "
-              f"{ss['decode_steps']} steps after one warm-up step, on {env['cpu_count']} CPU cores "
-              f"({env['torch_threads']} torch threads).", "",
+              f"{ss['decode_steps']} steps after one warm-up step, on {env['cpu_count']} CPU cores, torch threads "
+              f"{env.get('threads', env['torch_threads'])}.", "",
               "## Reproducibility", "",
               f"- model `{m['name']}` ({m['family']}, {m['dtype']}), fingerprint `{m['fingerprint']}`, weights hash "
               f"`{m['weights_hash']}`",

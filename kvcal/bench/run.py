@@ -42,11 +42,11 @@ from kvcal.bench import kvquant as KQ
 from kvcal.bench import methods as M
 from kvcal.bench.kvtuner import kvtuner_methods, layer_sensitivity
 from kvcal.bench.report import SCHEMA_VERSION, summarise
-from kvcal.bundle import Bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import LoadedModel, fingerprint, weights_hash
 from kvcal.models.sources import file_sha256
 from kvcal.profile.quality import DecodeProbe, QualityTarget, passkey
+from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.fastgen import FastGenConfig
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer,
         mem = fid.memory
     else:
         cache = method.make_cache(model, tokenizer, reserve=steps)
-        model(input_ids=probe.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=probe.prompt, cache=cache, use_cache=True, logits_to_keep=1)
         got, seconds = teacher_force(model, cache, probe.continuation)
         fid = compare_logits(probe.ref, got, probe.continuation[:, 1:], P, seconds, cache)
         mem = cache.memory()
@@ -144,12 +144,12 @@ def measure_speed(method: M.Method, model, tokenizer, ids: torch.Tensor, context
     """ids [1, >= context + steps + 1]: prefill `context` tokens, then steps + 1 decode steps (the first warms up)."""
     cache = method.make_cache(model, tokenizer, reserve=steps + 1)
     t0 = time.perf_counter()
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - t0
     times = []
     for t in range(steps + 1):
         t0 = time.perf_counter()
-        model(input_ids=ids[:, context + t:context + t + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, context + t:context + t + 1], cache=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
     mem = _memory(cache.memory(), context + steps + 1)
     _release(cache)
@@ -182,7 +182,7 @@ class PasskeyProbe:
         recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
                                            tokenizer=tokenizer)
         recording.record = True
-        out = model(input_ids=self.prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=self.prompt, cache=recording, use_cache=True, logits_to_keep=1)
         self.first = out.logits[:, -1].argmax(-1)                                      # [1]
         self.records = dict(recording.kv.recorder)
         for i, layer in enumerate(recording.layers):
@@ -201,7 +201,7 @@ class PasskeyProbe:
         cache.prime(self.records, token_ids=self.prompt)
         tokens = [int(self.first)]
         while len(tokens) < new_tokens and tokens[-1] not in self.eos:
-            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
         cache.release()
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -231,7 +231,9 @@ def environment(backend_name: str) -> dict:
     return {"kvcal": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu": _cpu_name(), "cpu_count": os.cpu_count() or 0, "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.is_available(), "attention_backend": backend_name}
+            "cuda": torch.cuda.is_available(), "attention_backend": backend_name,
+            # `kvcal bench` replaces this with why it runs that many (`--threads`, kvcal.cli._threads)
+            "threads": f"{torch.get_num_threads()} (the caller's torch setting)"}
 
 
 def bundle_target(bundle: Bundle) -> tuple[QualityTarget, str]:

@@ -27,16 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
+from kvcal.bench.method import Method
 from kvcal.runtime.quant import pack, packed_size, unpack
-
-if TYPE_CHECKING:                  # methods.py imports this module to list its methods
-    from kvcal.bench.methods import Method
 
 TURBOQUANT_BITS = (1, 2, 4, 8)     # what `pack` can store; 3-bit codes would need a packer that straddles bytes
 ROTATION_SEED = 0
@@ -267,7 +264,6 @@ TURBOQUANT_SETTINGS = ((4, 4, 0), (4, 2, 0), (2, 2, 0), (2, 2, 64))     # (K bit
 def turboquant_methods(model) -> list[Method]:
     """The TurboQuant-style methods of `kvcal bench` for `model` (no calibration: R and the codebooks depend on the
     head dimension alone)."""
-    from kvcal.bench.methods import Method
     from kvcal.models import adapter_for
 
     a = adapter_for(model.config)

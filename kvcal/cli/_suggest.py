@@ -38,8 +38,8 @@ def resolve_bundle(path: Path) -> Path:
     if not path.exists() and not path.name.endswith(BUNDLE_SUFFIX):
         beside = path.with_name(bundle_stem(path.name) + BUNDLE_EXT)
         if beside.is_file():
+            from kvcal.cli._console import stderr
             from kvcal.cli._errors import plain
-            from kvcal.cli._options import stderr
 
             stderr.print(f"no file `{plain(str(path))}`: using `{plain(str(beside))}`", style="dim", highlight=False,
                          soft_wrap=True)

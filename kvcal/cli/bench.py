@@ -21,8 +21,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, stderr, stdout
+from kvcal.cli._console import stderr, stdout
+from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, ThreadsOpt, fail
 from kvcal.cli._suggest import resolve_bundle, shipped_bundle, shown_path
+from kvcal.cli._threads import use_threads
 from kvcal.models import DEFAULT_MODEL
 
 
@@ -96,13 +98,15 @@ def bench(
     offload: Annotated[bool, typer.Option("--offload", help="Only the KVPR offloading section: modelled step time "
                                                             "at l = 0 / l* / full per layer, and a measured run "
                                                             "(writes OUT/offload.json and OUT/offload.md).")] = False,
+    threads: ThreadsOpt = "auto",
 ) -> None:
     """Compare kvcal with baselines on KV bytes, quality, passkey retrieval and CPU speed; write a report."""
+    chosen_threads = use_threads(threads)
     if offload:
         return _offload(model, bundle, out, quick, dtype, seed, contexts, json_out, quiet)
     from kvcal.bench import BenchSettings, run_bench, write_report
-    from kvcal.bundle import BundleError, load_bundle
     from kvcal.models import load_model
+    from kvcal.runtime.bundle import BundleError, load_bundle
 
     try:
         if bundle is None:
@@ -133,6 +137,7 @@ def bench(
 
         with bars:
             report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
+        report["environment"]["threads"] = str(chosen_threads)        # why this many (torch_threads: how many)
         paths = write_report(report, out_dir)
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: nothing was written")
@@ -147,6 +152,7 @@ def bench(
     stdout.print(s["verdict"], highlight=False)
     if s["note"]:
         stdout.print(f"[yellow]where kvcal loses:[/] {s['note']}", highlight=False)
+    stdout.print(f"threads {report['environment']['threads']}", highlight=False)
     stdout.print(f"report: {paths['md']} (JSON {paths['json'].name}, plots {paths['pareto_png'].name}, "
                  f"{paths['decode_png'].name})", highlight=False)
 
@@ -165,8 +171,8 @@ def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dty
              contexts: str | None, json_out: bool, quiet: bool) -> None:
     """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled."""
     from kvcal.bench.offload import OffloadSettings, run_offload, to_markdown, write_offload_report
-    from kvcal.bundle import BundleError, load_bundle
     from kvcal.models import load_model
+    from kvcal.runtime.bundle import BundleError, load_bundle
 
     status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{msg}[/]", highlight=False))
     try:

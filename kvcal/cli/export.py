@@ -18,9 +18,10 @@ from rich.console import Group
 from rich.text import Text
 
 from kvcal.cli._errors import plain
-from kvcal.cli._options import BundleArg, JsonOpt, fail
+from kvcal.cli._options import BundleArg, JsonOpt, ThreadsOpt, fail
 from kvcal.cli._suggest import resolve_bundle
 from kvcal.cli._summary import key_value_table, print_plain
+from kvcal.cli._threads import use_threads
 from kvcal.export import DEFAULT_MARGIN
 
 
@@ -64,10 +65,12 @@ def export(
     = "bfloat16",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out folder.")] = False,
     json_out: JsonOpt = False,
+    threads: ThreadsOpt = "auto",
 ) -> None:
     """Export a bundle for vLLM (FP8 scales), for custom runtimes (manifest), or as a folded transformers checkpoint."""
-    from kvcal.bundle import BundleError, load_bundle
+    use_threads(threads)
     from kvcal.export import export_hf_lowrank_v, export_manifest, export_vllm_fp8
+    from kvcal.runtime.bundle import BundleError, load_bundle
 
     try:
         if model is None and fmt is not ExportFormat.manifest:

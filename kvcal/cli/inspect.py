@@ -13,12 +13,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvcal.bundle import Bundle, BundleError, load_bundle
+from kvcal.cli._console import stdout
 from kvcal.cli._errors import terminal_safe
-from kvcal.cli._options import BundleArg, JsonOpt, fail, stdout
+from kvcal.cli._options import BundleArg, JsonOpt, ThreadsOpt, fail
 from kvcal.cli._suggest import resolve_bundle
 from kvcal.cli._summary import bundle_summary, print_plain
+from kvcal.cli._threads import use_threads
 from kvcal.profile.ranks import energy_kept
+from kvcal.runtime.bundle import Bundle, BundleError, load_bundle
 
 
 def describe(bundle: Bundle) -> dict:
@@ -54,8 +56,10 @@ def inspect(
     heads: Annotated[bool, typer.Option("--heads", help="List every layer and KV head, not only those whose ranks "
                                                         "are below the head dim.")] = False,
     json_out: JsonOpt = False,
+    threads: ThreadsOpt = "auto",
 ) -> None:
     """Print what a bundle stores, its bytes per token and measured quality, its provenance, and its reduced ranks."""
+    use_threads(threads)
     try:
         bundle = resolve_bundle(bundle)
         shape = config = None

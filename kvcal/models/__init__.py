@@ -59,7 +59,7 @@ def load_model(
     source = resolve_model(spec)
     adapter = adapter_for(read_config(source.folder))
     check_weight_files(source.folder)
-    kwargs = {"dtype": DTYPES[dtype]}
+    kwargs = {"dtype": DTYPES[dtype], "local_files_only": True}   # a local folder: never ask the Hub
     if device_map is not None:
         kwargs["device_map"] = device_map
     if max_memory is not None:
@@ -81,7 +81,7 @@ def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load the tokenizer in `{folder}` ({_first_line(e)}); the folder needs the "
                          "model's tokenizer files (tokenizer.json or tokenizer_config.json)") from None
@@ -97,7 +97,7 @@ def read_config(folder) -> object:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read `{folder}/config.json` ({_first_line(e)}); pass a Hugging Face model folder "
                          "with a valid config.json") from None
@@ -108,7 +108,7 @@ def check_weight_files(folder) -> None:
     `.pt`: loading them can run code) or safetensors files whose header does not fit the file (truncated copies)."""
     from pathlib import Path
 
-    from kvcal.safe_paths import safetensors_header
+    from kvcal.runtime.files import safetensors_header
 
     folder = Path(folder)
     st = sorted(folder.glob("*.safetensors"))

@@ -136,8 +136,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     logger.info("converting %s to a bf16 safetensors folder at %s (once)", gguf, out)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+                                                     local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot read the GGUF file `{gguf}` ({reason}); check that it is a complete GGUF of a "

@@ -113,7 +113,7 @@ def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: in
         else:                                               # records: the whole prompt's K/V (and more)
             layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
     M = continuation.shape[1] - 1
-    logits = [model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True).logits
+    logits = [model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits
               .float() for t in range(0, M, chunk)]
     return torch.cat(logits, dim=1)
 
@@ -134,7 +134,7 @@ def teacher_force(model, cache, continuation: torch.Tensor, chunk: int = 1,
     M = continuation.shape[1] - 1
     t0 = time.perf_counter()
     for t in range(0, M, chunk):
-        logits = model(input_ids=continuation[:, t:min(t + chunk, M)], past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits
         if on_logits is None:
             steps.append(logits.float())
         else:
@@ -313,7 +313,7 @@ def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
     P, M = prompt.shape[1], continuation.shape[1] - 1
     ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M], start=P)
     cache = make_cache()
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     kv = getattr(cache, "kv", None)
     page_s0 = kv.store.page_seconds if kv is not None else 0.0
     got, seconds = teacher_force(model, cache, continuation)
@@ -347,7 +347,7 @@ class DecodeProbe:
         recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
                                            tokenizer=tokenizer)
         recording.record = True
-        model(input_ids=prompt, past_key_values=recording, use_cache=True, logits_to_keep=1)
+        model(input_ids=prompt, cache=recording, use_cache=True, logits_to_keep=1)
         self.records = dict(recording.kv.recorder)
         sliding = list(recording.sliding)
         for i, layer in enumerate(recording.layers):
@@ -392,6 +392,13 @@ class DecodeProbe:
                              "`fastgen=`")
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer)
         cache.prime(self.records, token_ids=self.prompt)
+        if chunk > 1 and cache.kv.raw:
+            # a prompt the raw phase holds (CompressedKV): the batched probe's attention and score catch-up run on
+            # the pages, which the raw phase would bypass and then hand over a whole chunk at once; go without it
+            cache.release()
+            cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer,
+                                           raw_tokens=0)
+            cache.prime(self.records, token_ids=self.prompt)
         if chunk > 1:
             kv = cache.kv
             kv.backend = ChunkProbeAttention(kv)
@@ -440,7 +447,7 @@ def passkey(model, tokenizer, filler_text: str, lengths: list[int], depths: list
             ids, key = passkey_prompt(tokenizer, filler, length, depth, seed + length + int(depth * 100))
             cache = make_cache()
             out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                 past_key_values=cache, pad_token_id=tokenizer.eos_token_id)
+                                 cache=cache, pad_token_id=tokenizer.eos_token_id)
             text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
             results[f"{length}@{depth:g}"] = key in text
             if hasattr(cache, "release"):

@@ -1,11 +1,12 @@
 """kvcal's runtime: serve a calibrated bundle as a compressed, paged KV cache. Depends on torch, safetensors and
 transformers (for `hf.py` and `offload/`), and optionally cuda-python; never on another part of kvcal.
 
-    from kvcal.runtime import CompressionConfig, KvcalCache
+    from kvcal.runtime import CompressionConfig, KvcalCache, load_bundle
+    bundle = load_bundle("model.kvcal.safetensors")      # the artefact (`kvcal.runtime.bundle`) belongs to the runtime
     cache = KvcalCache.from_bundle(bundle, model, CompressionConfig.from_dict(bundle.settings), tokenizer=tok)
 
 The names below are the public API; they load on first use, so importing one module of the runtime does not import
-transformers.
+transformers. Importing it changes nothing in the host process (no environment variables, logging or torch settings).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
+    "Bundle": "kvcal.runtime.bundle",
+    "BundleError": "kvcal.runtime.bundle",
+    "BundleMismatchError": "kvcal.runtime.bundle",
+    "load_bundle": "kvcal.runtime.bundle",
+    "save_bundle": "kvcal.runtime.bundle",
     "CompressionConfig": "kvcal.runtime.config",
     "TieringConfig": "kvcal.runtime.diffkv",
     "FastGenConfig": "kvcal.runtime.fastgen",

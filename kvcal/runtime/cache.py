@@ -9,19 +9,40 @@ Per layer, `forward` takes post-RoPE query [B, Hq, n, d], key and value [B, H, n
 scores come from it), then each policy tiers the prompt in turn (`CachePolicy.prefill`) and it is written compressed.
 Later calls attend over the compressed store plus the new tokens, write the new tokens at high precision, and run
 each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head pattern).
+
+Raw phase: a sequence of at most `raw_tokens` tokens is held raw, K/V as the model made them (counted at 16 bits, as
+an fp16 cache holds them) with each token's significance, and attended exactly; the prompt is not yet written to the
+store. When the cache grows past `raw_tokens`, the raw tokens are written as if they were a prompt of that length
+(`write_prefill`: the token policies tier them by the significance gathered so far) and decoding goes on compressed.
+`auto_raw_tokens` picks the shortest raw phase after which the pages cost no more than fp16 (page layouts, not data):
+partly filled pages and the tokens that wait at the high tier make short sequences dearer than fp16 in pages.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvcal.runtime.attention import select_backend
+from kvcal.runtime.attention import _softmax_attend, select_backend
 from kvcal.runtime.bases import served_bases
 from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention, cache_policies
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.pages import HIGH, LOW
 from kvcal.runtime.store import CompressedStore
+
+
+@dataclass
+class RawLayer:
+    """One layer's tokens in the raw phase: keys, values [B, H, n, d] as the model made them, real bool [B, n]
+    (False = padding), score float32 [B, H, >= n] each token's significance so far (a buffer of `raw_tokens` slots,
+    allocated once: a fixed amount, `CompressedKV.raw_score_bytes`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    real: torch.Tensor
+    score: torch.Tensor
 
 
 def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -42,11 +63,12 @@ class CompressedKV:
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
                  raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 smoothing: torch.Tensor | None = None):
+                 smoothing: torch.Tensor | None = None, raw_tokens: int | None = 0):
         """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
         tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation. key_ranges: (low,
         high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
-        keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`."""
+        keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`. raw_tokens: the raw phase
+        (module docstring): 0 = none, None = `auto_raw_tokens()`."""
         L, H, d, _ = rotation.shape
         if config.static_keys and not config.rotate:
             raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
@@ -77,16 +99,25 @@ class CompressedKV:
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
         self.token_classes = token_classes
         self.policies: list[CachePolicy] = cache_policies(self)   # token policies, run in this order
+        self.raw: dict[int, RawLayer] = {}                        # layers in the raw phase
+        self.raw_tokens = self.auto_raw_tokens() if raw_tokens is None else int(raw_tokens)
+        others = [p.name for p in self.policies if p.name != "diffkv"]
+        if self.raw_tokens < 0 or (self.raw_tokens and others):
+            # the hand-over tiers the raw tokens without the prompt's own attention, which these policies need
+            raise ValueError(f"raw_tokens={raw_tokens}: " + ("give 0 (no raw phase), a positive count, or None (auto)"
+                             if self.raw_tokens < 0 else f"a raw phase serves DiffKV's tiers only, and "
+                             f"{', '.join(others)} decide from the prompt's own attention; pass raw_tokens=0 or None"))
 
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
-                    raw16: torch.dtype = torch.float16, token_classes: tuple | None = None) -> CompressedKV:
+                    raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
+                    raw_tokens: int | None = 0) -> CompressedKV:
         ranges = None
         if "k.range_low" in bundle.extras:
             ranges = (bundle.extras["k.range_low"], bundle.extras["k.range_high"])
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
                    sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
-                   smoothing=bundle.extras.get("qk.smoothing"))
+                   smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
@@ -107,10 +138,122 @@ class CompressedKV:
         H = key.shape[1]
         q = query.view(B, H, Hq // H, n, d)
         if self.length[layer] == 0:
+            self.raw.pop(layer, None)                  # cropped to nothing: a new prompt
             out = self._prefill(layer, q, key, value, pad, scale)
+        elif layer in self.raw:
+            out = self._raw_step(layer, q, key, value, scale)
         else:
             out = self._decode_step(layer, q, key, value, scale)
         return out.reshape(B, Hq, n, d).to(query.dtype)
+
+    # --------------------------------------------------------------------------------------------- raw phase
+
+    def auto_raw_tokens(self) -> int:
+        """The raw phase that keeps a sequence's pages within fp16 at every length after it, by the page layouts
+        (`CompressedStore.pages_estimate`: every token past the window and the pending low page settles low; heavy
+        hitters kept high are not in it). 0 (no raw phase) when a token policy other than DiffKV's tiers is on (they
+        need the prompt's own attention, `prompt_statistics`) or when the pages never cost less than fp16 (tiers
+        of 16 bits or more, e.g. `CompressionConfig.none()`)."""
+        if any(p.name != "diffkv" for p in self.policies) or not self.layers:
+            return 0
+        store = self.store
+        fp16 = self._fp16_per_token()
+        rate, high = self._settled_bytes_per_token(), self._high_tokens()
+        if rate >= fp16:
+            return 0
+        entries = [(g, len(g.heads)) for gs in store.groups.values() for g in gs]
+        # pages_estimate(m) <= rate * m + const: past `limit` the pages stay below fp16 whatever m
+        const = sum(n * (-(-(high or 0) // g.layouts[0].tokens) + 1) * store.page_bytes for g, n in entries)
+        limit = min(int(const // (fp16 - rate)) + 2, 1 << 16)
+        n = limit
+        while n > 1 and store.pages_estimate(n - 1, high) <= fp16 * (n - 1):
+            n -= 1
+        return n - 1
+
+    def _fp16_per_token(self) -> int:
+        """Bytes per token of one sequence's compressed layers in an fp16 dense cache."""
+        d = next(iter(self.rotation.values())).shape[1] if self.rotation else 0
+        return len(self.layers) * self.store.num_kv_heads * d * 2 * 2
+
+    def _high_tokens(self) -> int | None:
+        """Most tokens an entry's high section holds by the layouts' model (`pages_estimate`): the window and, with
+        per-channel low keys, a page of low tokens less one waiting; None: every token (no tiers)."""
+        t = self.config.tiering
+        if not t.tiered:
+            return None
+        wait = max(g.layouts[LOW].tokens for gs in self.store.groups.values() for g in gs) - 1 \
+            if self.config.low.k_mode == "channel" else 0
+        return t.window + wait
+
+    def _settled_bytes_per_token(self) -> float:
+        """Page bytes per token of one sequence once its tokens settle: the low tier's layouts with tiers, else the
+        high tier's (every compressed layer and KV head, page metadata and padding included)."""
+        side = LOW if self.config.tiering.tiered else HIGH
+        return sum(len(g.heads) * g.layouts[side].bytes_per_token for gs in self.store.groups.values() for g in gs)
+
+    def steady_state_ratio(self) -> float:
+        """Bytes per token a long sequence converges to, against fp16 (`_settled_bytes_per_token`): heavy hitters
+        kept high raise it a little, pruned and evicted tokens lower it."""
+        fp16 = self._fp16_per_token()
+        return self._settled_bytes_per_token() / fp16 if fp16 else float("nan")
+
+    def allowance_bytes(self) -> int:
+        """The fixed amount by which the bytes this cache holds may exceed an fp16 cache of the same tokens
+        (docs/runtime.md): per (sequence, compressed layer, KV head) one page (partly filled pages and heavy hitters
+        beyond `pages_estimate`) and the raw phase's significance buffer (4 bytes per raw token), plus the page tables
+        and counters as made (`CompressedStore.bookkeeping_bytes`) and the static key scales."""
+        entries = self.batch * len(self.layers) * self.store.num_kv_heads
+        return (entries * (self.store.page_bytes + 4 * self.raw_tokens) + self.store.bookkeeping_bytes()
+                + self.store.static_key_bytes())
+
+    def raw_bytes(self) -> int:
+        """K/V bytes of the raw phase, at 16 bits per element (as an fp16 cache holds them, whatever the model's
+        dtype: the bench and the search run models in float32 only to measure)."""
+        return sum((r.keys.numel() + r.values.numel()) * 2 for r in self.raw.values())
+
+    def raw_score_bytes(self) -> int:
+        """Bytes of the raw phase's significance buffers (`RawLayer.score`): fixed, `raw_tokens` float32 per
+        (sequence, layer, KV head)."""
+        return sum(r.score.numel() * r.score.element_size() for r in self.raw.values())
+
+    def write_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor,
+                     real: torch.Tensor, statistics: dict | None = None) -> None:
+        """`write_prefill`, or for a prompt the raw phase takes (at most `raw_tokens` tokens, nothing recorded), hold
+        it raw: key, value [B, H, n, d] kept as given, score [B, H, n] its significance from the prefill."""
+        B, H, n, _ = key.shape
+        if not (0 < n <= self.raw_tokens and self.recorder is None):
+            self.write_prefill(layer, key, value, score, real, statistics)
+            return
+        buffer = torch.zeros(B, H, self.raw_tokens, device=key.device)
+        buffer[..., :n] = score
+        self.n_pad = (~real).sum(-1).to(self.device)
+        self.length[layer] = n
+        self.raw[layer] = RawLayer(key, value, real.to(torch.bool), buffer)
+
+    def _raw_step(self, layer, q, key, value, scale):
+        """New tokens of a layer in the raw phase: exact attention over the raw tokens and themselves, significance
+        added as the backends add it; past `raw_tokens` the layer's tokens are written to the store."""
+        B, H, g, n, d = q.shape
+        raw = self.raw[layer]
+        S = raw.keys.shape[2]
+        keys = torch.cat([raw.keys, key.to(raw.keys.dtype)], dim=2)
+        values = torch.cat([raw.values, value.to(raw.values.dtype)], dim=2)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        allowed = torch.cat([raw.real[:, None, None, None, :].expand(B, H, 1, n, S),
+                             causal.expand(B, H, 1, n, n)], dim=-1)
+        out, probs = _softmax_attend(q.float(), keys, values, allowed, scale)          # probs [B, H, n, S + n]
+        score = raw.score if S + n <= raw.score.shape[-1] else torch.cat(
+            [raw.score[..., :S], torch.zeros(B, H, n, device=q.device)], dim=-1)
+        score[..., :S] += probs[..., :S].sum(dim=2)
+        score[..., S:S + n] = probs[..., S:].sum(dim=2)
+        real = torch.cat([raw.real, torch.ones(B, n, dtype=torch.bool, device=raw.real.device)], dim=1)
+        self.length[layer] = S + n
+        if S + n > self.raw_tokens:
+            del self.raw[layer]
+            self.write_prefill(layer, keys, values, score[..., :S + n], real)
+        else:
+            self.raw[layer] = RawLayer(keys, values, real, score)
+        return out
 
     def _project(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """key, value [B, H, n, d] -> K·R [B, H, n, r_k], V·B [B, H, n, r_v] (float32)."""
@@ -125,7 +268,7 @@ class CompressedKV:
         statistics = {p.name: p.prompt_statistics(attention, real, score) for p in self.policies}
         if self.recorder is not None:
             self.recorder[layer] = (key.float(), value.float(), score, real, statistics)
-        self.write_prefill(layer, key, value, score, real, statistics)
+        self.write_prompt(layer, key, value, score, real, statistics)
         return out
 
     def write_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor,
@@ -220,6 +363,8 @@ class CompressedKV:
             raise ValueError(f"batch index must be a non-empty 1-D tensor of rows in [0, {self.batch}), got "
                              f"{index.tolist() if index.numel() <= 16 else tuple(index.shape)}")
         freed = self.store.select(index)
+        for layer, r in self.raw.items():
+            self.raw[layer] = RawLayer(r.keys[index], r.values[index], r.real[index], r.score[index])
         self.batch = len(index)
         self.n_pad = self.n_pad[index]
         for policy in self.policies:
@@ -236,13 +381,20 @@ class CompressedKV:
         if keep == length:
             return 0
         for layer in self.layers:
+            if layer in self.raw:
+                continue
             why = self.store.crop_check(layer, keep, self.n_pad, self.length[layer])
             if why is not None:
                 raise ValueError(f"cannot crop the cache to {keep} tokens: {why}; crop fewer tokens, or serve "
                                  "without tiers and eviction (e.g. CompressionConfig.none())")
         freed = 0
         for layer in self.layers:
-            freed += self.store.crop(layer, keep)
+            if layer in self.raw:
+                r = self.raw[layer]
+                r.score[..., keep:] = 0
+                self.raw[layer] = RawLayer(r.keys[:, :, :keep], r.values[:, :, :keep], r.real[:, :keep], r.score)
+            else:
+                freed += self.store.crop(layer, keep)
             self.length[layer] = keep
         for policy in self.policies:
             policy.crop(keep)
@@ -255,9 +407,13 @@ class CompressedKV:
         b, h = self.every_entry()
         counts = {"high": 0, "low": 0}
         for layer in self.layers:
+            if layer in self.raw:                      # the raw phase holds its tokens exactly: counted high
+                counts["high"] += int(self.raw[layer].real.sum()) * self.store.num_kv_heads
+                continue
             for side, name in ((HIGH, "high"), (LOW, "low")):
                 counts[name] += int((self.store.section_meta(layer, side, b, h)[1] >= 0).sum())
         return counts
 
     def release(self) -> int:
+        self.raw.clear()
         return self.store.release()

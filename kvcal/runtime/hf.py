@@ -2,7 +2,7 @@
 
     from kvcal.runtime.hf import KvcalCache
     cache = KvcalCache.from_bundle(bundle, model)          # checks the bundle against the model, installs `kvcal`
-    out = model.generate(**inputs, past_key_values=cache)  # batch > 1 and left-padded prompts work
+    out = model.generate(**inputs, cache=cache)            # batch > 1 and left-padded prompts work
 
 How the two halves meet: transformers calls `cache.update(k, v, layer_idx)` right before the attention function, and
 passes the layer's attention module to that function. `KvcalLayer.update` records the new post-RoPE K/V as pending
@@ -149,8 +149,10 @@ class KvcalLayer(SeenLayer):
 class KvcalCache(Cache):
     """A transformers `Cache` whose full-attention layers are compressed by kvcal."""
 
-    def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None, tokenizer=None):
+    def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None, tokenizer=None,
+                 raw_tokens: int | None = None):
         self.bundle, self.config = bundle, config
+        self.raw_tokens = raw_tokens      # the raw phase (CompressedKV): None = auto, 0 = none
         self.token_classes = None
         self._new_ids: list[torch.Tensor] = []     # token ids seen before the compressed state exists (FastGen)
         if config.fastgen is not None:
@@ -181,9 +183,12 @@ class KvcalCache(Cache):
         return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0], self.config.sliding_recent)
 
     @classmethod
-    def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None) -> KvcalCache:
+    def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None,
+                    raw_tokens: int | None = None) -> KvcalCache:
         """Check `bundle` against `model` (BundleMismatchError on another architecture), install the `kvcal`
-        attention function on the model, and return an empty cache. `config` defaults to the bundle's settings."""
+        attention function on the model, and return an empty cache. `config` defaults to the bundle's settings.
+        raw_tokens: how many tokens a sequence is held raw before its pages pay (`CompressedKV`, raw phase); None
+        picks it from the page layouts (`CompressedKV.auto_raw_tokens`), 0 writes every token to the pages."""
         adapter = adapter_for(model.config)
         bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
                            shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
@@ -191,7 +196,7 @@ class KvcalCache(Cache):
         if config is None:
             config = CompressionConfig.from_dict(bundle.settings)
         return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, raw_tokens=raw_tokens)
 
     def prime(self, records: dict, token_ids: torch.Tensor | None = None) -> None:
         """Fill an empty cache with a recorded prefill instead of running it: `records` maps each layer to
@@ -211,14 +216,15 @@ class KvcalCache(Cache):
                 first = False
                 layer.lazy_initialization(key, value)
                 layer.seen = key.shape[-2]
-                self.kv.write_prefill(i, key, value, score, real, statistics)
+                self.kv.write_prompt(i, key, value, score, real, statistics)
 
     def _ensure_kv(self, key_states: torch.Tensor) -> None:
         if self.kv is None:
             raw16 = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
             self.kv = CompressedKV.from_bundle(self.bundle, self.config, batch=key_states.shape[0],
                                                sliding=self.sliding, device=key_states.device, raw16=raw16,
-                                               token_classes=self.token_classes)
+                                               token_classes=self.token_classes,
+                                               raw_tokens=0 if self.record else self.raw_tokens)
             if self.record:
                 self.kv.recorder = {}
             for ids in self._new_ids:
@@ -240,13 +246,22 @@ class KvcalCache(Cache):
     # --------------------------------------------------------------------------------------------- accounting
 
     def memory(self) -> dict[str, float]:
-        """KV bytes held now: pages of the compressed layers (metadata and fragmentation included), plus the sliding
-        layers (`sliding_bytes`: their codes and scales when quantized, else their K/V at 16 bits as served,
-        `dense_bytes`, as kvcal's own raw tiers do), against an fp16 dense cache of the same tokens. `fixed_bytes`:
-        the per-model cost that does not grow with tokens (static key scales), reported apart and not in
-        `total_bytes` or the ratio."""
-        paged = self.kv.store.bytes_in_use() if self.kv else 0
-        window = dense_fp16 = 0
+        """The KV bytes this cache holds now, against an fp16 dense cache of the same tokens (`fp16_bytes`), and the
+        ratio a long sequence converges to.
+
+        total_bytes: the tokens' storage: pages in use (`paged_bytes`, metadata and fragmentation included), the raw
+        phase's K/V (`raw_bytes`, 16 bits per element, CompressedKV) and the sliding layers (`sliding_bytes`: their
+        codes and scales when quantized, else their K/V at 16 bits as served, `dense_bytes`, as kvcal's own raw tiers
+        do). ratio_to_fp16 = total_bytes / fp16_bytes: what is held now.
+        held_bytes: every byte the cache holds now: total_bytes, plus the arena's free pages, the page tables and
+        counters, the raw phase's significance buffers and the static key scales (`fixed_bytes`, per-model, not in
+        total_bytes or the ratio). held_bytes <= fp16_bytes + allowance_bytes at every length (docs/runtime.md).
+        steady_state_ratio: page bytes per token once tokens settle at their tier, against fp16 per token
+        (`CompressedKV.steady_state_ratio`): what ratio_to_fp16 approaches on a long sequence."""
+        kv = self.kv
+        paged = kv.store.bytes_in_use() if kv else 0
+        raw = kv.raw_bytes() if kv else 0
+        window = dense_fp16 = extra = 0
         for layer, sliding in zip(self.layers, self.sliding):
             if sliding and isinstance(layer, QuantizedSlidingLayer):
                 window += layer.held_bytes()
@@ -254,15 +269,25 @@ class KvcalCache(Cache):
             elif sliding and layer.is_initialized:
                 window += dense_bytes(layer.keys, layer.values)
                 dense_fp16 += layer.keys.numel() * 2 * 2
-        if self.kv is not None:
-            L = self.kv.layers
+        if kv is not None:
+            L = kv.layers
             H, d = self.bundle.model.num_kv_heads, self.bundle.model.head_dim
-            tokens = self.kv.length[L[0]] * self.kv.batch - int(self.kv.n_pad.sum()) if L else 0
+            tokens = kv.length[L[0]] * kv.batch - int(kv.n_pad.sum()) if L else 0
             dense_fp16 += tokens * len(L) * H * d * 2 * 2
-        total = paged + window
-        return {"paged_bytes": paged, "sliding_bytes": window, "total_bytes": total, "fp16_bytes": dense_fp16,
-                "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
-                "fixed_bytes": self.kv.store.static_key_bytes() if self.kv else 0}
+            extra = kv.store.held_bytes() - paged + kv.raw_score_bytes()
+        total = paged + raw + window
+        return {"paged_bytes": paged, "raw_bytes": raw, "sliding_bytes": window, "total_bytes": total,
+                "fp16_bytes": dense_fp16, "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
+                "fixed_bytes": kv.store.static_key_bytes() if kv else 0, "held_bytes": total + extra,
+                "held_ratio_to_fp16": (total + extra) / dense_fp16 if dense_fp16 else float("nan"),
+                "allowance_bytes": self.allowance_bytes(),
+                "steady_state_ratio": kv.steady_state_ratio() if kv else float("nan"),
+                "raw_tokens": kv.raw_tokens if kv else 0}
+
+    def allowance_bytes(self) -> int:
+        """The fixed amount by which `memory()["held_bytes"]` may exceed an fp16 cache of the same tokens
+        (`CompressedKV.allowance_bytes`, docs/runtime.md); 0 before the first call."""
+        return self.kv.allowance_bytes() if self.kv is not None else 0
 
     def release(self) -> int:
         """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can

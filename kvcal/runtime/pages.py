@@ -336,6 +336,11 @@ class PageArena:
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
+    def held_bytes(self) -> int:
+        """Every byte this allocator holds: the whole arena (pages in use and free pages) and its tables."""
+        return sum(t.numel() * t.element_size() for t in (self.arena, self.free_list, self.page_table,
+                                                          self.num_pages_used, self.refs))
+
     def used_bytes(self, slots=None) -> int:
         """Bytes of arena pages held in total, or by the given slots (int tensor [k], duplicates ignored)."""
         if slots is None:

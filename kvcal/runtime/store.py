@@ -96,8 +96,8 @@ class CompressedStore:
 
     def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
-                 page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 64,
-                 initial_tokens: int = 2048, writer=None,
+                 page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 1,
+                 initial_tokens: int = 256, writer=None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True,
                  low_layers: dict[int, TierFormat] | None = None):
         if high.k_mode == "channel":
@@ -127,8 +127,11 @@ class CompressedStore:
         self.r_v_max = {layer: max(g.r_v for g in gs) for layer, gs in self.groups.items()}
         self.static_keys = self._static_keys(key_ranges, rank_k)
         # page-table rows start with room for `initial_tokens` per entry and widen on demand (PageArena.grow_table):
-        # a row sized for any context up front costs [B, L, H, 65536] int32 = hundreds of MB per cache
+        # a row sized for any context up front costs [B, L, H, 65536] int32 = hundreds of MB per cache. The arena
+        # starts with `initial_pages` (one by default) and grows as pages are reserved: bytes allocated and never
+        # used would count against the cache (`held_bytes`)
         max_pages = -(-initial_tokens // min(min_tokens)) * 2
+        self.initial_table_width = max_pages
         self.arena = PageArena(initial_pages, self.page_bytes, slots=batch, layers=L, kv_heads=H,
                                max_pages_per_entry=max_pages, device=self.device)
         self.fill = torch.zeros(L, batch, H, 2, dtype=torch.int64, device=self.device)
@@ -230,9 +233,10 @@ class CompressedStore:
             if width > self.arena.max_pages_per_entry:
                 self.arena.grow_table(max(width, 2 * self.arena.max_pages_per_entry))
             if need > self.arena.num_free:
-                # doubling: a growth copies the whole arena (tens of ms at 1k x 8 on 2 cores), so it should be rare;
-                # pages never allocated cost address space, not bytes_in_use
-                self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages, 16))
+                # geometric growth by an eighth: a growth copies the whole arena (tens of ms at 1k x 8 on 2 cores), so
+                # it should be rare, but free pages are bytes the cache holds (`held_bytes`): doubling would let
+                # them reach the bytes in use, and a fixed floor would be most of a short sequence's bytes
+                self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages // 8))
             self.arena.extend(b[nz], layer, h[nz], side, count[nz], need)     # checked above: no validation
         self.page_seconds += time.perf_counter() - t0
 
@@ -741,6 +745,31 @@ class CompressedStore:
     def bytes_in_use(self) -> int:
         """Bytes of the pages this store holds (metadata and fragmentation included)."""
         return self.arena.used_bytes()
+
+    def held_bytes(self) -> int:
+        """Every byte this store holds: the whole arena (free pages included), its tables, the fill and hole counts,
+        and the static key scales (`static_key_bytes`)."""
+        counts = sum(t.numel() * t.element_size() for t in (self.fill, self.holes))
+        return self.arena.held_bytes() + counts + self.static_key_bytes()
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of the page tables and counters as the store made them (before any row widened): part of the fixed
+        amount `CompressedKV.allowance_bytes`."""
+        a = self.arena
+        return a.slots * a.layers * a.kv_heads * (4 * self.initial_table_width + 8) + 2 * self.fill.numel() * 8
+
+    def pages_estimate(self, tokens: int, high_tokens: int | None) -> int:
+        """Bytes of the pages one sequence of `tokens` tokens holds when at most `high_tokens` of them sit in each
+        entry's high section and the others in its low section (None: every token high), pages rounded up. The
+        model behind `CompressedKV.raw_tokens` and `steady_state_ratio`; heavy hitters kept high, pruned and evicted
+        tokens are not in it."""
+        total = 0
+        for groups in self.groups.values():
+            for g in groups:
+                hi, lo = g.layouts
+                h = tokens if high_tokens is None else min(tokens, high_tokens)
+                total += len(g.heads) * (-(-h // hi.tokens) + -(-(tokens - h) // lo.tokens)) * self.page_bytes
+        return total
 
     def release(self) -> int:
         """Return every page to the free list (the batch finished); returns the number of pages freed."""

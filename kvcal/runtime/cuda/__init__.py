@@ -1,4 +1,5 @@
-"""cuda-python backend: NVRTC builds with an on-disk cache, launch-argument packing, and a GPU probe.
+"""cuda-python backend: NVRTC builds with an on-disk cache, launch-argument packing, a GPU probe, and loading a cubin
+on the GPU the probe found (`load_module`).
 
 Importing this package never touches the driver and works without cuda-python; `cuda_status()` says whether the GPU
 path can run (GPU-less machines are the norm, so that is an answer, not an error).
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 from .build import (
     CompiledModule,
     compile_kernel,
+    cuda_core,
     default_cache_dir,
     kernel_source,
-    load_module,
     nvrtc_version,
     parse_ptxas_report,
 )
@@ -109,3 +110,18 @@ def cuda_status() -> CudaStatus:
         status = CudaStatus(False, f"CUDA probe failed: {type(e).__name__}: {msg}")
     logger.info("cuda-python backend %s: %s", "available" if status.available else "unavailable", status.reason)
     return status
+
+
+def load_module(compiled: CompiledModule):
+    """GPU ONLY (not testable without one): load the cubin into the current device's primary context.
+
+    Returns a ``cuda.core.ObjectCode``; ``.get_kernel("name")`` takes the names given to `compile_kernel`.
+    Uses device 0, the device `cuda_status()` describes."""
+    status = cuda_status()
+    if not status.available:
+        raise RuntimeError(f"cannot load CUDA module: {status.reason}")
+    if compiled.arch.rstrip("af") != (gpu := status.arch):  # sm_90a cubins run on sm_90 only
+        raise RuntimeError(f"cubin is for `{compiled.arch}` but the GPU is `{gpu}`; compile with arch=`{gpu}`")
+    cc = cuda_core()
+    cc.Device(0).set_current()  # the primary context, the same one torch uses
+    return cc.ObjectCode.from_cubin(compiled.cubin, symbol_mapping=dict(compiled.symbols))

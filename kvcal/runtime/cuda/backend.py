@@ -78,7 +78,7 @@ def write_args(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, values:
 @functools.cache
 def _kernels(arch: str) -> dict:
     """GPU ONLY: kernel name -> loaded kernel, compiled for `arch` (disk-cached cubins)."""
-    from .build import load_module
+    from . import load_module
     from .sources import compile_all
 
     kernels = {}

@@ -245,23 +245,6 @@ def kernel_source(filename: str) -> str:
     return resources.files(__package__).joinpath("kernels", filename).read_text()
 
 
-def load_module(compiled: CompiledModule):
-    """GPU ONLY (not testable without one): load the cubin into the current device's primary context.
-
-    Returns a ``cuda.core.ObjectCode``; ``.get_kernel("name")`` takes the names given to `compile_kernel`.
-    Uses device 0, the device `cuda_status()` describes."""
-    from . import cuda_status
-
-    status = cuda_status()
-    if not status.available:
-        raise RuntimeError(f"cannot load CUDA module: {status.reason}")
-    if compiled.arch.rstrip("af") != (gpu := status.arch):  # sm_90a cubins run on sm_90 only
-        raise RuntimeError(f"cubin is for `{compiled.arch}` but the GPU is `{gpu}`; compile with arch=`{gpu}`")
-    cc = cuda_core()
-    cc.Device(0).set_current()  # the primary context, the same one torch uses
-    return cc.ObjectCode.from_cubin(compiled.cubin, symbol_mapping=dict(compiled.symbols))
-
-
 def cuda_core():
     """cuda.core's namespace: `cuda.core` from 1.0, `cuda.core.experimental` before (GPU images may have an old one)."""
     import cuda.core as cc

@@ -2,7 +2,7 @@
 
     from kvcal.runtime.offload import OffloadedCache
     with OffloadedCache(model, hardware=hw) as cache:            # hooks the attention modules; unhooked on exit
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32, do_sample=False)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32, do_sample=False)
     cache.history[layer]                                          # the l chosen at each decode step
 
 Based on Jiang et al., "KVPR: Efficient LLM Inference with I/O-Aware KV Cache Partial Recomputation"; the cost
@@ -223,7 +223,7 @@ class OffloadedLayer(CacheLayerMixin):
         x = owner._x.pop(self.layer_idx, None)
         if x is None:
             raise RuntimeError(f"offloaded layer {self.layer_idx} got K/V without its X: the attention pre-hook did "
-                               "not run (was the cache closed, or the model called without `past_key_values=cache`?)")
+                               "not run (was the cache closed, or the model called without `cache=cache`?)")
         keys, values = key_states, value_states
         if self.host.length:
             fetch = self.fetched if self.fetched is not None and self.fetched.s == self.host.length else None

@@ -31,6 +31,9 @@ only `tensors.sha256` and still load), `kvcal.version`, `created`.
 `save_bundle` writes atomically (temporary file, fsync, rename); `load_bundle` validates everything first and raises a
 single one-line `BundleError` naming the problem and the fix. It checks the header (metadata, tensor names, shapes,
 dtypes, and the model's shape when given) before reading any tensor data, then reads and checks one tensor at a time.
+
+The format belongs to the runtime that serves it: this module imports torch, safetensors (on use) and the runtime's
+own `files`, `version` and `config`, nothing above them (`kvcal.profile` fills a `Bundle` and saves it here).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvcal.runtime.files import make_shareable, remove_stale_temps, safetensors_header
+from kvcal.runtime.version import __version__
 
 FORMAT = "kvcal-bundle"
 SCHEMA_VERSION = 2                  # the newest version this kvcal writes
@@ -215,16 +221,14 @@ def _json_default(o):
 
 
 def _kvcal_version() -> str:
-    from kvcal import __version__
-
     return __version__
 
 
-def make_shareable(path: str | os.PathLike) -> None:
-    """Give a file the permissions the umask allows (safetensors creates 0600; artefacts are meant to be shared)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+def is_kvcal_bundle(path: str | os.PathLike) -> bool:
+    """True when `path` is a safetensors file whose metadata says `format = kvcal-bundle` (reads the header only)."""
+    found = safetensors_header(path)
+    meta = found[1].get("__metadata__") if found else None
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 def save_bundle(bundle: Bundle, path: str | Path) -> Path:
@@ -244,8 +248,6 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
     problems = _validate(tensors, meta)
     if problems:
         raise BundleError(f"refusing to write an invalid bundle: {_summarise(problems)}")
-    from kvcal.safe_paths import is_kvcal_bundle, remove_stale_temps
-
     if path.is_dir() or (path.exists() and not is_kvcal_bundle(path)):
         raise BundleError(f"`{path}` exists and is not a kvcal bundle; refusing to overwrite it (choose another path)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -418,7 +420,7 @@ def _validate_metadata(meta: dict[str, str]) -> list[str]:
         if not meta[key].isprintable():
             problems.append(f"metadata `{key}` has control characters")
     if not problems and blocks.get("policy"):
-        from kvcal.runtime.cache import CompressionConfig
+        from kvcal.runtime.config import CompressionConfig
 
         try:
             CompressionConfig.from_dict(blocks["policy"])
