@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from kvcal.bundle import Bundle, load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
+from kvcal.profile.allocate import PAGE_TOKENS as RESIDUAL_PAGE_TOKENS
 from kvcal.profile.quality import DecodeProbe
-from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
+from kvcal.runtime.bundle import Bundle, load_bundle
 from kvcal.runtime.config import CompressionConfig, split_sliding_spec
 from kvcal.runtime.layout import TierFormat
 

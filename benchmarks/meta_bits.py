@@ -17,7 +17,7 @@ import json
 
 from format_swaps import eval_probe, measured_row
 
-from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
+from kvcal.profile.allocate import PAGE_TOKENS as RESIDUAL_PAGE_TOKENS
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 from kvcal.runtime.layout import RAW_BITS, TierFormat

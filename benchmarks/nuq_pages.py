@@ -24,14 +24,14 @@ import time
 
 import torch
 
-from kvcal.bundle import load_bundle
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
+from kvcal.profile.allocate import PAGE_TOKENS as RESIDUAL_PAGE_TOKENS
 from kvcal.profile.codebooks import encode as nearest
 from kvcal.profile.codebooks import fit_codebooks
 from kvcal.profile.quality import DecodeProbe
-from kvcal.profile.search import RESIDUAL_PAGE_TOKENS
 from kvcal.runtime import quant
+from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.layout import TierFormat
 

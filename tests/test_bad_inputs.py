@@ -18,8 +18,15 @@ import torch
 from conftest import make_model, random_bundle, random_text, save_model
 from typer.testing import CliRunner
 
-from kvcal.bundle import BundleError, BundleMismatchError, _metadata_hash, content_hash, load_bundle, save_bundle
 from kvcal.cli import app
+from kvcal.runtime.bundle import (
+    BundleError,
+    BundleMismatchError,
+    _metadata_hash,
+    content_hash,
+    load_bundle,
+    save_bundle,
+)
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +293,7 @@ def item6_old_bundles_still_load(env, tmp_path, monkeypatch):
     outs = []
     for bundle in (a, o):
         with torch.no_grad():
-            outs.append(model(ids, past_key_values=KvcalCache.from_bundle(bundle, model)).logits)
+            outs.append(model(ids, cache=KvcalCache.from_bundle(bundle, model)).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     return Case(["inspect", str(shipped)], [shipped], code=0, says="smollm2-135m")
 
@@ -464,10 +471,11 @@ def item17_release_after_inference_mode_generate(env, tmp_path, monkeypatch):
     model, tok = make_model("llama")
     from kvcal.runtime.hf import KvcalCache
 
-    cache = KvcalCache.from_bundle(random_bundle(model, tok), model)
+    # raw_tokens=0: 13 tokens would stay in the raw phase, which holds no pages to free
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model, raw_tokens=0)
     ids = tok(["the a of and to in is it"], return_tensors="pt").input_ids
     with torch.inference_mode():
-        model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.release() > 0
 
 
@@ -479,12 +487,12 @@ def item18_cache_reusable_after_release(env, tmp_path, monkeypatch):
     ids = tok(["the a of and to in is it that was for on"], return_tensors="pt").input_ids
     cache = KvcalCache.from_bundle(bundle, model)
     with torch.no_grad():
-        first = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        first = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
         assert cache.memory()["fp16_bytes"] > 0
         cache.release()
         assert cache.memory()["fp16_bytes"] == 0 and cache.get_seq_length() == 0
-        again = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
-        fresh = model.generate(ids, past_key_values=KvcalCache.from_bundle(bundle, model), max_new_tokens=6,
+        again = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
+        fresh = model.generate(ids, cache=KvcalCache.from_bundle(bundle, model), max_new_tokens=6,
                                do_sample=False)
     assert torch.equal(again, fresh) and torch.equal(first, fresh)
 
@@ -509,10 +517,9 @@ def test_every_item_has_a_case():
 
 def test_checkpoint_clear_deletes_only_what_kvcal_wrote(tmp_path):
     from kvcal.profile.calibrate import Checkpoint
-    from kvcal.profile.search import Point  # noqa: F401  (search.json holds Points)
 
     ckpt = Checkpoint(tmp_path / "b.ckpt", "key")
-    ckpt.save_search({})
+    ckpt.save_probes({})
     (ckpt.folder / "mine.txt").write_text("user")
     (ckpt.folder / "sub").mkdir()
     ckpt.clear()

@@ -32,7 +32,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def bundle_path(tiny_dir, text_file, tmp_path_factory):
-    """A searched bundle (policy and families), as `kvcal calibrate` writes it."""
+    """A calibrated bundle (settings chosen by the quality model and probes), as `kvcal calibrate` writes it."""
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("bench") / "tiny.kvcal.safetensors"
     calibrate(CalibrationConfig(model=str(tiny_dir), out=out, random_tokens=256, text_tokens=256, seq_len=64,
@@ -113,11 +113,11 @@ def test_eviction_keeps_exactly_the_budget_and_counts_what_it_holds(tiny, name, 
     assert cfg.fraction == pytest.approx(M.eviction_fraction(ratio, a.head_dim))
     layers = range(a.num_layers)
     with torch.inference_mode():
-        model(input_ids=ids[:, :P], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :P], cache=cache, use_cache=True)
         for t in range(P, ids.shape[1]):
             want = cfg.prompt_tokens(P) + t - P if name == "snapkv" else cfg.tokens(t)
             assert all(_kept_positions(cache, i).shape[-1] == want for i in layers), (t, want)
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
     n = ids.shape[1]
     final = _kept_positions(cache, 0).shape[-1]
     assert final == cfg.tokens(n)                                                 # memory met at the end
@@ -152,7 +152,7 @@ def test_h2o_keeps_the_heaviest_hitters(tiny):
     method = _eviction(model, tok, "h2o", 0.5, fraction=0.5, recent=recent)
     cache = method.make_cache(model, tok)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     eager, _ = make_model("llama")
     eager.set_attn_implementation("eager")
     with torch.inference_mode():
@@ -212,11 +212,11 @@ def _bundle(model, tok):
 
 def test_uniform_k8v8_ratio_is_the_page_layout(tiny):
     model, tok, a = tiny
-    ids = _ids(tok, n_seq=2, n_words=70)
+    ids = _ids(tok, n_seq=2, n_words=200)        # past the raw phase (runtime.cache: held raw until pages pay)
     method = next(m for m in M.store_methods(_bundle(model, tok)) if m.key == "uniform-k8v8")
     cache = method.make_cache(model, tok)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     d, n = a.head_dim, ids.shape[1]
     page = cache.kv.store.page_bytes
     T = PageLayout.build(TierFormat(8, 8), d, d, page).tokens
@@ -234,9 +234,9 @@ def test_kivi_keeps_the_window_and_less_than_a_group_in_fp16(tiny):
     method = next(m for m in M.store_methods(_bundle(model, tok)) if m.key == "kivi-k2v2")
     cache = method.make_cache(model, tok)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
         for t in range(5):
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
     counts = cache.kv.tier_counts()
     n, heads = 205, a.num_layers * a.num_kv_heads
     low = (n - M.KIVI_WINDOW) // M.KIVI_GROUP * M.KIVI_GROUP          # whole per-channel groups
@@ -253,11 +253,11 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
     methods = M.store_methods(b)
     joint = next(m for m in methods if m.key == "kvcal-joint")
     assert joint.config.tiering.alpha_high == b.settings.get("alpha_high") and joint.bundle is b
-    families = b.calibration["search"]["families"]
+    families = b.calibration["search"].get("families", {})       # calibration no longer searches families alone
     for key, name in (("fdc-ranks", "rank-only (FDC)"), ("diffkv-tiers", "tiers-only (DiffKV)"),
                       ("fastgen", "policies-only (FastGen)")):
         m = next(m for m in methods if m.key == key)
-        assert (m.note is None) == (families[name] is not None)          # a default is always said so
+        assert (m.note is None) == (families.get(name) is not None)      # a default is always said so
     sweep = M.sweep_methods(b, joint, quick=True)
     assert sweep and all(m.family == "kvcal" and m.config.tiering != joint.config.tiering for m in sweep)
     lm = load_model(str(tiny_dir), dtype="float32")
@@ -286,7 +286,7 @@ def test_passkey_replay_equals_generate(tiny):
     probe = PasskeyProbe(model, bundle, tok, filler, 120, 0.5, 0, FastGenConfig())
     cache = method.make_cache(model, tok)
     with torch.no_grad():
-        out = model.generate(input_ids=probe.prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
+        out = model.generate(input_ids=probe.prompt, max_new_tokens=6, do_sample=False, cache=cache,
                              pad_token_id=tok.eos_token_id)
     cache.release()
     assert probe.answer(method, 6) == tok.decode(out[0, probe.prompt.shape[1]:], skip_special_tokens=True)
@@ -295,7 +295,7 @@ def test_passkey_replay_equals_generate(tiny):
 # --------------------------------------------------------------------------------------------- CLI and schema
 
 QUICK = ["--quick", "--windows", "2", "--prompt", "32", "--steps", "4", "--contexts", "48,1024",
-         "--passkey-lengths", "64", "--speed-steps", "2", "--quiet"]
+         "--passkey-lengths", "64", "--speed-steps", "2", "--quiet", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +313,7 @@ def test_bench_json_report_is_stable(bench_run):
     report = json.loads(r.stdout)
     assert validate(report) == []
     assert report == json.loads((out / "bench.json").read_text())
-    assert report["schema_version"] == SCHEMA_VERSION == 2 and report["kind"] == "kvcal-bench"
+    assert report["schema_version"] == SCHEMA_VERSION == 3 and report["kind"] == "kvcal-bench"
     assert set(report) == set(SCHEMA[""]) | {"outputs"}
     assert set(report["summary"]) == set(SCHEMA["summary"])
     keys = [m["key"] for m in report["methods"]]
@@ -400,7 +400,7 @@ def test_target_top1_judges_against_another_target(bundle_path, tiny_dir, text_f
     for k in reports:
         assert validate(reports[k]) == []
     joint = {k: next(m for m in reports[k]["methods"] if m["key"] == "kvcal-joint")["quality"] for k in reports}
-    assert joint[0.01]["top1"] == joint[1.0]["top1"] < 1.0
+    assert joint[0.01]["top1"] == joint[1.0]["top1"]        # the same measurement; its Wilson bound is below 1.0
     assert joint[0.01]["meets_target"] and not joint[1.0]["meets_target"]
     r = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--bundle", str(bundle_path), "--target-top1", "1.5",
                             *QUICK])
@@ -408,7 +408,7 @@ def test_target_top1_judges_against_another_target(bundle_path, tiny_dir, text_f
 
 
 def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
-    """The same measurement through calibrate's search (`Search.measure` -> `Point.feasible`) and through bench
+    """The same measurement through calibrate's budget (`budget.meets` on a probe's Fidelity) and through bench
     (`measure_quality` -> `meets_target`) gets the same verdict, including a target that the point estimate meets
     but the Wilson bound does not."""
     import dataclasses
@@ -416,8 +416,8 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
     from conftest import random_bundle
 
     from kvcal.bench.run import measure_quality
+    from kvcal.profile.budget import meets
     from kvcal.profile.quality import DecodeProbe, QualityTarget
-    from kvcal.profile.search import Search
     from kvcal.runtime.config import CompressionConfig
 
     model, tok, _ = tiny
@@ -426,16 +426,15 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
     probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:])
     config = CompressionConfig(high=TierFormat(4, 4)).with_tiering(window=8)
     method = M.Method("k4v4", "K4V4", "quantization", "s", "", config=config, bundle=bundle)
-    top1 = Search(probe, bundle, QualityTarget()).measure("precision", "K4V4", config).top1
-    targets = [QualityTarget(top1=top1, ppl_ratio=10.0, z=z) for z in (0.0, 1.5)]    # the point estimate meets both
+    fid = dataclasses.asdict(probe.measure(config))
+    targets = [QualityTarget(top1=fid["top1"], ppl_ratio=10.0, z=z) for z in (0.0, 1.5)]   # the estimate meets both
     verdicts = []
     for target in targets:
-        point = Search(probe, bundle, target).measure("precision", "K4V4", config)
         quality, _ = measure_quality(method, probe, model, tok, target)
-        assert quality["top1"] == point.top1 and quality["meets_target"] == point.feasible
-        verdicts.append(point.feasible)
-    assert verdicts == [True, top1 == 1.0]          # with z > 0 a top-1 below 1 needs more than its point estimate
-    assert not dataclasses.replace(targets[1], ppl_ratio=0.5).met(point)
+        assert quality["top1"] == fid["top1"] and quality["meets_target"] == meets(target, fid)
+        verdicts.append(meets(target, fid))
+    assert verdicts == [True, fid["top1"] == 1.0]      # with z > 0 a top-1 below 1 needs more than its point estimate
+    assert not meets(dataclasses.replace(targets[1], ppl_ratio=0.5), fid)
 
 
 def test_where_kvcal_loses_says_what_it_holds():

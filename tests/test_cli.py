@@ -115,5 +115,5 @@ def test_sigint_then_rerun_resumes(tiny_dir, text_file, tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["resumed"]["random-tokens"] == 8 and summary["resumed"]["calibration-text"] == 8
-    assert summary["resumed"]["search points"] >= 1
+    assert summary["resumed"]["measurements"] >= 1
     assert out.is_file() and not ckpt.exists()

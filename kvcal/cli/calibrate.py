@@ -15,10 +15,13 @@ from typing import Annotated
 
 import typer
 
-from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, fail, parse_max_memory, stderr, stdout
+from kvcal.cli._console import stderr, stdout
+from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, ThreadsOpt, fail, parse_max_memory
 from kvcal.cli._progress import SearchBar, pass_bars
 from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
+from kvcal.cli._threads import use_threads
 from kvcal.profile.calibrate import QK_SOURCES, V_SOURCES, CalibrationConfig
+from kvcal.profile.choose import planned_steps
 from kvcal.profile.quality import QualityTarget
 from kvcal.profile.report import held_out_met
 from kvcal.profile.rotation import QK_WEIGHTINGS
@@ -81,6 +84,10 @@ def calibrate(
     key_percentile: Annotated[float, typer.Option(help="Static key tiers (K4sV4): per-channel key ranges keep this "
                                                   "percentile of calibration values in each tail.")]
     = CalibrationConfig.key_percentile,
+    max_probes: Annotated[int, typer.Option(help="Decode probes on search text that set the budget (a bisection of "
+                                            "the predicted frontier).")] = CalibrationConfig.max_probes,
+    max_checks: Annotated[int, typer.Option(help="Checks on evaluation text, stepping the budget back on a miss.")]
+    = CalibrationConfig.max_checks,
     accept_best: Annotated[bool, typer.Option("--accept-best", help="If no point checked on evaluation text meets "
                                               "the target, keep the best one and exit 0.")]
     = CalibrationConfig.accept_best,
@@ -88,9 +95,11 @@ def calibrate(
                                             "--out.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    threads: ThreadsOpt = "auto",
 ) -> None:
     """Random-token and calibration-text passes, quality searches (tiers, policies, ranks), then a validated bundle
     and its report."""
+    chosen_threads = use_threads(threads)
     from kvcal.profile.calibrate import calibrate as run
 
     try:
@@ -102,9 +111,10 @@ def calibrate(
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
                                 context=context, search_chunk=search_chunk, accept_best=accept_best,
+                                max_probes=max_probes, max_checks=max_checks,
                                 key_percentile=key_percentile,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))
-        passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, quiet)
+        passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, planned_steps(cfg), quiet)
         tasks: dict[str, int] = {}
         shown: list = []              # the display on screen now (a stopped one stays printed, even if blank)
 
@@ -143,9 +153,10 @@ def calibrate(
         raise fail(str(e)) from None
 
     s = result.summary
+    s["threads"] = chosen_threads.to_dict()
     search = result.bundle.calibration.get("search")
     if search and s.get("search", {}).get("held_out"):
-        s["search"]["held_out"]["met"] = held_out_met(search["held_out"], search["target"])
+        s["search"]["held_out"]["met"] = held_out_met(search["held_out"], search["target"], at_bounds=True)
         s["search"]["bytes_per_token"] = round(search["chosen"]["bytes_ratio"] * fp16_bytes_per_token(result.bundle))
     missed = bool(search) and not search["decision"]["met"] and not accept_best
     if json_out:

@@ -7,9 +7,7 @@ stopped, and a finished run deletes its checkpoints. The bundle is written atomi
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
-import functools
 import hashlib
 import json
 import logging
@@ -23,7 +21,6 @@ from typing import Any
 
 import torch
 
-from kvcal.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
 from kvcal.data.corpora import check_enough_tokens
 from kvcal.models import (
@@ -40,6 +37,7 @@ from kvcal.models import (
     weights_hash,
 )
 from kvcal.profile.capture import CollectorSet, GramCollector, capturing
+from kvcal.profile.choose import _brief, choose_settings
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.key_ranges import (
     DEFAULT_PERCENTILE,
@@ -61,19 +59,17 @@ from kvcal.profile.rotation import (
 )
 from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
 from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
+from kvcal.runtime.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import TieringConfig
-from kvcal.runtime.fastgen import FastGenConfig, token_classes
-from kvcal.runtime.layout import TierFormat
-from kvcal.safe_paths import check_bundle_out, remove_stale_temps
+from kvcal.runtime.fastgen import token_classes
+from kvcal.runtime.files import remove_stale_temps
+from kvcal.safe_paths import check_bundle_out
 
 logger = logging.getLogger(__name__)
 
 QK_SOURCES = ("random-tokens", "text", "both")
 V_SOURCES = ("activations-text", "activations-random", "weight-svd")
-# the bits stage's one-pass sensitivity (profile.sensitivity): the first search windows, at most this many tokens
-# each (its backward pass holds every layer's activations, so a 4k window would cost gigabytes)
-SENSITIVITY_WINDOWS, SENSITIVITY_TOKENS = 2, 1024
 
 
 @dataclass
@@ -107,9 +103,10 @@ class CalibrationConfig:
     search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
     eval_windows: int = 4               # final, stepwise check of the chosen configuration on evaluation text
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
-    max_checks: int = 5                 # points checked on evaluation text (a bisection), before giving up
+    max_probes: int = 6                 # decode probes on search text that set the budget (a bisection)
+    max_checks: int = 3                 # checks on evaluation text (stepping the budget back), before giving up
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
-    window: int = TieringConfig.window    # recent tokens always at high precision (DiffKV W)
+    window: int | None = None           # recent tokens always at 16 bits; default: the allocation's (allocate.WINDOW)
     fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
     key_percentile: float = DEFAULT_PERCENTILE   # static key ranges clip each tail at 100 - this percent
     key_range_windows: int = DEFAULT_WINDOWS     # calibration windows of the static key range pass
@@ -130,7 +127,7 @@ class CalibrationConfig:
             raise ValueError(f"`--max-position {self.max_position}` must be at least 2")
         tail_rows(1, self.key_percentile)                                       # its range check
         for name in ("search_windows", "search_prompt", "search_steps", "search_chunk", "eval_windows", "eval_steps",
-                     "max_checks", "key_range_windows"):  # search_prompt None: derived from the context
+                     "max_checks", "max_probes", "key_range_windows"):  # search_prompt None: derived from the context
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
         if self.search and self.removal_rate > 0:
@@ -246,30 +243,28 @@ class Checkpoint:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def load_search(self) -> dict:
-        """Measured search points of an interrupted run (settings key -> Point)."""
-        from kvcal.profile.search import Point
-
+    def load_probes(self) -> dict:
+        """Measurements of an interrupted run (settings key -> Fidelity as a dict)."""
         path = self.folder / "search.json"
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
-        if data.get("key") != self.key:
+        if data.get("key") != self.key or not isinstance(data.get("probes"), dict):
             return {}
-        self.resumed["search points"] = len(data.get("points", {}))
-        return {k: Point(**v) for k, v in data.get("points", {}).items()}
+        self.resumed["measurements"] = len(data["probes"])
+        return data["probes"]
 
-    def save_search(self, memo: dict) -> None:
+    def save_probes(self, memo: dict) -> None:
         path = self.folder / "search.json"
         self._record(path.name)
         tmp = path.with_name(f".search.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": self.key, "points": {k: asdict(p) for k, p in memo.items()}}))
+        tmp.write_text(json.dumps({"key": self.key, "probes": memo}))
         os.replace(tmp, path)
 
     def clear(self) -> None:
         """Delete the files this folder's manifest lists (and their temporary files), then the folder if empty."""
-        from kvcal.safe_paths import remove_stale_temps
+        from kvcal.runtime.files import remove_stale_temps
 
         if self.folder.is_symlink() or not (self.folder / self.MANIFEST).is_file():
             return
@@ -285,9 +280,7 @@ class Checkpoint:
 
 
 Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
-# (stage, label, point): a search step starts (point None) or a point was measured. Stages: "prefill" (recording
-# the dense reference), the Search stages ("precision", "tiers", "residual", "policies", "ranks"), "family" (each
-# family alone, whose points then come as "ranks"/"policies") and "held-out" (the final check on evaluation text)
+# (stage, label, point): a step of choosing the settings starts (point None) or ends (kvcal.profile.choose.Progress)
 SearchProgress = Callable[[str, str, Any], None]
 
 
@@ -444,7 +437,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                                                       [text_offsets[i] for i in picked], cfg.key_percentile,
                                                       key_checkpoint, progress)
     checkpoint.resumed.update(key_checkpoint.resumed)
-    unsearched = CompressionConfig().with_tiering(window=cfg.window)
+    unsearched = CompressionConfig().with_tiering(window=cfg.window or TieringConfig.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
     v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
     independence = token_independence(r_random, r_text)
@@ -491,7 +484,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         search_key = key + json.dumps([cfg.search_windows, P, cfg.search_steps, cfg.window, cfg.search_dtype,
                                        cfg.search_chunk])
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
-        report = run_search(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
+        report = choose_settings(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
         checkpoint.resumed.update(search_checkpoint.resumed)
         qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
     search_seconds = time.perf_counter() - t_search
@@ -512,10 +505,9 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "resumed": checkpoint.resumed,
     }
     if report is not None:
-        summary["search"] = {"chosen": report["search"]["chosen"], "families": report["search"]["families"],
-                             "held_out": _brief(report.get("held_out")), "points": len(report["search"]["path"]),
-                             "context": report["search"]["probe"]["context"],
-                             "decision": report["search"]["decision"]}
+        summary["search"] = {"chosen": report["search"]["chosen"], "held_out": _brief(report["held_out"]),
+                             "points": len(report["search"]["path"]), "context": report["search"]["probe"]["context"],
+                             "decision": report["search"]["decision"], "seconds": report["search"]["seconds"]}
     bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
                                                              "search_seconds", "peak_rss_mib")}
     save_bundle(bundle, out)
@@ -534,216 +526,6 @@ def _version() -> str:
     from kvcal import __version__
 
     return __version__
-
-
-def _brief(fid: dict | None) -> dict | None:
-    if fid is None:
-        return None
-    return {"bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"], "ppl_ratio": fid["ppl_ratio"],
-            "kl": fid["kl"], "predictions": fid["predictions"], "top1_windows": fid.get("top1_windows", [])}
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS between search points. Each point allocates and frees hundreds of MB of
-    short-lived tensors; glibc keeps them, so without this the resident set climbs with every point."""
-    import gc
-    import signal
-    import threading
-
-    # a Ctrl-C handled inside a finalizer that gc runs is printed and dropped ("Exception ignored in __del__"), so
-    # hold it for the duration and raise it after
-    held: list[int] = []
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
-    try:
-        gc.collect()
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim from the symbols already loaded, or None (not glibc). Not ctypes.util.find_library: it
-    runs ldconfig in a subprocess, and a Ctrl-C that lands during that subprocess is lost."""
-    import ctypes
-
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
-
-
-def frontier(chosen, path: list) -> list:
-    """The decision's candidates, cheapest first: `chosen`, then the feasible points of `path` with more bytes, each
-    settings once."""
-    from kvcal.profile.search import settings_key
-
-    seen, order = {settings_key(chosen.settings)}, [chosen]
-    for p in sorted((p for p in path if p.feasible and p.bytes_ratio >= chosen.bytes_ratio),
-                    key=lambda p: p.bytes_ratio):
-        if settings_key(p.settings) not in seen:
-            seen.add(settings_key(p.settings))
-            order.append(p)
-    return order
-
-
-def decide(chosen, path: list, check: Callable, target: dict, max_checks: int) -> tuple:
-    """The decision that has to hold on evaluation text: `check(point)` measures a point there (a Fidelity dict).
-    The search's `chosen` point is checked first; if it misses, a bisection over the rest of its `frontier` looks
-    for the cheapest candidate that meets, taking quality on evaluation text to grow along the frontier, in at most
-    `max_checks` checks in all. Returns (point, its check, every check as a row): the cheapest candidate found that
-    meets `target`, or, if none checked does, the one checked with the best top-1."""
-    from kvcal.profile.report import held_out_met
-
-    order = frontier(chosen, path)
-    checks, fids = [], {}
-
-    def meets(i: int) -> bool:
-        fids[i] = check(order[i])
-        met = held_out_met(fids[i], target)
-        checks.append({"label": order[i].label, "settings": order[i].settings, "met": met,
-                       "met_at_bounds": held_out_met(fids[i], target, at_bounds=True), **_brief(fids[i])})
-        return met
-
-    lo, hi = 0, len(order)          # order[lo] misses; order[hi] meets (hi == len(order): none known to)
-    if meets(0):                    # max_checks >= 1 (CalibrationConfig)
-        return order[0], fids[0], checks
-    while hi - lo > 1 and len(checks) < max_checks:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid
-    if hi < len(order):
-        return order[hi], fids[hi], checks
-    best = max(fids, key=lambda i: fids[i]["top1"])
-    return order[best], fids[best], checks
-
-
-class _Batched:
-    """A DecodeProbe whose `measure` scores the continuation `chunk` tokens per forward pass (the search's probe)."""
-
-    def __init__(self, probe, chunk: int):
-        self.probe, self.chunk = probe, chunk
-
-    def measure(self, config, bundle=None):
-        return self.probe.measure(config, bundle, chunk=self.chunk)
-
-    def __getattr__(self, name: str):
-        return getattr(self.probe, name)           # prompt, continuation, model: what the search reads
-
-
-def run_search(lm: LoadedModel, bundle: Bundle, cfg: CalibrationConfig, checkpoint: Checkpoint,
-               say: Callable[[str], None], progress: SearchProgress | None = None, *, prompt: int) -> dict:
-    """Quality searches (kvcal.profile.search) on held-out calibration text with the batched probe, then the
-    decision: the chosen point is checked stepwise on evaluation text; if it misses, a bisection over the safer
-    feasible points (`frontier`) finds the cheapest that meets, in up to `cfg.max_checks` checks. Updates the
-    bundle's ranks, settings and calibration metadata in place and returns the report (all points, families, checks,
-    held-out result)."""
-    from dataclasses import asdict as as_dict
-
-    from kvcal.profile.quality import DecodeProbe
-    from kvcal.profile.ranks import ranks_of
-    from kvcal.profile.report import held_out_met
-    from kvcal.profile.search import Search, cheapest
-
-    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
-    P, M = prompt, cfg.search_steps
-    windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
-                            cfg.seed + 1, long_first=True)
-    model_dtype = lm.model.dtype
-    if getattr(lm.model, "hf_device_map", None) is None:      # an offloaded model stays as accelerate placed it
-        lm.model.to(DTYPES[cfg.search_dtype])
-    say(f"search: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
-    step = progress or (lambda stage, label, point: None)
-    step("prefill", f"dense prefill of {cfg.search_windows} x {P} tokens", None)
-    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
-                        fastgen=FastGenConfig())
-    memo = checkpoint.load_search()
-
-    def report_point(point) -> None:
-        checkpoint.save_search(search.memo)
-        release_memory()
-        say(f"  {point.stage:9} {point.label:34} bytes {point.bytes_ratio:.3f}  top-1 {point.top1:.3f}  "
-            f"ppl {point.ppl_ratio:.3f}  {'meets' if point.feasible else 'misses'} ({point.seconds:.0f} s)")
-        step(point.stage, point.label, point)
-
-    def sensitivity(config: CompressionConfig, formats: dict) -> dict:
-        from kvcal.profile.sensitivity import fisher_sensitivity
-        from kvcal.runtime.bases import served_bases
-
-        step("bits", "one-pass sensitivity of every layer's keys and values", None)
-        served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, config), config,
-                              bundle.extras.get("qk.smoothing"))
-        added = fisher_sensitivity(lm.model, lm.adapter, windows[:SENSITIVITY_WINDOWS, :SENSITIVITY_TOKENS], served,
-                                   formats, config.page_size(bundle.shape[2]), config.low_tracked)
-        release_memory()
-        return added
-
-    search = Search(_Batched(probe, cfg.search_chunk), bundle, target, report=report_point, memo=memo,
-                    started=lambda stage, label: step(stage, label, None), sensitivity=sensitivity)
-    base = CompressionConfig().with_tiering(window=cfg.window)
-    result = search.run(base)
-    # each family alone, for the report: FDC ranks on an fp16 store, DiffKV tiers at full rank (the joint row is the
-    # decided point, set after the checks on evaluation text)
-    tiers_only = cheapest([p for p in search.path if p.stage in ("precision", "tiers", "residual")])
-    step("family", "each family alone", None)
-    rank_start = search.measure("family", "K16V16 (fp16 store), full rank",
-                                base.with_(high=TierFormat(16, 16)).with_tiering(alpha_high=None))
-    rank_only = search.ranks(rank_start) if rank_start.feasible else None
-    rank_only = rank_only if rank_only is not None and rank_only is not rank_start else None
-    policies_only = search.fastgen_patterns(rank_start) if rank_start.feasible else None
-    policies_only = policies_only if policies_only is not None and policies_only is not rank_start else None
-    families = {"rank-only (FDC)": rank_only, "tiers-only (DiffKV)": tiers_only,
-                "policies-only (FastGen)": policies_only}
-
-    del probe
-    search.probe = None                # the search windows' recorded prefill is done with: free it before the next
-    release_memory()
-    say("checking the chosen configuration on evaluation text")
-    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
-                                 P + (cfg.eval_steps or cfg.search_steps) + 1, cfg.seed + 2, long_first=True)
-    eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer,
-                             fastgen=FastGenConfig())
-
-    def check(point) -> dict:
-        step("held-out", f"{point.label} on evaluation text", None)
-        qk_rank, v_rank = ranks_of(bundle, point.config)
-        fid = as_dict(eval_probe.measure(point.config, dataclasses.replace(bundle, qk_rank=qk_rank, v_rank=v_rank)))
-        verdict = ("meets at its bounds" if held_out_met(fid, as_dict(target), at_bounds=True) else
-                   "meets as measured" if held_out_met(fid, as_dict(target)) else "misses")
-        say(f"  held-out  {point.label:34} bytes {fid['memory']['ratio_to_fp16']:.3f}  top-1 {fid['top1']:.3f}  "
-            f"ppl {fid['ppl_ratio']:.3f}  {verdict}")
-        release_memory()
-        return fid
-
-    chosen, held_out, checks = decide(result.chosen, search.path, check, as_dict(target), cfg.max_checks)
-    families["joint (kvcal)"] = chosen          # what the bundle stores, not the search's first choice
-    met = held_out_met(held_out, as_dict(target))
-    if not met:
-        logger.warning("no point checked on evaluation text meets the target (%s); keeping the best one checked",
-                       target)
-    bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen.config)
-    bundle.settings = chosen.config.to_dict()
-    search_meta = {
-        "target": as_dict(target),
-        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,
-                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype},
-        "chosen": as_dict(chosen),
-        "families": {k: as_dict(v) if v else None for k, v in families.items()},
-        "path": [as_dict(p) for p in search.path],
-        "decision": {"checks": checks, "met": met,
-                     "met_at_bounds": held_out_met(held_out, as_dict(target), at_bounds=True),
-                     "accepted_anyway": not met and cfg.accept_best},
-    }
-    bundle.calibration["context"] = P + M + 1
-    bundle.calibration["search"] = {**search_meta, "held_out": _brief(held_out)}
-    if getattr(lm.model, "hf_device_map", None) is None:
-        lm.model.to(model_dtype)
-    return {"search": search_meta, "held_out": held_out}
 
 
 def _histogram(rank: torch.Tensor, d: int) -> dict[str, int]:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from kvcal.profile.quality import QualityTarget
 from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
 
-STAGE_COLORS = {"precision": "tab:gray", "tiers": "tab:blue", "residual": "tab:cyan", "ranks": "tab:orange",
-                "policies": "tab:green", "family": "tab:purple"}
+STAGE_COLORS = {"probe": "tab:blue", "confirm": "tab:green"}
+STAGE_NAMES = {"probe": "budget probe, search text", "confirm": "check, evaluation text"}
 
 
 def report_paths(bundle_path: Path) -> dict[str, Path]:
@@ -94,9 +94,9 @@ def bytes_in_words(ratio: float, fp16_bytes_per_token: int) -> str:
 
 
 def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
-    """Whether a configuration meets the quality target on evaluation text: as measured (`QualityTarget.met` at
-    z = 0; what the decision asks), or, `at_bounds`, at the target's own bounds (`target["z"]`: what the search and
-    `kvcal bench` ask, reported beside it). docs/calibration.md ("The decision") says why the decision does not.
+    """Whether a configuration meets the quality target on evaluation text: at the target's own bounds (`at_bounds`,
+    `target["z"]`: what the calibration's confirmation and `kvcal bench` ask), or as measured (`QualityTarget.met`
+    at z = 0: what bundles made before the quality model were decided by, still reported for them).
     held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
     z = target.get("z", QualityTarget.z) if at_bounds else 0.0
     rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=z)
@@ -108,7 +108,7 @@ def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:
     """Write the report next to the bundle; adds `held_out.met` (see `held_out_met`)."""
     paths = report_paths(bundle_path)
     if report.get("held_out"):
-        report["held_out"]["met"] = held_out_met(report["held_out"], report["search"]["target"])
+        report["held_out"]["met"] = held_out_met(report["held_out"], report["search"]["target"], at_bounds=True)
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["md"].write_text(_markdown(report, paths["png"].name))
     _plot(report, paths["png"])
@@ -116,8 +116,9 @@ def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:
 
 
 def _fmt_point(p: dict) -> str:
-    return (f"| {p['stage']} | {p['label']} | {p['bytes_ratio']:.3f} | {1 / p['bytes_ratio']:.2f}x | {p['top1']:.3f} | "
-            f"{p['ppl_ratio']:.3f} | {p['kl']:.4f} | {'yes' if p['feasible'] else 'no'} |")
+    return (f"| {STAGE_NAMES.get(p['stage'], p['stage'])} | {p['index']} | {p['predicted_loss']:.4g} | "
+            f"{p['bytes_ratio']:.3f} | {1 / p['bytes_ratio']:.2f}x | {p['top1']:.3f} | {p['ppl_ratio']:.3f} | "
+            f"{p['kl']:.4f} | {'yes' if p['feasible'] else 'no'} |")
 
 
 def _markdown(r: dict, png: str) -> str:
@@ -140,32 +141,33 @@ def _markdown(r: dict, png: str) -> str:
         "",
         f"`{json.dumps(s['chosen']['settings'], sort_keys=True)}`: {s['chosen']['bytes_ratio']:.3f} of fp16 bytes "
         f"({1 / s['chosen']['bytes_ratio']:.2f}x fewer), top-1 {s['chosen']['top1']:.3f}, perplexity ratio "
-        f"{s['chosen']['ppl_ratio']:.3f} on the search windows.",
+        f"{s['chosen']['ppl_ratio']:.3f} on evaluation text.",
         "",
         f"Stored: {settings_in_words(s['chosen']['settings'])}.",
         "",
     ]
     h = r.get("held_out")
     if h:
-        met = held_out_met(h, t)
+        met = held_out_met(h, t, at_bounds=True)
         lines += [
             f"On held-out evaluation text (documents disjoint from calibration and search; {h['predictions']} "
             f"predictions after {h['prompt_tokens']}-token prompts): bytes {h['memory']['ratio_to_fp16']:.3f} of "
             f"fp16, top-1 {h['top1']:.3f}, perplexity ratio {h['ppl_ratio']:.3f}, KL {h['kl']:.4f}. "
-            f"Target {'met' if met else 'NOT met'} on held-out text.",
+            f"Target {'met' if met else 'NOT met'} on held-out text at its bounds.",
             "",
         ]
-    lines += ["## Families (each searched alone, cheapest point meeting the target)", "",
-              "| family | configuration | bytes / fp16 | compression | top-1 | ppl ratio | KL | meets target |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name, p in s["families"].items():
-        if p is None:
-            lines.append(f"| {name} | none met the target | | | | | | no |")
-        else:
-            lines.append(_fmt_point({**p, "stage": name}))
-    lines += ["", f"![quality vs bytes]({png})", "", "## Every point measured, in search order", "",
-              "| stage | configuration | bytes / fp16 | compression | top-1 | ppl ratio | KL | feasible |",
-              "|---|---|---|---|---|---|---|---|"]
+    q = s["quality_model"]
+    lines += ["## How it was chosen", "",
+              f"One forward and backward pass per search window ({s['probe']['record_tokens']} tokens) predicted the "
+              f"loss of every format per layer, keys and values apart; the {len(q['hull'])} allocations on the "
+              f"bytes-loss frontier run from {q['hull'][0]['held_bytes'] / 1e6:.2f} to "
+              f"{q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the recorded context. Decode probes bisected that "
+              "frontier for the cheapest point meeting the target at its bounds; checks on evaluation text confirmed "
+              "it (docs/calibration.md). Seconds: "
+              + ", ".join(f"{k} {v:g}" for k, v in s["seconds"].items()) + ".", ""]
+    lines += ["", f"![quality vs bytes]({png})", "", "## Every measurement, in order", "",
+              "| measured | hull point | predicted loss | bytes / fp16 | compression | top-1 | ppl ratio | KL | "
+              "meets at bounds |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [_fmt_point(p) for p in s["path"]]
     lines += ["", "## Provenance", "", "```json", json.dumps(r["provenance"], indent=2, default=str), "```", ""]
     return "\n".join(lines)
@@ -178,7 +180,20 @@ def _plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = r["search"]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, (ax, hull_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    hull = s["quality_model"]["hull"]
+    hull_ax.plot([h["held_bytes"] / 1e6 for h in hull], [h["predicted_loss"] for h in hull], ".-", color="tab:gray",
+                 label="frontier (predicted)")
+    for stage, color in STAGE_COLORS.items():
+        pts = [p for p in s["path"] if p["stage"] == stage]
+        hull_ax.scatter([hull[p["index"]]["held_bytes"] / 1e6 for p in pts], [p["predicted_loss"] for p in pts],
+                        color=color, zorder=4, label=STAGE_NAMES[stage])
+    hull_ax.set_yscale("symlog", linthresh=1e-3)
+    hull_ax.set_xlabel("bytes of the allocated formats at the recorded context (MB)")
+    hull_ax.set_ylabel("predicted loss increase (nats, summed)")
+    hull_ax.set_title("quality model: the allocations the probes chose among")
+    hull_ax.grid(alpha=0.3)
+    hull_ax.legend(fontsize=8)
     for stage, color in STAGE_COLORS.items():
         pts = [p for p in s["path"] if p["stage"] == stage]
         if not pts:
@@ -186,10 +201,11 @@ def _plot(r: dict, path: Path) -> None:
         ok = [p for p in pts if p["feasible"]]
         bad = [p for p in pts if not p["feasible"]]
         if ok:
-            ax.scatter([p["bytes_ratio"] for p in ok], [p["top1"] for p in ok], color=color, label=f"{stage} (meets)")
+            ax.scatter([p["bytes_ratio"] for p in ok], [p["top1"] for p in ok], color=color,
+                       label=f"{STAGE_NAMES[stage]} (meets)")
         if bad:
             ax.scatter([p["bytes_ratio"] for p in bad], [p["top1"] for p in bad], facecolors="none", edgecolors=color,
-                       label=f"{stage} (misses)")
+                       label=f"{STAGE_NAMES[stage]} (misses)")
     c = s["chosen"]
     ax.scatter([c["bytes_ratio"]], [c["top1"]], marker="*", s=300, color="red", label="chosen", zorder=5)
     ax.axhline(s["target"]["top1"], color="red", linestyle="--", linewidth=1,
@@ -197,7 +213,7 @@ def _plot(r: dict, path: Path) -> None:
                      f"z = {s['target'].get('z', 0):g}, and meet the perplexity ratio)")
     ax.set_xlabel("KV bytes held / fp16 dense bytes (lower is better)")
     ax.set_ylabel("top-1 agreement with dense")
-    ax.set_title(f"kvcal calibration: {r['model']} (search windows)")
+    ax.set_title(f"kvcal calibration: {r['model']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best", framealpha=0.9)    # best: the corners hold points often
     fig.tight_layout()

@@ -1,0 +1,100 @@
+"""Allocation by the quality model: per layer, keys and values apart, the bits that minimise bytes under a
+predicted-loss budget (a multiple-choice knapsack).
+
+Every (layer, side) is one group with one choice per entry of the catalogue (`quality_model.BITS`), each with a
+predicted loss (the quality model's table, summed over KV heads: the runtime stores one format per layer) and a
+byte cost at the recorded context. For a price λ every group takes argmin loss + λ · bytes; sweeping λ traces the
+lower convex hull of the bytes-loss frontier (`frontier`), cheapest in loss first. A budget picks the cheapest hull
+point within it (`allocate`). The cost is linear in groups × choices, a few milliseconds for any model here.
+
+    hull = frontier(costs)              # [Allocation], predicted loss ascending, bytes descending
+    bits = allocate(costs, budget).bits
+    config = to_config(base, costs, bits)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.profile.quality_model import BITS, FormatCosts, layer_format
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.diffkv import TieringConfig
+from kvcal.runtime.layout import TierFormat
+
+# The frame the allocation fills in (KIVI's layout inside DiffKV's tiers): the newest WINDOW tokens and the heavy
+# hitters (mean attention >= HEAVY_HITTERS / N) at 16 bits, every other token of a paged layer in its low-tier
+# format, keys per channel over pages of PAGE_TOKENS low tokens; a sliding-window layer's window in its sliding
+# format, keys per token in groups of 32 channels (a head dim of 256 needs them at 4 bits and below).
+WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, 16.0, 32
+LOW, SLIDING = "K4cV4m8", "K8V8kg32m8"
+
+
+def base_settings(layer_types: list[str], window: int | None = None) -> CompressionConfig:
+    """The settings an allocation changes the bits of (the formats above; `window` newest tokens at 16 bits,
+    default `WINDOW`)."""
+    sliding = TierFormat.parse(SLIDING) if "sliding_attention" in layer_types else None
+    return CompressionConfig(high=TierFormat(16, 16), low=TierFormat.parse(LOW), page_tokens=PAGE_TOKENS,
+                             tiering=TieringConfig(window=window or WINDOW, alpha_high=HEAVY_HITTERS), sliding=sliding)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    bits: torch.Tensor        # long [L, 2]: (K bits, V bits) per layer, entries of BITS
+    predicted: float          # the loss it adds (FormatCosts.predicted)
+    held_bytes: float         # bytes its formats hold at the recorded context (FormatCosts.held_bytes)
+
+
+def _priced(costs: FormatCosts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, bytes) float64 [L, 2, len(BITS)] per group and choice."""
+    return costs.costs.sum(1), costs.bytes * costs.tokens[:, None, None]
+
+
+def at_price(costs: FormatCosts, price: float) -> Allocation:
+    """Every group's argmin loss + price · bytes (ties: the wider format)."""
+    loss, nbytes = _priced(costs)
+    choice = (loss + price * nbytes).argmin(-1)
+    bits = torch.tensor(BITS)[choice]
+    return Allocation(bits, costs.predicted(bits), costs.held_bytes(bits))
+
+
+def frontier(costs: FormatCosts, steps: int = 400) -> list[Allocation]:
+    """The distinct allocations along λ from 0 (every group at its least loss) to a price where every group takes
+    its fewest bytes, predicted loss ascending. λ runs over a log grid spanning the ratios of loss to bytes that
+    occur in the table, so every breakpoint of the hull lies between two grid points (up to ties)."""
+    loss, nbytes = _priced(costs)
+    d_loss = (loss[..., 1:] - loss[..., :1]).abs()
+    d_bytes = (nbytes[..., :1] - nbytes[..., 1:]).abs().clamp(min=1e-12)
+    ratios = (d_loss / d_bytes)[d_loss > 0]
+    if ratios.numel() == 0:
+        return [at_price(costs, 0.0)]
+    low, high = ratios.min().log10().item() - 1, ratios.max().log10().item() + 1
+    hull, seen = [at_price(costs, 0.0)], set()
+    seen.add(tuple(hull[0].bits.flatten().tolist()))
+    for price in torch.logspace(low, high, steps, dtype=torch.float64).tolist():
+        a = at_price(costs, price)
+        key = tuple(a.bits.flatten().tolist())
+        if key not in seen:
+            seen.add(key)
+            hull.append(a)
+    return sorted(hull, key=lambda a: (a.predicted, -a.held_bytes))
+
+
+def allocate(costs: FormatCosts, budget: float) -> Allocation:
+    """The fewest-bytes hull point whose predicted loss is within `budget` (the least-loss one if none is)."""
+    hull = frontier(costs)
+    within = [a for a in hull if a.predicted <= budget]
+    return min(within, key=lambda a: a.held_bytes) if within else hull[0]
+
+
+def to_config(base: CompressionConfig, costs: FormatCosts, bits: torch.Tensor) -> CompressionConfig:
+    """`base` with each layer's low tier (a paged layer: `low_layers`) or sliding format (`sliding_layers`) at
+    bits [L, 2]; layers whose bits equal the base format's are left to it."""
+    low, sliding = [], []
+    for layer, (k, v) in enumerate(bits.tolist()):
+        is_sliding = costs.sliding[layer]
+        fmt = layer_format(base, is_sliding, k, v)
+        if fmt != (base.sliding if is_sliding else base.low):
+            (sliding if is_sliding else low).append((layer, fmt))
+    return base.with_(low_layers=tuple(low), sliding_layers=tuple(sliding))

@@ -1,0 +1,82 @@
+"""Measure only to set the budget and to confirm it.
+
+The allocation's hull (kvcal.profile.allocate.frontier) orders candidates from the least predicted loss (most bytes)
+to the most (fewest bytes). Measured quality falls along it, so:
+
+1. `bisect`: end-to-end probes on the search windows (the batched probe) bisect the hull for the cheapest point
+   that meets the target at its Wilson bound, in at most `max_probes` probes;
+2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between its
+   search and evaluation top-1 is the margin: the budget steps back to the cheapest probed point that meets with
+   that margin (or halfway to the safest end when none was probed), and that one is confirmed, up to `max_checks`
+   checks in all.
+
+Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
+memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from kvcal.profile.quality import QualityTarget
+
+Measure = Callable[[int], dict]
+
+
+@dataclass
+class Probe:
+    index: int                 # position on the hull
+    split: str                 # "search" or "evaluation"
+    fidelity: dict
+    met: bool                  # at the target's bounds (search), or at its bounds with the margin (evaluation)
+    margin: float = 0.0        # top-1 added to the target for this verdict
+
+
+def meets(target: QualityTarget, fid: dict, margin: float = 0.0) -> bool:
+    """`fid` (a Fidelity as a dict) meets `target` at its bounds, with `margin` added to its top-1."""
+    shifted = QualityTarget(min(target.top1 + margin, 1.0), target.ppl_ratio, target.z)
+    return shifted.met(SimpleNamespace(**fid))
+
+
+def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6) -> tuple[int, list[Probe]]:
+    """The largest hull index in [0, n) whose probe meets `target` (taking quality to fall with the index), found
+    in at most `max_probes` probes; -1 if the safest point (index 0) misses. Returns (index, probes)."""
+    probes: list[Probe] = []
+    lo, hi = -1, n                       # lo: the largest index known to meet; hi: the smallest known to miss
+
+    def probe(i: int) -> bool:
+        fid = measure(i)
+        probes.append(Probe(i, "search", fid, meets(target, fid)))
+        return probes[-1].met
+
+    while hi - lo > 1 and len(probes) < max_probes:
+        # the first probe goes to the middle; once a miss is known, the safest end is worth checking only if
+        # nothing met yet and one probe is left
+        mid = 0 if (lo < 0 and len(probes) == max_probes - 1) else (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def confirm(start: int, searched: list[Probe], measure: Measure, target: QualityTarget,
+            max_checks: int = 3) -> tuple[int, list[Probe]]:
+    """Check hull index `start` on evaluation text; on a miss step back (module docstring). Returns (the index
+    whose check met, or the best checked if none did, and every check)."""
+    checks: list[Probe] = []
+    margin, i = 0.0, start
+    on_search = {p.index: p for p in searched}
+    while len(checks) < max_checks and i >= 0:
+        fid = measure(i)
+        checks.append(Probe(i, "evaluation", fid, meets(target, fid), margin))
+        if checks[-1].met:
+            return i, checks
+        if i in on_search:                               # the search-vs-evaluation gap at this point
+            margin = max(margin, on_search[i].fidelity["top1"] - fid["top1"])
+        safer = [p.index for p in searched if p.index < i and meets(target, p.fidelity, margin)]
+        i = max(safer) if safer else (i // 2 if i > 0 else -1)
+    best = max(checks, key=lambda p: (p.fidelity["top1"], -p.index))
+    return best.index, checks

@@ -1,0 +1,192 @@
+"""Choosing the settings: quality model -> allocation -> budget -> confirmation (after the statistics passes).
+
+1. `record_costs` (kvcal.profile.quality_model): one forward and backward pass per search window gives the
+   predicted loss of every catalogue format per (layer, KV head, K|V);
+2. `frontier` (kvcal.profile.allocate): the per-layer allocations that are cheapest for their predicted loss;
+3. `bisect` (kvcal.profile.budget): at most `max_probes` batched decode probes on the search windows find the
+   cheapest of them that meets the target at its bounds;
+4. `confirm`: one stepwise check on evaluation text, stepping back by the measured gap on a miss.
+
+The number of measurements is known before the first one (`planned_steps`), so the progress bar shows one ETA.
+Every measurement is checkpointed by its settings, so an interrupted run resumes without measuring again.
+
+    report = choose_settings(lm, bundle, cfg, checkpoint, say, progress, prompt=P)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from kvcal.data import load_corpus, token_windows
+from kvcal.models import DTYPES
+from kvcal.profile.allocate import base_settings, frontier, to_config
+from kvcal.profile.budget import bisect, confirm, meets
+from kvcal.profile.quality import DecodeProbe, QualityTarget
+from kvcal.profile.quality_model import record_costs
+from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.bases import served_bases
+
+# The recording pass's backward holds every layer's activations: at most this many tokens per window (the last
+# ones, which hold the scored continuation), so its memory does not grow with the deployment context.
+RECORD_TOKENS = 1024
+# (stage, label, point): a step starts (point None) or a measurement ended (point: its row). Stages: "record",
+# "probe", "confirm".
+Progress = Callable[[str, str, dict | None], None]
+
+
+def planned_steps(cfg) -> dict[str, int]:
+    """Steps of each stage, known before the first: recording windows, probes, confirmations (at most)."""
+    return {"record": cfg.search_windows, "probe": cfg.max_probes, "confirm": cfg.max_checks}
+
+
+def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, predicted: float) -> dict:
+    """A measured point as the report lists it."""
+    return {"stage": stage, "index": index, "label": f"hull point {index}", "settings": config.to_dict(),
+            "predicted_loss": predicted, "bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"],
+            "kl": fid["kl"], "ppl_ratio": fid["ppl_ratio"], "predictions": fid["predictions"],
+            "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
+
+
+def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
+                    prompt: int) -> dict:
+    """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
+    returns the report's content."""
+    step = progress or (lambda stage, label, point: None)
+    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
+    P, M = prompt, cfg.search_steps
+    windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
+                            cfg.seed + 1, long_first=True)
+    model_dtype, placed = lm.model.dtype, getattr(lm.model, "hf_device_map", None) is not None
+    if not placed:                                  # an offloaded model stays as accelerate placed it
+        lm.model.to(DTYPES[cfg.search_dtype])
+    a = lm.adapter
+    base = base_settings(list(a.layer_types), window=cfg.window)
+    seconds = {}
+
+    t = time.perf_counter()
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
+                          bundle.extras.get("qk.smoothing"))
+    record = windows[:, -min(P + M + 1, RECORD_TOKENS):]
+    costs = None
+    for i in range(len(record)):
+        step("record", f"recording window {i + 1}/{len(record)} ({record.shape[1]} tokens, forward and backward)",
+             None)
+        one = record_costs(lm.model, record[i:i + 1], M, served, base, list(a.layer_types), a.head_dim)
+        costs = one if costs is None else costs.add(one)
+        step("record", f"window {i + 1}", {"seconds": time.perf_counter() - t})
+    release_memory()
+    seconds["recording"] = time.perf_counter() - t
+    t = time.perf_counter()
+    hull = frontier(costs)
+    seconds["allocation"] = time.perf_counter() - t
+    say(f"quality model: {len(hull)} allocations on the frontier, from {hull[0].held_bytes / 1e6:.1f} MB to "
+        f"{hull[-1].held_bytes / 1e6:.1f} MB at the recorded context")
+
+    memo = checkpoint.load_probes()
+    rows: list[dict] = []
+
+    def measured(stage: str, probe: DecodeProbe, chunk: int) -> Callable[[int], dict]:
+        def measure(i: int) -> dict:
+            config = to_config(base, costs, hull[i].bits)
+            key = json.dumps([stage, config.to_dict()], sort_keys=True)
+            step(stage, f"hull point {i} of {len(hull)} ({'search' if stage == 'probe' else 'evaluation'} text)",
+                 None)
+            t0 = time.perf_counter()
+            if key not in memo:
+                memo[key] = asdict(probe.measure(config, chunk=chunk))
+                checkpoint.save_probes(memo)
+                release_memory()
+            fid = memo[key]
+            rows.append(_row(stage, i, config, fid, meets(target, fid),
+                             time.perf_counter() - t0, hull[i].predicted))
+            say(f"  {stage:8} {rows[-1]['label']:16} predicted {hull[i].predicted:9.3g}  bytes "
+                f"{rows[-1]['bytes_ratio']:.3f}  top-1 {fid['top1']:.3f}  ppl {fid['ppl_ratio']:.3f}  "
+                f"{'meets' if rows[-1]['feasible'] else 'misses'}")
+            step(stage, rows[-1]["label"], rows[-1])
+            return fid
+        return measure
+
+    t = time.perf_counter()
+    say(f"probes: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
+    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer)
+    index, searched = bisect(len(hull), measured("probe", probe, cfg.search_chunk), target, cfg.max_probes)
+    del probe
+    release_memory()
+    seconds["probes"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
+                                 P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
+    eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
+    index, checks = confirm(max(index, 0), searched, measured("confirm", eval_probe, 1), target, cfg.max_checks)
+    del eval_probe
+    seconds["confirmation"] = time.perf_counter() - t
+
+    chosen = to_config(base, costs, hull[index].bits)
+    held_out = next(p.fidelity for p in reversed(checks) if p.index == index)
+    met = any(p.met and p.index == index for p in checks)
+    bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen)
+    bundle.settings = chosen.to_dict()
+    chosen_row = next(r for r in reversed(rows) if r["index"] == index and r["stage"] == "confirm")
+    search_meta = {
+        "target": asdict(target),
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,
+                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
+                  "record_tokens": int(record.shape[1])},
+        "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,
+                                    "bits": h.bits.tolist()} for h in hull],
+                          "base": base.to_dict()},
+        "chosen": chosen_row,
+        "path": rows,
+        "decision": {"checks": [r for r in rows if r["stage"] == "confirm"], "met": met,
+                     "met_at_bounds": met, "accepted_anyway": not met and cfg.accept_best},
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+    }
+    bundle.calibration["context"] = P + M + 1
+    bundle.calibration["search"] = {**{k: v for k, v in search_meta.items() if k != "quality_model"},
+                                    "held_out": _brief(held_out)}
+    if not placed:
+        lm.model.to(model_dtype)
+    return {"search": search_meta, "held_out": held_out}
+
+
+def _brief(fid: dict) -> dict:
+    return {"bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"], "ppl_ratio": fid["ppl_ratio"],
+            "kl": fid["kl"], "predictions": fid["predictions"], "top1_windows": fid.get("top1_windows", [])}
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS between search points. Each point allocates and frees hundreds of MB of
+    short-lived tensors; glibc keeps them, so without this the resident set climbs with every point."""
+    import gc
+    import signal
+    import threading
+
+    # a Ctrl-C handled inside a finalizer that gc runs is printed and dropped ("Exception ignored in __del__"), so
+    # hold it for the duration and raise it after
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+    try:
+        gc.collect()
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim from the symbols already loaded, or None (not glibc). Not ctypes.util.find_library: it
+    runs ldconfig in a subprocess, and a Ctrl-C that lands during that subprocess is lost."""
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)

@@ -1,0 +1,230 @@
+"""Predicted quality: the loss any choice of formats adds, per (layer, KV head, K or V), from one recording pass.
+
+One forward and backward pass over the search windows gives, for every layer, the post-RoPE keys and values the
+cache would hold and their gradients g = dL/dK, dL/dV, where L is the next-token loss summed over the scored
+positions only (the continuation a probe scores: the logits of earlier positions are never made). Coding x as
+x + δ adds about ½ Σ g² δ² to L (second order, diagonal empirical Fisher, as KVQuant weights its codebooks). For
+every format of the catalogue, δ is the runtime's own coding error in the served bases (g and x rotate with them),
+applied to the tokens that format would hold under the base settings:
+
+- a paged layer holds in its low tier every token that leaves the window before the last scored query and is not a
+  heavy hitter (mean attention of the scored queries below alpha_high / N, DiffKV's rule at prefill); the others
+  stay in the high tier, the same for every choice, so they add nothing that differs between choices. A token's
+  gradient sums only the queries after it, so a token that ages into the low tier during the scored continuation is
+  weighted by the queries that read it there, plus its first `window` ones (a small overcount);
+- a sliding-window layer holds every token in its sliding format.
+
+Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
+them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
+
+    costs[l, h, s, b]   float64 [L, H, 2, len(BITS)]   ½ Σ g² δ² with side s (0: K, 1: V) of layer l's
+                                                       format at BITS[b] bits, summed over windows, tokens, coordinates
+    predicted(bits)     = Σ_l,s costs[l, :, s, index of bits[l, s]].sum()
+
+    costs = record_costs(model, adapter, windows, scored, served, base, layer_types)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.profile.capture import capturing
+from kvcal.runtime import quant
+from kvcal.runtime.bases import ServedBases
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.layout import RAW_BITS, PageLayout, TierFormat
+
+BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
+SIDES = ("k", "v")
+
+
+def layer_format(base: CompressionConfig, sliding: bool, k_bits: int, v_bits: int) -> TierFormat:
+    """The format a layer's tokens are coded in with (k_bits, v_bits): the base's low tier (a paged layer) or its
+    sliding format, with other bits."""
+    fmt = base.sliding if sliding else base.low
+    return dataclasses.replace(fmt, k_bits=k_bits, v_bits=v_bits)
+
+
+def side_bytes(fmt: TierFormat, side: str, head_dim: int, page_bytes: int, tracked: bool, sliding: bool) -> float:
+    """Bytes one token of one KV head costs on `side` in `fmt`: codes, its (scale, zero) pairs, and for per-channel
+    keys its share of the page's per-channel pairs."""
+    layout = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked and not sliding)
+    if side == "k":
+        per_channel = fmt.k_mode == "channel"
+        return layout.k_bytes + fmt.meta_pair_bytes * (layout.k_groups + per_channel * head_dim / layout.tokens)
+    return layout.v_bytes + fmt.meta_pair_bytes * layout.v_groups
+
+
+@dataclass
+class FormatCosts:
+    """The quality model's table and what it needs to price a choice (module docstring)."""
+
+    costs: torch.Tensor          # float64 [L, H, 2, len(BITS)]
+    bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads
+    tokens: torch.Tensor         # float64 [L]: tokens each layer holds in the allocated format (per KV head, mean)
+    sliding: list[bool]          # per layer
+
+    def predicted(self, bits: torch.Tensor) -> float:
+        """bits long [L, 2] (entries of BITS) -> the loss the assignment adds (½ Σ g² δ²)."""
+        return float(self.costs.sum(1).gather(-1, self.index(bits)[..., None]).sum())
+
+    def held_bytes(self, bits: torch.Tensor) -> float:
+        """bits long [L, 2] -> bytes the allocated formats hold at the recorded context."""
+        per_token = self.bytes.gather(-1, self.index(bits)[..., None])[..., 0]
+        return float((per_token * self.tokens[:, None]).sum())
+
+    def add(self, other: FormatCosts) -> FormatCosts:
+        """The table over both recordings' windows (tokens held: their mean)."""
+        return FormatCosts(self.costs + other.costs, self.bytes, (self.tokens + other.tokens) / 2, self.sliding)
+
+    @staticmethod
+    def index(bits: torch.Tensor) -> torch.Tensor:
+        lookup = torch.full((max(BITS) + 1,), -1, dtype=torch.long)
+        lookup[list(BITS)] = torch.arange(len(BITS))
+        return lookup[bits]
+
+
+def coded_keys(k: torch.Tensor, fmt: TierFormat, page_tokens: int) -> torch.Tensor:
+    """k float32 [H, S, r] in the served basis -> as `fmt` stores it: per-channel over whole pages of `page_tokens`
+    tokens (a last partial page stays raw, as its tokens would wait in the high tier), or per token."""
+    if fmt.k_bits in RAW_BITS:
+        return k
+    if fmt.k_mode == "channel":
+        H, S, r = k.shape
+        n = S - S % page_tokens
+        pages = k[:, :n].reshape(H, n // page_tokens, page_tokens, r)
+        codes, scale, zero = quant.quantize_per_channel(pages, fmt.k_bits, meta_bits=fmt.meta_bits)
+        out = quant.dequantize_per_channel(codes, *quant.decode_meta(scale, zero, fmt.meta_bits, fmt.k_bits))
+        return torch.cat([out.reshape(H, n, r), k[:, n:]], dim=1)
+    if fmt.k_mode == "token":
+        return quant.round_trip_per_token(k, fmt.k_bits, fmt.k_group, fmt.meta_bits)
+    raise ValueError(f"no prediction for {fmt.k_mode} keys")
+
+
+def coded_values(v: torch.Tensor, fmt: TierFormat) -> torch.Tensor:
+    """v float32 [H, S, r] in the served basis -> as `fmt` stores it (per token, groups of `v_group` channels)."""
+    if fmt.v_bits in RAW_BITS:
+        return v
+    return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits)
+
+
+class _KeepQKV:
+    """A capture collector that keeps each layer's query, key and value (with their autograd history)."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.seen[layer] = (query, key, value)
+
+
+def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases, base: CompressionConfig,
+                 layer_types: list[str], head_dim: int) -> FormatCosts:
+    """windows long [B, S] token ids, the last `scored` positions of each scored (their next tokens are the
+    targets); served: the bases the runtime applies under `base` (kvcal.runtime.bases.served_bases); base: the
+    settings the allocation changes bits of (window, heavy-hitter threshold, high tier, low / sliding formats).
+    One forward and backward pass per window, in the model's dtype. The model's parameters get no gradient (their
+    requires_grad is restored)."""
+    if base.tiering.alpha_low > 0 or base.fastgen is not None:
+        raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
+                         "with alpha_low = 0 and no FastGen")
+    L = len(layer_types)
+    sliding = [t == "sliding_attention" for t in layer_types]
+    H = served.rotation.shape[1]
+    costs = torch.zeros(L, H, 2, len(BITS), dtype=torch.float64)
+    tokens = torch.zeros(L, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    keep = _KeepQKV()
+    try:
+        for ids in windows:
+            targets = ids[None, -scored:]
+            with torch.inference_mode(False), torch.enable_grad(), capturing(model, keep):
+                embeds = model.get_input_embeddings()(ids[None, :-1]).detach().requires_grad_(True)
+                logits = model(inputs_embeds=embeds, logits_to_keep=scored, use_cache=False).logits
+                loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
+                grads = torch.autograd.grad(loss, [t for layer in range(L) for t in keep.seen[layer][1:]])
+            for layer in range(L):
+                query, key, value = (t.detach() for t in keep.seen[layer])
+                held = _held_mask(query, key, base, scored, sliding[layer])
+                tokens[layer] += held.double().mean(0).sum() / len(windows)
+                _add_layer(costs[layer], layer, (key, value), grads[2 * layer:2 * layer + 2], held, served, base,
+                           sliding[layer], head_dim)
+            keep.seen.clear()
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    page_bytes, tracked = base.page_size(head_dim), base.low_tracked
+    nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, page_bytes,
+                                            tracked, sliding[layer]) for b in BITS] for side in SIDES]
+                           for layer in range(L)], dtype=torch.float64)
+    return FormatCosts(costs, nbytes, tokens, sliding)
+
+
+@torch.no_grad()
+def _held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, scored: int,
+               sliding: bool) -> torch.Tensor:
+    """query [1, Hq, S, d], key [1, H, S, d] -> bool [H, S]: the tokens a layer holds in the allocated format. A
+    sliding layer: all. A paged one: those that leave the window before the last query, below the heavy-hitter
+    threshold (mean attention of the scored queries, over a KV head's query heads, under alpha_high / N)."""
+    H, S = key.shape[1], key.shape[2]
+    if sliding:
+        return torch.ones(H, S, dtype=torch.bool)
+    start = S - scored                                    # the first scored query
+    held = torch.zeros(H, S, dtype=torch.bool)
+    held[:, :max(S - base.tiering.window, 0)] = True
+    if base.tiering.tiered and base.tiering.alpha_high < 1e8:
+        q = query[0, :, start:].float()                                               # [Hq, scored, d]
+        k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                  # [Hq, S, d]
+        logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        causal = torch.arange(S)[None, :] > torch.arange(start, S)[:, None]
+        attention = logits.masked_fill(causal, float("-inf")).softmax(-1)
+        significance = attention.mean(1).view(H, -1, S).mean(1)                       # [H, S]
+        held &= significance < base.tiering.alpha_high / S
+    return held
+
+
+@torch.no_grad()
+def _add_layer(costs: torch.Tensor, layer: int, kv: tuple, grads: tuple, held: torch.Tensor, served: ServedBases,
+               base: CompressionConfig, sliding: bool, head_dim: int) -> None:
+    """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS)] for every catalogue entry. kv, grads: key
+    and value [1, H, S, d] and their gradients; held bool [H, S]."""
+    # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
+    # query rotation; values' basis is orthogonal
+    bases = ((served.rotation[layer], served.query_rotation[layer]), (served.basis[layer], served.basis[layer]))
+    page_bytes, tracked = base.page_size(head_dim), base.low_tracked and not sliding
+    for s, (x, g, (a, a_inv_t)) in enumerate(zip(kv, grads, bases)):
+        x = torch.einsum("hsd,hde->hse", x[0].float().cpu(), a)
+        g2 = torch.einsum("hsd,hde->hse", g[0].float().cpu(), a_inv_t).double() ** 2
+        for h in range(x.shape[0]):
+            xs, g2s = x[h, held[h]][None], g2[h, held[h]][None]                      # [1, n, d]: the held tokens
+            for b, bits in enumerate(BITS):
+                fmt = layer_format(base, sliding, bits, bits)
+                if s == 0:
+                    tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
+                    coded = coded_keys(xs, fmt, tokens)
+                else:
+                    coded = coded_values(xs, fmt)
+                costs[h, s, b] += 0.5 * float((g2s * (coded - xs).double() ** 2).sum())
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (average ranks for ties)."""
+    def ranks(x: list[float]) -> torch.Tensor:
+        t = torch.tensor(x, dtype=torch.float64)
+        order = t.argsort()
+        r = torch.empty_like(t)
+        r[order] = torch.arange(len(x), dtype=torch.float64)
+        for value in t.unique():                      # ties share their mean rank
+            same = t == value
+            r[same] = r[same].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp(min=1e-300))
+
