@@ -1,5 +1,5 @@
 """Terminal captures of `kvcal calibrate` for docs/cli.md: a real terminal (tmux, 100 columns) runs a calibration
-and its screen is read every second; kept are a screen in the middle of the search and the whole final scrollback.
+and its screen is read every second; kept are a screen while the budget probes run and the whole final scrollback.
 
     python benchmarks/cli_capture.py [--model smollm2-135m] [--out /tmp/kvcal-capture] [-- extra calibrate args]
 
@@ -28,7 +28,7 @@ def tiny_inputs(folder: Path) -> list[str]:
     (folder / "docs.jsonl").write_text("\n".join(json.dumps({"text": random_text(300, seed=i)}) for i in range(40)))
     return ["--model", "./tiny", "--dataset", "./docs.jsonl", "--random-tokens", "512", "--text-tokens", "512",
             "--seq-len", "64", "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48",
-            "--search-steps", "8"]
+            "--search-steps", "16", "--target-top1", "0.9"]
 
 
 def main() -> None:
@@ -51,8 +51,9 @@ def main() -> None:
             time.sleep(1)
             screen = subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], capture_output=True,
                                     text=True).stdout
-            measured = "meets (" in screen or "misses (" in screen
-            if "measuring" in screen and measured and middle is None:
+            measured = "  meets" in screen or "  misses" in screen
+            running = "search text) for" in screen or "evaluation text) for" in screen
+            if running and measured and middle is None:
                 middle = screen
             if "EXIT=" in screen:
                 break

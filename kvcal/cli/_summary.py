@@ -105,8 +105,9 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
     if search:
         search_rows(t, bundle, search)
         path = search.get("path", [])
-        t.add_row("measured", f"{sum(p['stage'] == 'probe' for p in path)} probes on search text, "
-                              f"{sum(p['stage'] == 'confirm' for p in path)} checks on evaluation text; seconds: "
+        probes, checks = (sum(p["stage"] == stage for p in path) for stage in ("probe", "confirm"))
+        t.add_row("measured", f"{probes} probe{'s' * (probes != 1)} on search text, {checks} "
+                              f"check{'s' * (checks != 1)} on evaluation text; seconds: "
                               + ", ".join(f"{k} {v:g}" for k, v in s["search"]["seconds"].items()))
     else:
         t.add_row("stored", f"statistics only (--no-search), ranks from --removal-rate; "
