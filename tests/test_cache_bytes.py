@@ -66,7 +66,7 @@ def test_shipped_bundle_holds_at_most_fp16_at_every_length_1_to_300():
     assert 0 < kv.raw_tokens < 300 and not kv.raw                  # the sweep crossed into the pages
     assert all(m["ratio_to_fp16"] <= 1.0 for m in mems)          # measured: the tokens' storage alone never exceeds
     assert mems[kv.raw_tokens - 1]["ratio_to_fp16"] == 1.0       # raw: exactly fp16
-    assert mems[-1]["ratio_to_fp16"] < 0.5
+    assert mems[-1]["ratio_to_fp16"] < mems[kv.raw_tokens]["ratio_to_fp16"] < 1.0     # paged: below fp16, falling
     assert mems[-1]["steady_state_ratio"] < mems[-1]["ratio_to_fp16"]
 
 

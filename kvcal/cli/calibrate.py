@@ -53,7 +53,9 @@ def calibrate(
     = CalibrationConfig.qk_weighting,
     v_source: Annotated[str, typer.Option(help=f"V basis: {', '.join(V_SOURCES)}.", metavar="SOURCE")]
     = CalibrationConfig.v_source,
-    dtype: Annotated[str, typer.Option(help="Model dtype: bfloat16, float32 or float16.", metavar="DTYPE")]
+    dtype: Annotated[str, typer.Option(help="Model dtype of the statistics passes: bfloat16, float32, float16, or "
+                                        "auto (bfloat16 on a GPU or a CPU with bf16 arithmetic, else float32).",
+                                        metavar="DTYPE")]
     = CalibrationConfig.dtype,
     device_map: Annotated[str | None, typer.Option(help="Passed to transformers (e.g. auto) for big models.",
                                                    metavar="MAP")] = None,

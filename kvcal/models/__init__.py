@@ -24,6 +24,22 @@ from kvcal.runtime.disk_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")     # x86 CPU flags of bf16 arithmetic in hardware
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto" -> "bfloat16" on a GPU or a CPU with bf16 arithmetic in hardware, else "float32": without it torch
+    emulates bf16 matmuls, several times slower than float32 (docs/calibration.md); other names pass through."""
+    if dtype != "auto":
+        return dtype
+    if torch.cuda.is_available():
+        return "bfloat16"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
+                     [])
+    except OSError:
+        flags = []
+    return "bfloat16" if any(f in flags for f in NATIVE_BF16_FLAGS) else "float32"
 
 
 @dataclass
@@ -53,8 +69,9 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
-        raise ValueError(f"`--dtype {dtype}` is not supported; use one of {', '.join(DTYPES)}")
+        raise ValueError(f"`--dtype {dtype}` is not supported; use one of {', '.join(DTYPES)} or auto")
     t0 = time.perf_counter()
     source = resolve_model(spec)
     adapter = adapter_for(read_config(source.folder))
@@ -134,6 +151,7 @@ def check_weight_files(folder) -> None:
 __all__ = [
     "DEFAULT_MODEL",
     "DTYPES",
+    "resolve_dtype",
     "FAMILIES",
     "PACKAGED_MODELS",
     "LoadedModel",

@@ -32,6 +32,7 @@ from kvcal.models import (
     load_model,
     load_tokenizer,
     read_config,
+    resolve_dtype,
     resolve_model,
     tokenizer_hash,
     weights_hash,
@@ -86,7 +87,7 @@ class CalibrationConfig:
     qk_source: str = "both"             # random tokens + text: best measured logit error (docs/calibration.md)
     qk_weighting: str = DEFAULT_QK_WEIGHTING
     v_source: str = "activations-text"  # measured better than weight-svd (docs/calibration.md)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                 # of the statistics passes; auto: bf16 where computed natively (resolve_dtype)
     device_map: str | None = None
     max_memory: dict | None = None
     command: str | None = None          # the command line, recorded in the report
@@ -394,7 +395,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
 
     if lm is None:
         say(f"loading {cfg.model}")
-        lm = load_model(cfg.model, dtype=cfg.dtype, device_map=cfg.device_map, max_memory=cfg.max_memory)
+        lm = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype), device_map=cfg.device_map,
+                        max_memory=cfg.max_memory)
     a = lm.adapter
     model_fp, w_hash, tok_hash = fingerprint(lm.model.config), weights_hash(lm.model, a), tokenizer_hash(lm.tokenizer)
     random_ids = random_token_windows(lm.tokenizer, lm.model.config.vocab_size, cfg.random_tokens, seq_len, cfg.seed)
@@ -454,7 +456,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "dataset": {"spec": cfg.dataset, "name": corpus.name, "documents": len(corpus), "sha256": corpus.sha256,
                     "windows_sha256": hashlib.sha256(text_ids.numpy().tobytes()).hexdigest()},
         "removal_rate": cfg.removal_rate,
-        "dtype": cfg.dtype,
+        "dtype": resolve_dtype(cfg.dtype),
         "token_independence": independence,
         "key_ranges": {"percentile": cfg.key_percentile, "windows": len(key_ids), "rows": int(key_ids.numel()),
                        "tail_rows": tail_rows(int(key_ids.numel()), cfg.key_percentile),
