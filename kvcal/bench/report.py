@@ -3,8 +3,8 @@
 Files in the output folder: `bench.json`, `bench.md`, `pareto.png` (quality vs bytes, each method a series, the
 Pareto front drawn through the best points), `decode_time.png` (decode ms/step and prefill tokens/s vs context).
 
-JSON schema, version 3 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`, 3 `environment.threads`). Numbers are JSON numbers; `null` where a
-value does not apply.
+JSON schema, version 3 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`, 3 `environment.threads`). Numbers are
+JSON numbers; `null` where a value does not apply.
 
     schema_version int, kind "kvcal-bench", created str, command str, seed int, quick bool, wall_seconds number
     model        {name, family, fingerprint, weights_hash, dtype: str; num_layers, num_kv_heads, num_q_heads,
