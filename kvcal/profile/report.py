@@ -191,7 +191,7 @@ def _plot(r: dict, path: Path) -> None:
     hull_ax.set_yscale("symlog", linthresh=1e-3)
     hull_ax.set_xlabel("bytes of the allocated formats at the recorded context (MB)")
     hull_ax.set_ylabel("predicted loss increase (nats, summed)")
-    hull_ax.set_title("quality model: the allocations the probes chose among")
+    hull_ax.set_title("quality model: the predicted frontier")
     hull_ax.grid(alpha=0.3)
     hull_ax.legend(fontsize=8)
     for stage, color in STAGE_COLORS.items():
@@ -215,7 +215,8 @@ def _plot(r: dict, path: Path) -> None:
     ax.set_ylabel("top-1 agreement with dense")
     ax.set_title(f"kvcal calibration: {r['model']}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best", framealpha=0.9)    # best: the corners hold points often
+    # below the axes: inside, a legend hides the points near the target line, where the decision is made
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
