@@ -351,15 +351,10 @@ def _normalised(g: torch.Tensor) -> torch.Tensor:
     return g / torch.diagonal(g, dim1=-2, dim2=-1).sum(-1)[..., None, None].clamp(min=1e-300)
 
 
-def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
-              status: Callable[[str], None] | None = None,
-              search_progress: SearchProgress | None = None) -> CalibrationResult:
-    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status`/
-    `search_progress` report."""
-    t0 = time.perf_counter()
-    say = status or (lambda msg: logger.info("%s", msg))
-    # everything that can be wrong with the output path, the dataset or the options fails here, in about a second,
-    # before the model's weights are read and long before any pass runs
+def _check_inputs(cfg: CalibrationConfig, lm: LoadedModel | None):
+    """Everything that can be wrong with the output path, the dataset or the options fails here, in about a second,
+    before the model's weights are read and long before any pass runs. Returns (out, calibration corpus, search
+    prompt tokens, max position, window length, calibration text windows [n, seq_len])."""
     source = lm.source if lm is not None else resolve_model(cfg.model)
     out = Path(cfg.out) if cfg.out else Path(f"{source.name}.kvcal.safetensors")
     dataset_path = Path(cfg.dataset).expanduser()
@@ -392,6 +387,17 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                       fix=fixes["search"])
         token_windows(tokenizer, splits["eval"], cfg.eval_windows, P + (cfg.eval_steps or cfg.search_steps) + 1,
                       cfg.seed + 2, fix=fixes["eval"])
+    return out, corpus, P, max_position, seq_len, text_ids
+
+
+def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
+              status: Callable[[str], None] | None = None,
+              search_progress: SearchProgress | None = None) -> CalibrationResult:
+    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status`/
+    `search_progress` report."""
+    t0 = time.perf_counter()
+    say = status or (lambda msg: logger.info("%s", msg))
+    out, corpus, P, max_position, seq_len, text_ids = _check_inputs(cfg, lm)
 
     if lm is None:
         say(f"loading {cfg.model}")
@@ -416,21 +422,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     pass_seconds = time.perf_counter() - t_pass
 
     say("eigendecomposing Gram matrices")
-    r_random, s_random = eig_basis(qk_gram(random_stats, cfg.qk_weighting))
-    r_text, s_text = eig_basis(qk_gram(text_stats, cfg.qk_weighting))
-    if cfg.qk_source == "random-tokens":
-        rotation, qk_spectrum = r_random, s_random
-    elif cfg.qk_source == "text":
-        rotation, qk_spectrum = r_text, s_text
-    else:
-        rotation, qk_spectrum = eig_basis(_normalised(qk_gram(random_stats, cfg.qk_weighting))
-                                          + _normalised(qk_gram(text_stats, cfg.qk_weighting)))
-    if cfg.v_source == "activations-text":
-        v_basis, v_spectrum = eig_basis(text_stats.vv)
-    elif cfg.v_source == "activations-random":
-        v_basis, v_spectrum = eig_basis(random_stats.vv)
-    else:
-        v_basis, v_spectrum = weight_svd_basis(lm.model, a)
+    (rotation, qk_spectrum), (v_basis, v_spectrum), independence = _bases(cfg, lm, random_stats, text_stats)
     picked = spread_windows(len(text_ids), cfg.key_range_windows)
     key_ids = text_ids[picked]
     key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked, "query-absmax"])
@@ -442,7 +434,6 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     unsearched = CompressionConfig().with_tiering(window=cfg.window or TieringConfig.window)
     qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
     v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
-    independence = token_independence(r_random, r_text)
 
     calibration = {
         "seed": cfg.seed,
@@ -522,6 +513,27 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         summary["report"] = {k: str(v) for k, v in write_report(out, report).items()}
     checkpoint.clear()
     return CalibrationResult(bundle, out, summary)
+
+
+def _bases(cfg: CalibrationConfig, lm: LoadedModel, random_stats: GramCollector, text_stats: GramCollector):
+    """((rotation, spectrum) of Q/K, (basis, spectrum) of V, token independence) from the passes' statistics, by
+    `qk_source` and `v_source`."""
+    r_random, s_random = eig_basis(qk_gram(random_stats, cfg.qk_weighting))
+    r_text, s_text = eig_basis(qk_gram(text_stats, cfg.qk_weighting))
+    if cfg.qk_source == "random-tokens":
+        qk = r_random, s_random
+    elif cfg.qk_source == "text":
+        qk = r_text, s_text
+    else:
+        qk = eig_basis(_normalised(qk_gram(random_stats, cfg.qk_weighting))
+                       + _normalised(qk_gram(text_stats, cfg.qk_weighting)))
+    if cfg.v_source == "activations-text":
+        v = eig_basis(text_stats.vv)
+    elif cfg.v_source == "activations-random":
+        v = eig_basis(random_stats.vv)
+    else:
+        v = weight_svd_basis(lm.model, lm.adapter)
+    return qk, v, token_independence(r_random, r_text)
 
 
 def _version() -> str:

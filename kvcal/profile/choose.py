@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+import torch
+
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
@@ -51,6 +53,22 @@ def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, p
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
 
+def _record(lm, bundle, base, record: torch.Tensor, scored: int, step: Progress):
+    """The quality model's table over the windows `record` [n, S], one window per progress step."""
+    a, t = lm.adapter, time.perf_counter()
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
+                          bundle.extras.get("qk.smoothing"))
+    costs = None
+    for i in range(len(record)):
+        step("record", f"recording window {i + 1}/{len(record)} ({record.shape[1]} tokens, forward and backward)",
+             None)
+        one = record_costs(lm.model, record[i:i + 1], scored, served, base, list(a.layer_types), a.head_dim)
+        costs = one if costs is None else costs.add(one)
+        step("record", f"window {i + 1}", {"seconds": time.perf_counter() - t})
+    release_memory()
+    return costs
+
+
 def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
                     prompt: int) -> dict:
     """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
@@ -68,17 +86,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     seconds = {}
 
     t = time.perf_counter()
-    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
-                          bundle.extras.get("qk.smoothing"))
     record = windows[:, -min(P + M + 1, RECORD_TOKENS):]
-    costs = None
-    for i in range(len(record)):
-        step("record", f"recording window {i + 1}/{len(record)} ({record.shape[1]} tokens, forward and backward)",
-             None)
-        one = record_costs(lm.model, record[i:i + 1], M, served, base, list(a.layer_types), a.head_dim)
-        costs = one if costs is None else costs.add(one)
-        step("record", f"window {i + 1}", {"seconds": time.perf_counter() - t})
-    release_memory()
+    costs = _record(lm, bundle, base, record, M, step)
     seconds["recording"] = time.perf_counter() - t
     t = time.perf_counter()
     hull = frontier(costs)
