@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from kvcal.profile.quality import QualityTarget
+from kvcal.profile.report import held_out_met
 
 Measure = Callable[[int], dict]
 
@@ -30,14 +30,15 @@ class Probe:
     index: int                 # position on the hull
     split: str                 # "search" or "evaluation"
     fidelity: dict
-    met: bool                  # at the target's bounds (search), or at its bounds with the margin (evaluation)
-    margin: float = 0.0        # top-1 added to the target for this verdict
+    met: bool                  # at the target's bounds
+    margin: float = 0.0        # top-1 added to the target when this point was picked (the step back)
 
 
 def meets(target: QualityTarget, fid: dict, margin: float = 0.0) -> bool:
-    """`fid` (a Fidelity as a dict) meets `target` at its bounds, with `margin` added to its top-1."""
-    shifted = QualityTarget(min(target.top1 + margin, 1.0), target.ppl_ratio, target.z)
-    return shifted.met(SimpleNamespace(**fid))
+    """`fid` (a Fidelity as a dict) meets `target` at its bounds, with `margin` added to its top-1 (the rule the
+    report and `kvcal bench` apply: `held_out_met`)."""
+    shifted = {"top1": min(target.top1 + margin, 1.0), "ppl_ratio": target.ppl_ratio, "z": target.z}
+    return held_out_met(fid, shifted, at_bounds=True)
 
 
 def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6) -> tuple[int, list[Probe]]:
