@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
-    ap.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
+    ap.add_argument("--threads", default="auto", help="torch (and kernel) threads, N or auto (the rule of kvcal's "
+                    "`--threads`: OMP_NUM_THREADS if set, else the cores not busy)")
     ap.add_argument("--speed-only", action="store_true", help="skip fidelity and passkey; decode speed only")
     ap.add_argument("--speed-contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -147,8 +148,9 @@ def main() -> None:
     ap.add_argument("--prefill-threads", type=int, help="threads for the untimed prefill of the speed part")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="random and text tokens of an on-the-fly bundle")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from kvcal.cli._threads import use_threads
+
+    print(f"threads {use_threads(args.threads)}", flush=True)
     timed = {name: cfg.with_(backend=args.backend) for name, cfg in configs().items() if name in args.speed_configs}
     if len(timed) != len(args.speed_configs):
         raise SystemExit(f"--speed-configs: choose from {', '.join(n for n, c in configs().items() if c)}")

@@ -13,7 +13,7 @@ JSON numbers; `null` where a value does not apply.
                   target: {top1, ppl_ratio, z: number, source: "bundle"|"default"|"command line"}}
     environment  {kvcal, torch, transformers, python, platform, machine, cpu, attention_backend: str;
                   cpu_count, torch_threads: int; cuda: bool;
-                  threads: str}   (why torch_threads: "1 (auto: load 1.0 on 2 cores)", "2 (--threads 2)", ...)
+                  threads: str}   (why torch_threads: "1 (auto: 1.0 of 2 cores busy)", "2 (--threads 2)", ...)
     settings     {quality: {dataset, dataset_sha256, windows_sha256: str; windows, prompt, steps: int},
                   passkey: {lengths: [int], depths: [number], new_tokens: int, filler: str},
                   speed: {contexts: [int], decode_steps, batch: int}, matched_ratio: number, backend: str,
@@ -263,8 +263,11 @@ def output_paths(out_dir: Path) -> dict[str, Path]:
             "decode_png": out_dir / "decode_time.png"}
 
 
-def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write the JSON, Markdown and both plots into `out_dir`; adds `outputs` to `report`."""
+def write_report(report: dict, out_dir: str | Path, *, overwrite: bool = False) -> dict[str, Path]:
+    """Write the JSON, Markdown and both plots into `out_dir`; adds `outputs` to `report`. Each file goes through
+    `write_file`: never through a link, and an existing one is replaced only with `overwrite`."""
+    from kvcal.runtime.files import write_file
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = output_paths(out_dir)
@@ -273,12 +276,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     if problems:
         raise RuntimeError(f"bench report does not match its schema: {problems[0]}"
                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-    _plot_pareto(report, paths["pareto_png"])
-    _plot_speed(report, paths["decode_png"])
-    paths["md"].write_text(markdown(report))
-    tmp = paths["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(paths["json"])
+    write_file(paths["pareto_png"], lambda tmp: _plot_pareto(report, tmp), overwrite=overwrite)
+    write_file(paths["decode_png"], lambda tmp: _plot_speed(report, tmp), overwrite=overwrite)
+    write_file(paths["md"], markdown(report), overwrite=overwrite)
+    write_file(paths["json"], json.dumps(report, indent=2, default=str), overwrite=overwrite)
     return paths
 
 
@@ -441,7 +442,7 @@ def _plot_pareto(r: dict, path: Path) -> None:
     fig.suptitle(f"kvcal bench: {r['model']['name']}, quality vs bytes ({sq['windows']} held-out windows x "
                  f"{sq['steps']} steps after {sq['prompt']}-token prompts)")
     fig.tight_layout(rect=(0, 0, 0.82, 0.95))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")       # `path` is a temporary name: the format is not in its suffix
     plt.close(fig)
 
 
@@ -474,5 +475,5 @@ def _plot_speed(r: dict, path: Path) -> None:
                  + (f"; skipped contexts: {', '.join(skipped)} (see the report)" if skipped else ""),
                  fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.82, 0.95))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")       # `path` is a temporary name: the format is not in its suffix
     plt.close(fig)

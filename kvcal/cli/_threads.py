@@ -3,9 +3,11 @@
 
 On a machine where another CPU-bound job runs, a parallel region with one thread per core waits at its barrier for a
 thread the OS has descheduled, so torch's default (every core) can be several times slower than one thread (issue 35).
-`auto`, the default, uses the cores no other job keeps busy: `max(1, usable cores - round(1-minute load average))`,
-with the load average read when this module is imported, before kvcal has done any work, so that it counts the other
-jobs and not kvcal. An `OMP_NUM_THREADS` in the environment is respected when `--threads` is left at `auto`.
+`auto`, the default, uses the cores no other job keeps busy: `max(1, usable cores - round(busy cores))`. The busy
+cores are read from /proc/stat over 0.2 s when the command starts, before kvcal does any work, so they count the other
+jobs and not kvcal. (The 1-minute load average, the fallback where /proc/stat is missing, also counts a kvcal command
+that has just ended, and would halve the threads of the next one on a quiet machine.) An `OMP_NUM_THREADS` in the
+environment is respected when `--threads` is left at `auto`.
 
 `resolve_threads` is the rule, a pure function; `use_threads` applies it for a command."""
 
@@ -34,13 +36,56 @@ def load_average() -> float | None:
         return None
 
 
-CORES_AT_START, LOAD_AT_START = usable_cores(), load_average()
+def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, total) jiffies summed over `cpus`, from /proc/stat; None where it cannot be read."""
+    busy = total = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(x) for x in fields[:8]]          # user nice system idle iowait irq softirq steal
+                total += sum(ticks)
+                busy += sum(ticks) - ticks[3] - ticks[4]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy, total) if total else None
+
+
+def busy_cores(window: float = 0.2) -> float | None:
+    """How many of this process's usable cores other work keeps busy: the busy share of their time over `window`
+    seconds, while this process sleeps, times their count. None where /proc/stat cannot be read."""
+    import time
+
+    try:
+        cpus = set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = set(range(os.cpu_count() or 1))
+    first = _cpu_times(cpus)
+    time.sleep(window)
+    second = _cpu_times(cpus)
+    if first is None or second is None or second[1] <= first[1]:
+        return None
+    return len(cpus) * (second[0] - first[0]) / (second[1] - first[1])
+
+
+CORES_AT_START = usable_cores()
+_BUSY: list[float | None] = []     # measured once per process, at the first command that asks
+
+
+def busy_at_start() -> float | None:
+    """The busy cores (else the load average) when the first command of this process started."""
+    if not _BUSY:
+        busy = busy_cores()
+        _BUSY.append(load_average() if busy is None else busy)
+    return _BUSY[0]
 
 
 @dataclass(frozen=True)
 class ThreadChoice:
     """The thread count a command runs with, and why: source is "option" (`--threads N`), "env" (`OMP_NUM_THREADS`)
-    or "auto" (the free cores)."""
+    or "auto" (the free cores); load is the cores other work kept busy at the start (see the module docstring)."""
 
     count: int
     source: str
@@ -53,8 +98,8 @@ class ThreadChoice:
         if self.source == "env":
             return f"{self.count} ({ENV}={self.count})"
         if self.load is None:
-            return f"{self.count} (auto: no load average, {self.cores} cores)"
-        return f"{self.count} (auto: load {self.load:.1f} on {self.cores} cores)"
+            return f"{self.count} (auto: busy cores unknown, {self.cores} cores)"
+        return f"{self.count} (auto: {self.load:.1f} of {self.cores} cores busy)"
 
     def to_dict(self) -> dict:
         return {"count": self.count, "source": self.source, "cores": self.cores,
@@ -104,7 +149,9 @@ def use_threads(value: str | int | None) -> ThreadChoice:
     import torch
     from typer._click.globals import get_current_context  # typer vendors click: its context stack, not click's
 
-    choice = resolve_threads(parse_threads(value), cores=CORES_AT_START, load=LOAD_AT_START, env=os.environ.get(ENV))
+    option, env = parse_threads(value), os.environ.get(ENV)
+    measure = option is None and _env_threads(env) is None          # only `auto` needs the 0.2 s measurement
+    choice = resolve_threads(option, cores=CORES_AT_START, load=busy_at_start() if measure else None, env=env)
     before = torch.get_num_threads()
     torch.set_num_threads(choice.count)
     try:
