@@ -6,7 +6,9 @@
 
 Every export checks the bundle against the model's fingerprint first (a manifest only when a model is given) and writes
 its directory atomically: everything goes to a temporary folder beside `out`, which is renamed into place at the end,
-so an interrupted export leaves nothing at `out`. An existing non-empty `out` is refused unless `overwrite=True`.
+so an interrupted export leaves nothing at `out`. Every export lists its files in `out/.kvcal-export.json`; an existing
+non-empty `out` is replaced only with `overwrite=True`, and only when it holds nothing but what that list names (a
+folder of the user's own files is never deleted).
 
 Formats, and where they are documented:
 
@@ -38,7 +40,6 @@ import torch
 from torch import nn
 
 from kvcal.runtime.bundle import Bundle, BundleError, load_bundle
-from kvcal.runtime.files import make_shareable
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_TENSORS = "kvcal_bases.safetensors"
 MANIFEST_FORMAT = "kvcal-manifest"
 MANIFEST_SCHEMA_VERSION = 2      # 2: `tracked` per layout; score_off = pos_off = -1 when false
+EXPORT_LIST = ".kvcal-export.json"   # the files an export wrote: what a later `--overwrite` may delete
 
 
 @dataclass
@@ -69,47 +71,16 @@ class ExportResult:
 def atomic_dir(out: str | Path, *, overwrite: bool = False, inputs: tuple = ()):
     """Yield a temporary folder beside `out`; on success it replaces `out` by rename, on failure it is removed.
 
-    Refuses (FileExistsError) an `out` that is a file, or a non-empty folder unless `overwrite`, and (ValueError) an
-    `out` that is, contains or lies inside one of `inputs` (the model's folder, the bundle) or the working directory.
+    Refuses (FileExistsError) an `out` that is a file, or a non-empty folder unless `overwrite` and it holds only
+    what an earlier export listed (`EXPORT_LIST`), and (ValueError) an `out` that is, contains or lies inside one of
+    `inputs` (the model's folder, the bundle) or the working directory.
     """
-    from kvcal.runtime.files import remove_stale_temps
+    from kvcal.runtime.files import write_folder
     from kvcal.safe_paths import check_out_folder
 
-    out = Path(out)
     check_out_folder(out, inputs=inputs)
-    if out.is_symlink():
-        raise FileExistsError(f"`{out}` is a symbolic link; pass a real folder path for `--out`")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"`{out}` exists and is a file; pass a folder path for `--out`")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"`{out}` exists and is not empty; pass `--overwrite` to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with write_folder(out, overwrite=overwrite, listing=EXPORT_LIST) as tmp:
         yield tmp
-        for path in tmp.rglob("*"):
-            if path.is_file() and path.stat().st_nlink == 1:   # hard links point at files already on disk
-                make_shareable(path)
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-        if out.is_dir() and any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)                               # rename(2) replaces an empty folder
-        with contextlib.suppress(OSError):
-            fd = os.open(out.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
@@ -175,8 +146,10 @@ def _provenance(bundle: Bundle, fmt: str, **fields) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.unlink(missing_ok=True)            # never write through a hard link into the model's own folder
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    from kvcal.runtime.files import write_file
+
+    # written beside and renamed in: never through a hard link into the model's own folder, nor a symbolic link
+    write_file(path, json.dumps(data, indent=2, default=str) + "\n", overwrite=True)
 
 
 def _files(folder: Path) -> list[str]:

@@ -6,6 +6,11 @@ Every output path is checked before any work starts, so a bad `--out` costs a se
   folder, another file, or a file of the model or the dataset being read.
 * `check_out_folder`: an export folder may not be, contain or lie inside an input (the model's folder, the bundle)
   or the working directory.
+* `check_report_folder`: a folder of reports (`kvcal bench --out`) may hold only files named as the reports, replaced
+  only with `overwrite`; never a file, a link, or a folder holding the user's own files.
+
+Each also tries the output folder with a temporary file, so a read-only folder fails now, not after the model loads.
+Symbolic links are refused where a file is written: `kvcal.runtime.files.write_file` never writes through one.
 
 Telling a kvcal bundle from other files (`kvcal.runtime.bundle.is_kvcal_bundle`) and removing the temporary files of
 a killed writer (`kvcal.runtime.files.remove_stale_temps`) live in the runtime, which writes bundles too.
@@ -20,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvcal.runtime.bundle import is_kvcal_bundle
+from kvcal.runtime.files import check_writable, refuse_link
 
 
 def _resolved(path: str | os.PathLike) -> Path:
@@ -47,8 +53,10 @@ def check_bundle_out(out: str | os.PathLike, *, overwrite: bool = False, inputs:
             raise ValueError(f"`--out {out}` is {'' if real == src_real else 'inside '}an input of this run "
                              f"(`{src}`); write the bundle somewhere else")
     if out.is_dir():
-        raise ValueError(f"`--out {out}` is a folder; pass a file path such as `{out / 'model.kvcal.safetensors'}`")
-    if out.exists() or out.is_symlink():
+        raise ValueError(f"`--out {out}` is a folder, not a bundle file; pass a file path such as "
+                         f"`{out / 'model.kvcal.safetensors'}`")
+    refuse_link(out, f"`--out {out}`")
+    if out.exists():
         if not out.is_file() or not is_kvcal_bundle(out):
             raise ValueError(f"`--out {out}` exists and is not a kvcal bundle; refusing to overwrite it (choose "
                              "another path)")
@@ -56,11 +64,45 @@ def check_bundle_out(out: str | os.PathLike, *, overwrite: bool = False, inputs:
             raise ValueError(f"`--out {out}` already holds a kvcal bundle; pass `--overwrite` to replace it")
     for extra in also_written:
         extra = Path(extra)
-        if extra.is_dir() or (extra.exists() and not overwrite):
+        refuse_link(extra, f"`{extra}` (where the run writes its report)")
+        if extra.exists() and not overwrite:
             raise ValueError(f"`{extra}` exists (the run writes its report there); move it or pass `--overwrite`")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise ValueError(f"`--out {out}`: `{parent}` is a file, not a folder")
+    check_writable(parent)
+
+
+def check_report_folder(out: str | os.PathLike, names: Iterable[str], *, overwrite: bool = False,
+                        known: Iterable[str] = ()) -> None:
+    """Refuse a folder of reports (`kvcal bench --out`) before any work: a file or a link at `out`; a folder holding
+    anything but files named as kvcal's reports (`names`, this run's; `known`, other runs' such as `--offload`'s);
+    one of `names` already there without `overwrite`; a link at any of them; a folder that cannot be written."""
+    out = Path(out)
+    names, ours = list(names), {*names, *known}
+    if out.is_symlink():
+        raise ValueError(f"`--out {out}` is a symbolic link; pass the real folder, or a new one")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`--out {out}` is a file; pass a folder for the reports (a new one, or an earlier report "
+                         "folder with `--overwrite`)")
+    if out.is_dir():
+        theirs = sorted(p.name for p in out.iterdir() if p.name not in ours and not _temp_of(p.name, ours))
+        if theirs:
+            raise ValueError(f"`--out {out}` holds files kvcal did not write (`{theirs[0]}`"
+                             f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}); choose a new folder")
+        for name in names:
+            refuse_link(out / name, f"`{out / name}`")
+        there = [name for name in names if (out / name).exists()]
+        if there and not overwrite:
+            raise ValueError(f"`--out {out}` already holds `{there[0]}`; pass `--overwrite` to replace the reports, "
+                             "or choose a new folder")
+    check_writable(out)
+
+
+def _temp_of(name: str, names: set[str]) -> bool:
+    """`name` is the temporary file of a writer of one of `names` (`.NAME.tmp-PID`, removed once its writer is gone)."""
+    stem, sep, pid = name.rpartition(".tmp-")
+    return bool(sep) and pid.isdigit() and stem.startswith(".") and stem[1:] in names
 
 
 def check_out_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
@@ -80,3 +122,4 @@ def check_out_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLi
     if _inside(cwd, real):
         raise ValueError(f"`--out {out}` {'is' if cwd == real else 'contains'} the working directory; choose a "
                          "new folder for the export")
+    check_writable(out.parent if str(out.parent) else Path("."))

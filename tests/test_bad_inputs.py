@@ -497,6 +497,381 @@ def item18_cache_reusable_after_release(env, tmp_path, monkeypatch):
     assert torch.equal(again, fresh) and torch.equal(first, fresh)
 
 
+# ---------------------------------------------------------------------------------------------- issue 34, by item
+# Round two (issue 34): cases named `r2itemN_...`, N the item of that issue. A case returns a `Case` for a CLI run or
+# None when it checks by itself (the runtime items).
+
+
+def _no_load_anywhere(monkeypatch):
+    """`no_model_load` for every command: bench and export load through `kvcal.models.load_model`."""
+    import kvcal.models
+
+    no_model_load(monkeypatch)
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(kvcal.models, "load_model", refuse)
+
+
+def _read_only(folder: Path, monkeypatch) -> None:
+    """Make `folder` read-only; as root (who writes anyway) refuse new files there as a read-only mount would."""
+    import errno
+
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.open
+
+        def read_only(path, *a, **k):
+            if Path(path).parent == folder:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(os, "open", read_only)
+
+
+def _calibrate(env, out, *extra):
+    return ["calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset", str(env["data"]), *SMALL, *extra]
+
+
+def _bench(env, out, *extra):
+    return ["bench", "--model", str(env["model"]), "--bundle", str(env["bundle"]), "--out", str(out), "--quick",
+            "--dataset", str(env["data"]), *extra]
+
+
+def r2item1_report_json_linked_to_the_models_weights(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    out = tmp_path / "b.kvcal.safetensors"
+    out.write_bytes(env["bundle"].read_bytes())
+    (tmp_path / "b.kvcal.report.json").symlink_to(env["model"] / "model.safetensors")
+    return Case(_calibrate(env, out, "--overwrite"), [tmp_path, env["model"]], says="is a symbolic link")
+
+
+def r2item1_report_md_linked_to_a_users_file(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes")
+    (tmp_path / "b.kvcal.report.md").symlink_to(notes)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--overwrite"), [tmp_path],
+                says="b.kvcal.report.md` (where the run writes its report) is a symbolic link")
+
+
+def r2item1_bundle_path_is_a_link(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    real = tmp_path / "real.kvcal.safetensors"
+    real.write_bytes(env["bundle"].read_bytes())
+    (tmp_path / "b.kvcal.safetensors").symlink_to(real)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--overwrite"), [tmp_path],
+                says="is a symbolic link")
+
+
+def r2item2_bench_out_holds_the_users_reports(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    (tmp_path / "bench.md").write_text("# my own notes")
+    (tmp_path / "bench.json").write_text("{}")
+    return Case(_bench(env, tmp_path), [tmp_path, env["bundle"]], says="pass `--overwrite`")
+
+
+def r2item2_bench_out_with_other_files_is_refused_even_with_overwrite(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    (tmp_path / "bench.md").write_text("# an earlier bench")
+    (tmp_path / "thesis.tex").write_text("years of work")
+    return Case(_bench(env, tmp_path, "--overwrite"), [tmp_path, env["bundle"]],
+                says="holds files kvcal did not write (`thesis.tex`)")
+
+
+def r2item2_offload_would_overwrite_offload_md(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    (tmp_path / "offload.md").write_text("mine")
+    return Case(["bench", "--offload", "--quick", "--model", str(env["model"]), "--out", str(tmp_path)], [tmp_path],
+                says="already holds `offload.md`")
+
+
+def r2item2_bench_out_is_an_existing_file(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    return Case(_bench(env, notes), [tmp_path, env["bundle"]], says="is a file")
+
+
+def r2item2_bench_report_linked_to_a_users_file(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine")
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "bench.md").symlink_to(notes)
+    return Case(_bench(env, out, "--overwrite"), [tmp_path], says="is a symbolic link")
+
+
+def r2item2_overwrite_replaces_only_the_reports_of_this_run(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))           # the profiler's cache, outside `--out`
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "offload.md").write_text("an earlier run")
+    (out / "bench.md").write_text("an earlier bench")
+    args = ["bench", "--offload", "--quick", "--model", str(env["model"]), "--out", str(out), "-q"]
+    run_case(Case(args, [out], says="already holds `offload.md`"), monkeypatch)
+    run_case(Case([*args, "--overwrite"], [out / "bench.md"], code=0, says="report:"), monkeypatch)
+    assert "an earlier run" not in (out / "offload.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["bench.md", "offload.json", "offload.md"]
+
+
+def r2item3_two_calibrations_race_on_one_out(env, tmp_path, monkeypatch):
+    """Two real processes, held at their final write until both are there (KVCAL_TEST_WRITE_BARRIER): one bundle is
+    written, the other run fails with one line."""
+    out = tmp_path / "b.kvcal.safetensors"
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    cmd = [sys.executable, "-m", "kvcal", *_calibrate(env, out, "--no-search", "--threads", "1")]
+    run_env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300", "OMP_NUM_THREADS": "1",
+               "KVCAL_TEST_WRITE_BARRIER": f"{barrier}:2"}
+    before = snapshot(env["model"], env["data"])
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    done = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(code != 0 for code in codes) == [False, True], (codes, done)
+    err = done[codes.index(next(c for c in codes if c != 0))][1]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "already exists" in lines[0], err
+    assert len(list(barrier.iterdir())) == 2               # both reached the final write: a race, not a refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.kvcal.safetensors", "barrier"]
+    assert load_bundle(out).shape and snapshot(env["model"], env["data"]) == before
+    # without the barrier: a run started over a finished one is refused before the model loads
+    no_model_load(monkeypatch)
+    return Case(_calibrate(env, out, "--no-search"), [tmp_path], says="pass `--overwrite`")
+
+
+def r2item6_export_overwrite_keeps_the_users_files(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    out = tmp_path / "export"
+    (out / "sub").mkdir(parents=True)
+    (out / "thesis.tex").write_text("years of work")
+    (out / "sub" / "data.csv").write_text("1,2,3")
+    return Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]), "--overwrite",
+                 "--out", str(out)], [tmp_path, env["bundle"]], says="was not written by kvcal")
+
+
+def r2item6_export_overwrite_removes_only_what_the_earlier_export_listed(env, tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    args = ["export", str(env["bundle"]), "--format", "manifest", "--out", str(out)]
+    run_case(Case(args, [env["bundle"]], code=0, says="manifest"), monkeypatch)
+    (out / "notes.txt").write_text("added by the user")
+    run_case(Case([*args, "--overwrite"], [tmp_path, env["bundle"]], says="`notes.txt`, which kvcal did not write"),
+             monkeypatch)
+    (out / "notes.txt").unlink()
+    run_case(Case([*args, "--overwrite"], [env["bundle"]], code=0, says="manifest"), monkeypatch)
+    assert sorted(p.name for p in out.iterdir()) == [".kvcal-export.json", "kvcal_bases.safetensors", "manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def r2item11_folder_named_like_a_bundle(env, tmp_path, monkeypatch):
+    """inspect, bench and export name the problem (a folder, not a bundle file), suggest no unrelated file, and the
+    `--out` they advise is one calibrate accepts; calibrate's own `--out` of that folder says the same."""
+    import re
+    import shutil
+
+    from kvcal.safe_paths import check_bundle_out
+
+    _no_load_anywhere(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "x.kvcal.safetensors"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((env["model"] / "model.safetensors").read_bytes())
+    for args in (["inspect", str(folder)], ["bench", "--bundle", str(folder), "--model", str(env["model"])],
+                 ["export", str(folder), "--format", "manifest", "--out", str(tmp_path / "m")]):
+        r = run_case(Case(args, [tmp_path], says="is a folder, not a bundle file", not_says=("model.safetensors`",)),
+                     monkeypatch)
+        advised = re.findall(r"--out (\S+?)`", r.stderr)
+        assert advised, r.stderr
+        check_bundle_out(Path(advised[0]), inputs=[env["model"]])       # the advice works
+    with pytest.raises(BundleError, match="is a folder, not a bundle file"):               # the Python API too
+        load_bundle(folder)
+    shutil.copyfile(env["bundle"], folder / "tiny.kvcal.safetensors")   # a real bundle inside is the suggestion
+    run_case(Case(["inspect", str(folder)], [tmp_path], says="pass a bundle inside it: `x.kvcal.safetensors/tiny"),
+             monkeypatch)
+    return Case(_calibrate(env, folder), [tmp_path], says="is a folder, not a bundle file; pass a file path")
+
+
+def r2item12_read_only_folder_calibrate(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _read_only(ro, monkeypatch)
+    return Case(_calibrate(env, ro / "b.kvcal.safetensors", "--no-search"), [tmp_path],
+                says=f"cannot write in `{ro}` (Permission denied)")
+
+
+def r2item12_read_only_folder_bench_and_export(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _read_only(ro, monkeypatch)
+    run_case(Case(_bench(env, ro / "bench"), [tmp_path, env["bundle"]], says=f"cannot write in `{ro}`"), monkeypatch)
+    return Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]), "--out",
+                 str(ro / "fp8")], [tmp_path, env["bundle"]], says=f"cannot write in `{ro}`")
+
+
+def r2item4_new_batch_size_without_release(env, tmp_path, monkeypatch):
+    model, tok = make_model("llama")
+    from kvcal.runtime.hf import KvcalCache
+
+    bundle = random_bundle(model, tok)
+    tok.padding_side = "left"
+    two, three = (tok([random_text(6 + i, seed=i) for i in range(n)], return_tensors="pt", padding=True)
+                  for n in (2, 3))
+    cache = KvcalCache.from_bundle(bundle, model)
+    with torch.no_grad():
+        model.generate(**two, cache=cache, max_new_tokens=4, do_sample=False)
+        with pytest.raises(ValueError, match=r"call `cache\.release\(\)` before a new batch"):
+            model.generate(**three, cache=cache, max_new_tokens=4, do_sample=False)
+        cache.release()
+        again = model.generate(**three, cache=cache, max_new_tokens=4, do_sample=False)
+        fresh = model.generate(**three, cache=KvcalCache.from_bundle(bundle, model), max_new_tokens=4,
+                               do_sample=False)
+    assert torch.equal(again, fresh)
+
+
+def r2item5_cache_called_by_another_model(env, tmp_path, monkeypatch):
+    model, tok = make_model("llama")
+    other, _ = make_model("llama", seed=1)
+    from kvcal.runtime.hf import KvcalCache
+
+    cache = KvcalCache.from_bundle(random_bundle(model, tok), model)
+    ids = tok(["the a of and to in is it"], return_tensors="pt").input_ids
+    with torch.no_grad(), pytest.raises(BundleMismatchError, match="KvcalCache.from_bundle"):
+        other.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)      # the README's usage, batch 1
+    KvcalCache.from_bundle(random_bundle(other, tok), other)                   # kvcal installed on both
+    with torch.no_grad(), pytest.raises(BundleMismatchError, match="another model called it"):
+        other.generate(ids, cache=KvcalCache.from_bundle(random_bundle(model, tok), model), max_new_tokens=4,
+                       do_sample=False)
+
+
+def r2item12_prompt_past_positions_warns_once(env, tmp_path, monkeypatch):
+    import logging
+
+    from kvcal.runtime.hf import KvcalCache
+
+    model, tok = make_model("llama", max_position_embeddings=24)
+    warned = []
+    monkeypatch.setattr(logging.getLogger("kvcal.runtime.hf"), "warning", lambda *a: warned.append(a[0] % a[1:]))
+    ids = tok([random_text(30)], return_tensors="pt").input_ids
+    with torch.no_grad():
+        model.generate(ids, cache=KvcalCache.from_bundle(random_bundle(model, tok), model), max_new_tokens=4,
+                       do_sample=False)
+    assert len(warned) == 1 and "past the model's 24" in warned[0], warned
+
+
+EVIL = "\x1b[2J[/b]EVIL\x9b1m\x07"          # clears the screen, an unmatched rich tag, a C1 CSI, a bell
+
+
+def _no_escapes(r) -> None:
+    for stream in (r.stdout, r.stderr):
+        assert not {"\x1b", "\x9b", "\x07"} & set(stream), repr(stream)
+
+
+def r2item7_export_shows_metadata_as_text(env, tmp_path, monkeypatch):
+    path = rewrite(env["bundle"], tmp_path / "ansi.kvcal.safetensors", meta=edit_model(name=EVIL))
+    r = run_case(Case(["export", str(path), "--format", "manifest", "--out", str(tmp_path / "m")], [path], code=0,
+                      says="[/b]EVIL\\x9b1m\\x07"), monkeypatch)
+    _no_escapes(r)
+
+
+def r2item7_calibrate_shows_the_model_name_as_text(env, tmp_path, monkeypatch):
+    """The model's name (its folder's) in calibrate's summary and its `loading` line (not --quiet): plain text."""
+    import shutil
+
+    model = tmp_path / "m\x1b[2J[bold]EVIL\x9b1m\x07"            # a folder name: no `/`, so an opening tag
+    shutil.copytree(env["model"], model)
+    args = ["calibrate", "--model", str(model), "--out", str(tmp_path / "b.kvcal.safetensors"), "--dataset",
+            str(env["data"]), "--no-search", *(a for a in SMALL if a != "-q")]
+    r = run_case(Case(args, [tmp_path], code=0, says="m\\x1b[2J[bold]EVIL\\x9b1m\\x07", new_files_ok=True),
+                 monkeypatch)
+    _no_escapes(r)
+
+
+def r2item8_calibrate_out_with_markup(env, tmp_path, monkeypatch):
+    """An `--out` with `[/b]` (and an escape sequence): the bundle is written and the summary shows the name."""
+    monkeypatch.chdir(tmp_path)               # a short relative name: the summary prints it on one line
+    out = "x[/b]\x1b[2J.kvcal.safetensors"
+    r = run_case(Case(_calibrate(env, out, "--no-search"), [tmp_path, env["model"]], code=0,
+                      says="x[/b]\\x1b[2J.kvcal.safetensors", new_files_ok=True), monkeypatch)
+    _no_escapes(r)
+    assert load_bundle(tmp_path / out).shape
+
+
+def r2item8_export_out_with_markup(env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run_case(Case(["export", str(env["bundle"]), "--format", "manifest", "--out", "e[/b]\x1b[2J"],
+                      [tmp_path, env["bundle"]], code=0, says="e[/b]\\x1b[2J", new_files_ok=True), monkeypatch)
+    _no_escapes(r)
+    assert (tmp_path / "e[/b]\x1b[2J" / "manifest.json").is_file()
+
+
+def r2item9_target_z_nan(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--target-z", "nan"), [tmp_path],
+                says="Invalid value for '--target-z': nan is not a finite number; pass a finite number such as 1.5")
+
+
+def r2item9_inf_in_every_float_option(env, tmp_path, monkeypatch):
+    _no_load_anywhere(monkeypatch)
+    out = tmp_path / "b.kvcal.safetensors"
+    for flag, value in (("--target-ppl-ratio", "inf"), ("--target-top1", "-inf"), ("--key-percentile", "inf")):
+        run_case(Case(_calibrate(env, out, "--no-search", flag, value), [tmp_path],
+                      says=f"Invalid value for '{flag}': {value} is not a finite number"), monkeypatch)
+    run_case(Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]), "--margin",
+                   "nan", "--out", str(tmp_path / "fp8")], [tmp_path, env["bundle"]],
+                  says="'--margin': nan is not a finite number; pass a finite number such as 2"), monkeypatch)
+    return Case(_calibrate(env, out, "--no-search", "--target-z", "inf"), [tmp_path],
+                says="Invalid value for '--target-z': inf is not a finite number")
+
+
+def r2item9_negative_target_z(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--target-z", "-1"), [tmp_path],
+                says="`--target-z -1` must be a finite number >= 0")
+
+
+def _cpu_only_torch(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def r2item10_cuda_device_map_on_cpu_only_torch(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    _cpu_only_torch(monkeypatch)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--device-map", "cuda:3"),
+                [tmp_path], says="`--device-map cuda:3`: this torch has no CUDA device")
+
+
+def r2item10_device_map_nonsense(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--device-map", "nonsense"),
+                [tmp_path], says="`--device-map nonsense` is neither a placement (auto, ", not_says=("re-copy",))
+
+
+def r2item10_max_memory_lots(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    _cpu_only_torch(monkeypatch)
+    out = tmp_path / "b.kvcal.safetensors"
+    # a cap that accelerate would ignore (no placement), and a GPU this machine lacks
+    run_case(Case(_calibrate(env, out, "--no-search", "--max-memory", "cpu=2GiB"), [tmp_path],
+                  says="add `--device-map auto`"), monkeypatch)
+    run_case(Case(_calibrate(env, out, "--no-search", "--device-map", "auto", "--max-memory", "0=1GiB,cpu=2GiB"),
+                  [tmp_path], says="`--max-memory 0=1GiB,cpu=2GiB`: this torch has no CUDA device"), monkeypatch)
+    return Case(_calibrate(env, out, "--no-search", "--device-map", "auto", "--max-memory", "cpu=lots"), [tmp_path],
+                says="`--max-memory cpu=lots`: `lots` is not a size", not_says=("re-copy",))
+
+
+def r2item12_seq_len_names_the_maximum(env, tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    return Case(_calibrate(env, tmp_path / "b.kvcal.safetensors", "--no-search", "--seq-len", "100000"), [tmp_path],
+                says="`--seq-len 100000` is beyond the model's 512 positions (max_position_embeddings in its "
+                     "config.json); pass `--seq-len 512` or less")
+
+
 CASES = [f for name, f in sorted(globals().items()) if name.startswith("item")]
 
 
@@ -510,6 +885,21 @@ def test_bad_input(case, env, tmp_path, monkeypatch):
 def test_every_item_has_a_case():
     items = {int(f.__name__.split("_")[0].removeprefix("item")) for f in CASES}
     assert items == set(range(1, 19))
+
+
+ROUND2 = [f for name, f in sorted(globals().items()) if name.startswith("r2item")]
+
+
+@pytest.mark.parametrize("case", ROUND2, ids=[f.__name__ for f in ROUND2])
+def test_bad_input_round2(case, env, tmp_path, monkeypatch):
+    result = case(env, tmp_path, monkeypatch)
+    if result is not None:
+        run_case(result, monkeypatch)
+
+
+def test_every_round2_item_has_a_case():
+    items = {int(f.__name__.split("_")[0].removeprefix("r2item")) for f in ROUND2}
+    assert items == set(range(1, 13))
 
 
 # ---------------------------------------------------------------------------------------------- library-level

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from kvcal.cli import app
 from kvcal.export import (
+    EXPORT_LIST,
     atomic_dir,
     export_hf_lowrank_v,
     export_manifest,
@@ -242,12 +243,12 @@ def test_atomic_dir_refuses_replaces_and_cleans_up(tmp_path):
             pass
     with atomic_dir(out, overwrite=True) as tmp:
         (tmp / "b").write_text("2")
-    assert sorted(p.name for p in out.iterdir()) == ["b"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_LIST, "b"]     # the export lists what it wrote
     with pytest.raises(RuntimeError):
         with atomic_dir(out, overwrite=True) as tmp:
             (tmp / "c").write_text("half")
             raise RuntimeError("interrupted")
-    assert sorted(p.name for p in out.iterdir()) == ["b"]       # the old export survives a failed one
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_LIST, "b"]  # the old export survives a failed one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # and no temporary folder is left
 
 

@@ -196,11 +196,18 @@ def to_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write_offload_report(r: dict, out_dir: Path) -> dict[str, Path]:
+OUTPUTS = ("offload.json", "offload.md")
+
+
+def write_offload_report(r: dict, out_dir: Path, *, overwrite: bool = False) -> dict[str, Path]:
+    """offload.json and offload.md in `out_dir` (`write_file`: never through a link; replaced only with
+    `overwrite`)."""
     import json
 
+    from kvcal.runtime.files import write_file
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "offload.json", "md": out_dir / "offload.md"}
-    paths["json"].write_text(json.dumps(r, indent=2, default=str))
-    paths["md"].write_text(to_markdown(r))
+    paths = {"json": out_dir / OUTPUTS[0], "md": out_dir / OUTPUTS[1]}
+    write_file(paths["json"], json.dumps(r, indent=2, default=str), overwrite=overwrite)
+    write_file(paths["md"], to_markdown(r), overwrite=overwrite)
     return paths

@@ -10,7 +10,7 @@ import warnings
 import typer
 
 from kvcal.cli._errors import OneLineErrors
-from kvcal.cli._help import KvcalCommand
+from kvcal.cli._options import CheckedCommand
 
 app = typer.Typer(
     name="kvcal",
@@ -25,10 +25,10 @@ app = typer.Typer(
 def _register() -> None:
     from kvcal.cli import bench, calibrate, export, inspect
 
-    app.command("calibrate", cls=KvcalCommand)(calibrate.calibrate)
-    app.command("inspect", cls=KvcalCommand)(inspect.inspect)
-    app.command("bench", cls=KvcalCommand)(bench.bench)
-    app.command("export", cls=KvcalCommand)(export.export)
+    app.command("calibrate", cls=CheckedCommand)(calibrate.calibrate)
+    app.command("inspect", cls=CheckedCommand)(inspect.inspect)
+    app.command("bench", cls=CheckedCommand)(bench.bench)
+    app.command("export", cls=CheckedCommand)(export.export)
 
 
 _register()
@@ -50,12 +50,19 @@ def main() -> None:
     from rich.logging import RichHandler
 
     from kvcal.cli._console import stderr
+    from kvcal.cli._errors import plain
+
+    class PlainHandler(RichHandler):
+        """Warnings quote paths and metadata: shown as plain text (`plain`), never as escape sequences."""
+
+        def render_message(self, record, message):
+            return super().render_message(record, plain(message))
 
     offline_mode()
     # warnings go to stderr, through the progress bars' console: stdout carries only the result (`--json` must
     # parse), and a warning prints above a live bar instead of through it
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=stderr, show_path=False)])
+                        handlers=[PlainHandler(console=stderr, show_path=False, markup=True)])
     try:
         from transformers.utils import logging as hf_logging
 

@@ -20,7 +20,10 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def plain(text: str) -> str:
-    """`text` safe to print through rich: control characters shown as \\xNN, markup brackets escaped."""
+    """`text` safe to print through rich: control characters shown as \\xNN, markup brackets escaped.
+
+    The one helper for every string a user controls (paths, model names, bundle metadata, messages quoting them) that
+    the CLI prints with rich: put `plain(s)` into markup (a table cell, a title, `console.print`), never `s` itself."""
     return escape(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
 
 

@@ -6,7 +6,8 @@ click's (names, then the description, wrapped), with three differences: lines wr
 or inside a word), a bracketed note such as `[default: hf-lowrank-v]` stays on one line, and types read as words
 (`--seed INTEGER`, `--format [vllm-fp8|manifest|hf-lowrank-v]`; flags show no type).
 
-The commands get it through `cls=KvcalCommand`, the app through `cls=KvcalGroup`; parsing and errors are untouched.
+The commands get it through `cls=CheckedCommand` (kvcal.cli._options: a KvcalCommand that also checks numbers), the
+app through `cls=KvcalGroup`; parsing and errors are untouched here.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ that advice only ever names a bundle file (`*.kvcal.safetensors`)."""
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 from pathlib import Path
 
@@ -106,13 +107,27 @@ def similar_bundles(path: Path, n: int = 3) -> list[Path]:
 
 def missing_bundle(path: Path) -> str:
     """One-line error for a path that holds no bundle: similar existing bundles first, then how to make one."""
+    if path.is_dir():
+        return _folder_not_bundle(path)
     guesses = similar_bundles(path)
-    what = f"`{path}` is a folder, not a bundle" if path.is_dir() else f"no bundle at `{path}`"
+    what = f"no bundle at `{path}`"
     make = f"`{calibrate_command(path)}`"
     if guesses:
         listed = " or ".join(f"`{shown_path(p)}`" for p in guesses)
         return f"{what}; did you mean {listed}? (otherwise create one with {make})"
     return f"{what}; create one with {make}"
+
+
+def _folder_not_bundle(path: Path) -> str:
+    """A folder given where a bundle file goes (even one named `x.kvcal.safetensors`): the kvcal bundles inside it,
+    if any (other files there, such as a model's weights, are no suggestion), else how to write one into it."""
+    from kvcal.runtime.bundle import is_kvcal_bundle
+
+    inside = list(itertools.islice((p for p in _candidates(path) if is_kvcal_bundle(p)), 3))
+    what = f"`{path}` is a folder, not a bundle file"
+    if inside:
+        return f"{what}; pass a bundle inside it: {' or '.join(f'`{shown_path(p)}`' for p in inside)}"
+    return f"{what}, and holds no bundle; pass a bundle file, or write one into it with `{calibrate_command(path)}`"
 
 
 def calibrate_command(path: Path) -> str:

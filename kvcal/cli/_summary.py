@@ -9,6 +9,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from kvcal.cli._errors import plain
 from kvcal.profile.report import bytes_in_words, held_out_met, settings_in_words
 from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.config import CompressionConfig
@@ -98,7 +99,9 @@ def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
 
 def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
     """The end of `kvcal calibrate` (s: CalibrationResult.summary)."""
-    head = Text.assemble(("kvcal calibrate", "bold"), f": {s['model']} -> ", (s["bundle"], "bold"))
+    # the model's name and the bundle's path come from the command line and the model's folder: `plain`, as markup,
+    # like every other cell (a `[/b]` in a path is text, an escape sequence is shown as \x1b)
+    head = Text.from_markup(f"[bold]kvcal calibrate[/bold]: {plain(s['model'])} -> [bold]{plain(s['bundle'])}[/bold]")
     t = key_value_table()
     search = bundle.calibration.get("search")
     parts: list[RenderableType] = [head]
@@ -122,8 +125,8 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
     if s.get("resumed"):
         t.add_row("resumed", ", ".join(f"{k}: {v}" for k, v in s["resumed"].items()))
     if "report" in s:
-        t.add_row("report", f"{s['report']['md']} (and .json, .png next to it)")
-    t.add_row("next", f"kvcal inspect {s['bundle']}; kvcal bench --bundle {s['bundle']} --quick")
+        t.add_row("report", f"{plain(s['report']['md'])} (and .json, .png next to it)")
+    t.add_row("next", f"kvcal inspect {plain(s['bundle'])}; kvcal bench --bundle {plain(s['bundle'])} --quick")
     parts.append(t)
     if search and search.get("held_out"):
         parts.append(verdict(search["held_out"], search["target"]))

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcal.cli._console import stderr, stdout
+from kvcal.cli._errors import plain
 from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, ThreadsOpt, fail
 from kvcal.cli._suggest import resolve_bundle, shipped_bundle, shown_path
 from kvcal.cli._threads import use_threads
@@ -98,12 +99,14 @@ def bench(
     offload: Annotated[bool, typer.Option("--offload", help="Only the KVPR offloading section: modelled step time "
                                                             "at l = 0 / l* / full per layer, and a measured run "
                                                             "(writes OUT/offload.json and OUT/offload.md).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the reports of an earlier bench in --out "
+                                            "(a folder holding other files is refused).")] = False,
     threads: ThreadsOpt = "auto",
 ) -> None:
     """Compare kvcal with baselines on KV bytes, quality, passkey retrieval and CPU speed; write a report."""
     chosen_threads = use_threads(threads)
     if offload:
-        return _offload(model, bundle, out, quick, dtype, seed, contexts, json_out, quiet)
+        return _offload(model, bundle, out, quick, dtype, seed, contexts, json_out, quiet, overwrite)
     from kvcal.bench import BenchSettings, run_bench, write_report
     from kvcal.models import load_model
     from kvcal.runtime.bundle import BundleError, load_bundle
@@ -121,9 +124,9 @@ def bench(
 
         select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
         bundle = resolve_bundle(bundle)
+        out_dir = _check_out(out, model, overwrite, offload=False)
         b = load_bundle(bundle)
         lm = load_model(model, dtype=dtype)
-        out_dir = out or Path(f"bench-{lm.name}")
         bars = Progress(TextColumn("{task.description:<42}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("ETA"), TimeRemainingColumn(), console=stderr, disable=quiet, transient=False)
         task = bars.add_task("loading", total=None)
@@ -133,12 +136,12 @@ def bench(
 
         def status(msg: str) -> None:
             if not quiet:
-                bars.console.print(f"[dim]{msg}[/]", highlight=False)
+                bars.console.print(f"[dim]{plain(msg)}[/]", highlight=False)
 
         with bars:
             report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
         report["environment"]["threads"] = str(chosen_threads)        # why this many (torch_threads: how many)
-        paths = write_report(report, out_dir)
+        paths = write_report(report, out_dir, overwrite=overwrite)
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: nothing was written")
         raise typer.Exit(code=130) from None
@@ -149,11 +152,11 @@ def bench(
         return
     _print_table(report)
     s = report["summary"]
-    stdout.print(s["verdict"], highlight=False)
+    stdout.print(plain(s["verdict"]), highlight=False)
     if s["note"]:
-        stdout.print(f"[yellow]where kvcal loses:[/] {s['note']}", highlight=False)
+        stdout.print(f"[yellow]where kvcal loses:[/] {plain(s['note'])}", highlight=False)
     stdout.print(f"threads {report['environment']['threads']}", highlight=False)
-    stdout.print(f"report: {paths['md']} (JSON {paths['json'].name}, plots {paths['pareto_png'].name}, "
+    stdout.print(f"report: {plain(str(paths['md']))} (JSON {paths['json'].name}, plots {paths['pareto_png'].name}, "
                  f"{paths['decode_png'].name})", highlight=False)
 
 
@@ -167,34 +170,49 @@ def _needs_bundle(model: str) -> str:
     return f"`kvcal bench` needs `--bundle` (the model's bundle); create one with `kvcal calibrate --model {model}`"
 
 
+def _check_out(out: Path | None, model: str, overwrite: bool, *, offload: bool) -> Path:
+    """The report folder (default `./bench-<model>`), checked before the model loads (`check_report_folder`)."""
+    from kvcal.bench.offload import OUTPUTS as OFFLOAD_OUTPUTS
+    from kvcal.bench.report import output_paths
+    from kvcal.models import resolve_model
+    from kvcal.safe_paths import check_report_folder
+
+    out_dir = out or Path(f"bench-{resolve_model(model).name}")
+    bench = [p.name for p in output_paths(out_dir).values()]
+    names, known = (OFFLOAD_OUTPUTS, bench) if offload else (bench, OFFLOAD_OUTPUTS)
+    check_report_folder(out_dir, names, overwrite=overwrite, known=known)
+    return out_dir
+
+
 def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dtype: str, seed: int,
-             contexts: str | None, json_out: bool, quiet: bool) -> None:
+             contexts: str | None, json_out: bool, quiet: bool, overwrite: bool) -> None:
     """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled."""
     from kvcal.bench.offload import OffloadSettings, run_offload, to_markdown, write_offload_report
     from kvcal.models import load_model
     from kvcal.runtime.bundle import BundleError, load_bundle
 
-    status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{msg}[/]", highlight=False))
+    status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{plain(msg)}[/]", highlight=False))
     try:
         if bundle is not None:
             bundle = resolve_bundle(bundle)
+        out_dir = _check_out(out, model, overwrite, offload=True)
         b = load_bundle(bundle) if bundle is not None else None
         lm = load_model(model, dtype=dtype)
         settings = OffloadSettings.preset(quick, seed=seed, contexts=_ints(contexts, "contexts"))
         report = run_offload(lm, settings, bundle=b, status=status)
-        paths = write_offload_report(report, out or Path(f"bench-{lm.name}"))
+        paths = write_offload_report(report, out_dir, overwrite=overwrite)
     except (BundleError, ValueError, RuntimeError, OSError) as e:
         raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     if json_out:
         print(json.dumps(report, indent=2, default=str))
         return
-    print(to_markdown(report))
-    stdout.print(f"report: {paths['md']} (JSON {paths['json'].name})", highlight=False)
+    stdout.print(plain(to_markdown(report)), highlight=False, emoji=False, soft_wrap=True)   # it names the model
+    stdout.print(f"report: {plain(str(paths['md']))} (JSON {paths['json'].name})", highlight=False)
 
 
 def _print_table(r: dict) -> None:
     ctx = r["settings"]["speed"]["contexts"]
-    t = Table(title=f"kvcal bench: {r['model']['name']} ({r['wall_seconds']:.0f} s)")
+    t = Table(title=f"kvcal bench: {plain(r['model']['name'])} ({r['wall_seconds']:.0f} s)")
     t.add_column("method", no_wrap=True)
     for col in ("B/token", "of fp16", "KL", "top-1", "ppl ratio", "meets", "passkey"):
         t.add_column(col, justify="right")
@@ -216,4 +234,4 @@ def _print_table(r: dict) -> None:
     # piped output has no terminal width: do not squeeze the table into 80 columns
     (stdout if stdout.is_terminal else Console(width=200)).print(t)
     for s in r["skipped"]:
-        stdout.print(f"[dim]skipped {s['what']} at {s['length']}: {s['reason']}[/]", highlight=False)
+        stdout.print(f"[dim]skipped {s['what']} at {s['length']}: {plain(s['reason'])}[/]", highlight=False)

@@ -16,7 +16,17 @@ from typing import Annotated
 import typer
 
 from kvcal.cli._console import stderr, stdout
-from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, ThreadsOpt, fail, parse_max_memory
+from kvcal.cli._errors import plain
+from kvcal.cli._options import (
+    JsonOpt,
+    ModelOpt,
+    QuietOpt,
+    SeedOpt,
+    ThreadsOpt,
+    check_device_map,
+    fail,
+    parse_max_memory,
+)
 from kvcal.cli._progress import SearchBar, pass_bars
 from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
 from kvcal.cli._threads import use_threads
@@ -108,8 +118,9 @@ def calibrate(
         cfg = CalibrationConfig(model=model, out=out, seed=seed, random_tokens=random_tokens, text_tokens=text_tokens,
                                 seq_len=seq_len, max_position=max_position, dataset=dataset,
                                 removal_rate=removal_rate, qk_source=qk_source, qk_weighting=qk_weighting,
-                                v_source=v_source, dtype=dtype, device_map=device_map,
-                                max_memory=parse_max_memory(max_memory), search=search, target_top1=target_top1,
+                                v_source=v_source, dtype=dtype, device_map=check_device_map(device_map),
+                                max_memory=parse_max_memory(max_memory, device_map), search=search,
+                                target_top1=target_top1,
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
                                 context=context, search_chunk=search_chunk, accept_best=accept_best,
@@ -140,7 +151,7 @@ def calibrate(
 
         def status(msg: str) -> None:
             if not quiet:
-                stderr.print(f"[dim]{msg}[/]", highlight=False)
+                stderr.print(f"[dim]{plain(msg)}[/]", highlight=False)      # msg names the model: plain text
 
         try:
             result = run(cfg, progress=progress, status=status, search_progress=search_progress)

@@ -22,7 +22,7 @@ from kvcal.cli._options import BundleArg, JsonOpt, ThreadsOpt, fail
 from kvcal.cli._suggest import resolve_bundle
 from kvcal.cli._summary import key_value_table, print_plain
 from kvcal.cli._threads import use_threads
-from kvcal.export import DEFAULT_MARGIN
+from kvcal.export import DEFAULT_MARGIN, EXPORT_LIST
 
 
 class ExportFormat(StrEnum):
@@ -63,7 +63,8 @@ def export(
                                                "(weights hard-linked) that `vllm serve` loads as is.")] = False,
     dtype: Annotated[str, typer.Option(help="hf-lowrank-v: dtype to load and save the model in.", metavar="DTYPE")]
     = "bfloat16",
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out folder.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export at --out (a folder "
+                                            "holding other files is refused).")] = False,
     json_out: JsonOpt = False,
     threads: ThreadsOpt = "auto",
 ) -> None:
@@ -76,10 +77,13 @@ def export(
         if model is None and fmt is not ExportFormat.manifest:
             raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
         bundle = resolve_bundle(bundle)
+        from kvcal.runtime.files import check_folder
         from kvcal.safe_paths import check_out_folder
 
-        # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory
+        # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory,
+        # nor a folder of files that no earlier export listed as its own
         check_out_folder(out, inputs=[bundle, *_model_inputs(model)])
+        check_folder(out, overwrite=overwrite, listing=EXPORT_LIST)
         b = load_bundle(bundle)
         if fmt is ExportFormat.vllm_fp8:
             result = export_vllm_fp8(b, model, out, strategy=strategy.value, margin=margin, with_weights=with_weights,

@@ -11,7 +11,7 @@ import datetime as _dt
 import hashlib
 import json
 import logging
-import os
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -64,7 +64,7 @@ from kvcal.runtime.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.fastgen import token_classes
-from kvcal.runtime.files import remove_stale_temps
+from kvcal.runtime.files import remove_stale_temps, wait_for_test_barrier, write_file
 from kvcal.safe_paths import check_bundle_out
 
 logger = logging.getLogger(__name__)
@@ -134,15 +134,16 @@ class CalibrationConfig:
         if self.search and self.removal_rate > 0:
             raise ValueError(f"`--removal-rate {self.removal_rate}` fixes the ranks, but the search chooses them by "
                              "measured quality: add `--no-search` to use a fixed rate, or drop `--removal-rate`")
-        if self.random_tokens < self.seq_len or self.text_tokens < self.seq_len:
-            raise ValueError(f"`--random-tokens` and text tokens must be at least one window ({self.seq_len})")
         if self.context is not None and self.context < 2:
             raise ValueError(f"`--context {self.context}` must be at least 2")
         if self.search_dtype not in DTYPES:
             raise ValueError(f"`search_dtype={self.search_dtype}` is not one of {', '.join(DTYPES)}")
-        if not (0 < self.target_top1 <= 1 and self.target_ppl_ratio >= 1):
+        if not (0 < self.target_top1 <= 1 and 1 <= self.target_ppl_ratio < math.inf):     # NaN fails every test
             raise ValueError(f"quality target needs 0 < top-1 <= 1 and perplexity ratio >= 1 (got "
                              f"{self.target_top1}, {self.target_ppl_ratio})")
+        if not 0 <= self.target_z < math.inf:
+            raise ValueError(f"`--target-z {self.target_z:g}` must be a finite number >= 0 (standard errors; 0: as "
+                             f"measured), e.g. {QualityTarget.z:g}, the default")
 
 
 @dataclass
@@ -201,15 +202,14 @@ class Checkpoint:
 
     @classmethod
     def _write_manifest(cls, folder: Path, names: list[str]) -> None:
-        tmp = folder / f".{cls.MANIFEST}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"written_by": "kvcal calibrate", "files": sorted(set(names))}))
-        os.replace(tmp, folder / cls.MANIFEST)
+        write_file(folder / cls.MANIFEST, json.dumps({"written_by": "kvcal calibrate", "files": sorted(set(names))}),
+                   overwrite=True)
 
     def _record(self, name: str) -> None:
         """Create the folder if needed and list `name` in its manifest, before the file itself is written."""
         if not self.folder.is_dir():
             self.check_folder(self.folder)
-            self.folder.mkdir(parents=True)
+            self.folder.mkdir(parents=True, exist_ok=True)     # another run on the same `--out` may make it first
         names = self._written()
         if name not in names:
             self._write_manifest(self.folder, [*names, name])
@@ -237,12 +237,9 @@ class Checkpoint:
 
         path = self.folder / f"{name}.safetensors"
         self._record(path.name)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            save_file(collector.state_dict(), str(tmp), metadata={"key": self.key, "done": str(done)})
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        state = collector.state_dict()
+        write_file(path, lambda tmp: save_file(state, str(tmp), metadata={"key": self.key, "done": str(done)}),
+                   overwrite=True)
 
     def load_probes(self) -> dict:
         """Measurements of an interrupted run (settings key -> Fidelity as a dict)."""
@@ -259,9 +256,7 @@ class Checkpoint:
     def save_probes(self, memo: dict) -> None:
         path = self.folder / "search.json"
         self._record(path.name)
-        tmp = path.with_name(f".search.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": self.key, "probes": memo}))
-        os.replace(tmp, path)
+        write_file(path, json.dumps({"key": self.key, "probes": memo}), overwrite=True)
 
     def clear(self) -> None:
         """Delete the files this folder's manifest lists (and their temporary files), then the folder if empty."""
@@ -369,6 +364,9 @@ def _check_inputs(cfg: CalibrationConfig, lm: LoadedModel | None):
     fixes = {"calib": "lower `--text-tokens`", "search": "lower `--context`, `--search-windows` or "
              "`--search-steps`", "eval": "lower `--context`"}
     a = lm.adapter if lm is not None else adapter_for(read_config(source.folder))
+    if cfg.seq_len > a.max_positions and cfg.seq_len != CalibrationConfig.seq_len:   # the default is cut to fit
+        raise ValueError(f"`--seq-len {cfg.seq_len}` is beyond the model's {a.max_positions} positions "
+                         f"(max_position_embeddings in its config.json); pass `--seq-len {a.max_positions}` or less")
     P, _ = search_shape(cfg, a.max_positions) if cfg.search else (0, 0)
     needs = {"calib": cfg.text_tokens, "search": cfg.search_windows * (P + cfg.search_steps + 1),
              "eval": cfg.eval_windows * (P + (cfg.eval_steps or cfg.search_steps) + 1)}
@@ -380,6 +378,9 @@ def _check_inputs(cfg: CalibrationConfig, lm: LoadedModel | None):
                          f"pass at most {a.max_positions}")
     max_position = cfg.max_position or min(a.max_positions, 32768)
     seq_len = min(cfg.seq_len, max_position)
+    if cfg.random_tokens < seq_len or cfg.text_tokens < seq_len:      # here, as the window is known only now
+        raise ValueError(f"`--random-tokens` and `--text-tokens` must be at least one window ({seq_len} tokens); "
+                         "raise them or lower `--seq-len`")
     n_text = -(-cfg.text_tokens // seq_len)
     text_ids = token_windows(tokenizer, corpus, n_text, seq_len, cfg.seed, fix=fixes["calib"])
     if cfg.search:       # the search and the held-out check need their own splits: check them now too
@@ -503,14 +504,15 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
                              "decision": report["search"]["decision"], "seconds": report["search"]["seconds"]}
     bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
                                                              "search_seconds", "peak_rss_mib")}
-    save_bundle(bundle, out)
+    wait_for_test_barrier()
+    save_bundle(bundle, out, overwrite=cfg.overwrite)
     if report is not None:
         from kvcal.profile.report import write_report
 
         report.update(model=lm.name, bundle=str(out), created=bundle.created,
                       kvcal_version=_version(), command=cfg.command or "kvcal calibrate",
                       provenance={k: v for k, v in bundle.calibration.items() if k != "search"})
-        summary["report"] = {k: str(v) for k, v in write_report(out, report).items()}
+        summary["report"] = {k: str(v) for k, v in write_report(out, report, overwrite=cfg.overwrite).items()}
     checkpoint.clear()
     return CalibrationResult(bundle, out, summary)
 

@@ -104,14 +104,17 @@ def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
                                     ppl_ratio=held_out["ppl_ratio"], top1_windows=held_out.get("top1_windows")))
 
 
-def write_report(bundle_path: Path, report: dict) -> dict[str, Path]:
-    """Write the report next to the bundle; adds `held_out.met` (see `held_out_met`)."""
+def write_report(bundle_path: Path, report: dict, *, overwrite: bool = False) -> dict[str, Path]:
+    """Write the report next to the bundle (`write_file`: never through a link, an existing file replaced only with
+    `overwrite`); adds `held_out.met` (see `held_out_met`)."""
+    from kvcal.runtime.files import write_file
+
     paths = report_paths(bundle_path)
     if report.get("held_out"):
         report["held_out"]["met"] = held_out_met(report["held_out"], report["search"]["target"], at_bounds=True)
-    paths["json"].write_text(json.dumps(report, indent=2, default=str))
-    paths["md"].write_text(_markdown(report, paths["png"].name))
-    _plot(report, paths["png"])
+    write_file(paths["json"], json.dumps(report, indent=2, default=str), overwrite=overwrite)
+    write_file(paths["md"], _markdown(report, paths["png"].name), overwrite=overwrite)
+    write_file(paths["png"], lambda tmp: _plot(report, tmp), overwrite=overwrite)
     return paths
 
 
@@ -218,5 +221,5 @@ def _plot(r: dict, path: Path) -> None:
     # below the axes: inside, a legend hides the points near the target line, where the decision is made
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")       # `path` is a temporary name: the format is not in its suffix
     plt.close(fig)

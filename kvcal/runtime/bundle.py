@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kvcal.runtime.files import make_shareable, remove_stale_temps, safetensors_header
+from kvcal.runtime.files import safetensors_header, write_file
 from kvcal.runtime.version import __version__
 
 FORMAT = "kvcal-bundle"
@@ -231,9 +231,10 @@ def is_kvcal_bundle(path: str | os.PathLike) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def save_bundle(bundle: Bundle, path: str | Path) -> Path:
-    """Validate and write `bundle` to `path` atomically: a reader sees the old file or the whole new one, never a
-    partial one, and an interrupted write leaves nothing at `path`."""
+def save_bundle(bundle: Bundle, path: str | Path, *, overwrite: bool = True) -> Path:
+    """Validate and write `bundle` to `path` atomically (`kvcal.runtime.files.write_file`): a reader sees the old file
+    or the whole new one, and an interrupted write leaves nothing at `path`. Only a kvcal bundle is ever replaced,
+    and only with `overwrite`; without it, a bundle that appears at `path` meanwhile is kept (`FileExistsError`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -248,20 +249,9 @@ def save_bundle(bundle: Bundle, path: str | Path) -> Path:
     problems = _validate(tensors, meta)
     if problems:
         raise BundleError(f"refusing to write an invalid bundle: {_summarise(problems)}")
-    if path.is_dir() or (path.exists() and not is_kvcal_bundle(path)):
+    if not path.is_symlink() and (path.is_dir() or (path.exists() and not is_kvcal_bundle(path))):
         raise BundleError(f"`{path}` exists and is not a kvcal bundle; refusing to overwrite it (choose another path)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        make_shareable(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -274,6 +264,9 @@ def load_bundle(path: str | Path, *, fingerprint: str | None = None, weights_has
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise BundleError(f"`{path}` is a folder, not a bundle file; pass the bundle's file path (`kvcal calibrate "
+                          f"--out {path / 'model.kvcal.safetensors'}` writes one there)")
     if not path.is_file():
         raise BundleError(f"no bundle at `{path}`; create one with `kvcal calibrate --out {path}`")
     _check_container(path)

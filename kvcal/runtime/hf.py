@@ -10,7 +10,8 @@ for its layer; the `kvcal` attention function picks them up and runs the compres
 Any call without a pending kvcal layer (another cache, a sliding layer) runs transformers' SDPA attention unchanged,
 so a model with `kvcal` attention installed still works with `DynamicCache`. Token ids, which attention functions
 never see, reach the cache through a pre-hook on the model's decoder that hands each call's `input_ids` to the
-`KvcalCache` of that call (FastGen keeps them).
+`KvcalCache` of that call (FastGen keeps them). The same hook checks each call before any layer runs: the model is the
+one the cache was made for, the batch size is the cache's, no other thread is inside a call with it.
 
 Sliding-window layers (Gemma3) hold at most `sliding_window` tokens by design and run transformers' SDPA on their
 window. They keep transformers' own `DynamicSlidingWindowLayer`, uncompressed, unless the settings name a `sliding`
@@ -20,6 +21,9 @@ tiered layers are the global ones, where the cache grows with the context.
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from contextvars import ContextVar
 
 import torch
@@ -27,11 +31,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from kvcal.runtime.adapters import adapter_for, fingerprint, weights_hash
 from kvcal.runtime.bases import served_bases
+from kvcal.runtime.bundle import BundleMismatchError
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
 from kvcal.runtime.sliding import QuantizedSlidingLayer
 
 KVCAL_IMPL = "kvcal"
 _PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
+logger = logging.getLogger(__name__)
 
 
 def dense_bytes(*tensors: torch.Tensor) -> int:
@@ -48,12 +54,22 @@ def cache_argument(kwargs: dict):
 
 
 def _hand_token_ids(module, args, kwargs) -> None:
-    """Forward pre-hook on the decoder: a KvcalCache in this call gets the ids of the tokens the call adds (FastGen
-    classifies tokens by id; attention functions see only K/V). The ids go to the cache of this very call, so any
-    number of caches can take turns on one model."""
+    """Forward pre-hook on the decoder: a KvcalCache in this call checks the call (`KvcalCache._begin_call`) and gets
+    the ids of the tokens the call adds (FastGen classifies tokens by id; attention functions see only K/V). The ids
+    go to the cache of this very call, so any number of caches can take turns on one model."""
+    _PENDING.set(None)          # one left by a call that failed between a layer's update and its attention
     cache = cache_argument(kwargs)
     if isinstance(cache, KvcalCache):
-        cache.observe_tokens(kwargs.get("input_ids", args[0] if args else None))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache._begin_call(module, ids if ids is not None else kwargs.get("inputs_embeds"))
+        cache.observe_tokens(ids)
+
+
+def _end_call(module, args, kwargs, output) -> None:
+    """Forward hook on the decoder, run even when the call raised: the call's thread lets go of its KvcalCache."""
+    cache = cache_argument(kwargs)
+    if isinstance(cache, KvcalCache) and cache._thread == threading.get_ident():
+        cache._thread = None
 
 
 def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -95,6 +111,7 @@ def install(model) -> None:
     decoder = model.get_decoder()
     if not getattr(decoder, "_kvcal_ids_hook", False):
         decoder.register_forward_pre_hook(_hand_token_ids, with_kwargs=True)
+        decoder.register_forward_hook(_end_call, with_kwargs=True, always_call=True)
         decoder._kvcal_ids_hook = True
     if model.config._attn_implementation != KVCAL_IMPL:
         model.set_attn_implementation(KVCAL_IMPL)
@@ -129,11 +146,25 @@ class KvcalLayer(SeenLayer):
         self.owner, self.layer_idx = owner, layer_idx
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        info = self.owner.bundle.model
+        _, H, _, d = key_states.shape
+        if (H, d) != (info.num_kv_heads, info.head_dim):
+            raise BundleMismatchError(
+                f"this KvcalCache serves `{info.name}` ({info.num_kv_heads} KV heads of dimension {info.head_dim}) "
+                f"and a model with {H} of dimension {d} called it: make a cache for that model with "
+                f"`KvcalCache.from_bundle(bundle, model)`")
         self.owner._ensure_kv(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if _PENDING.get() is not None:
+            # the previous layer's keys never reached kvcal's attention: the model attended to the new tokens only
+            _PENDING.set(None)
+            raise BundleMismatchError(
+                "the model calling this KvcalCache does not run kvcal's attention, so it would attend to the new "
+                "tokens only: use the cache with the model given to `KvcalCache.from_bundle(bundle, model)`, which "
+                "installs that attention")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
@@ -147,7 +178,12 @@ class KvcalLayer(SeenLayer):
 
 
 class KvcalCache(Cache):
-    """A transformers `Cache` whose full-attention layers are compressed by kvcal."""
+    """A transformers `Cache` whose full-attention layers are compressed by kvcal.
+
+    A cache belongs to one model and one thread. It serves the model given to `from_bundle` (another model raises
+    `BundleMismatchError`) and holds one batch of sequences until `release()` (or `reset()`): a call with another
+    batch size raises, as does a call from a second thread while one is running. Threads that serve requests at the
+    same time need a cache each; a cache's whole batch goes through one `generate` call at a time."""
 
     def __init__(self, bundle, config, *, layer_types: list[str], sliding_window: int | None, tokenizer=None,
                  raw_tokens: int | None = None):
@@ -164,6 +200,11 @@ class KvcalCache(Cache):
             self.token_classes = token_classes(tokenizer)
         self.kv: CompressedKV | None = None
         self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV)
+        self._decoder: weakref.ref | None = None    # the decoder it serves (from_bundle); None: not checked
+        self.max_positions: int | None = None       # the model's max_position_embeddings: past it, warn once
+        self._warned_positions = False
+        self._thread: int | None = None             # the thread inside a forward call with this cache
+        self._shared = False                        # two threads' calls overlapped: refused until release()
         self.sliding = [t == "sliding_attention" for t in layer_types]
         layers = [self._sliding_layer(i, sliding_window) if s else KvcalLayer(self, i)
                   for i, s in enumerate(self.sliding)]
@@ -195,8 +236,40 @@ class KvcalCache(Cache):
         install(model)
         if config is None:
             config = CompressionConfig.from_dict(bundle.settings)
-        return cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
-                   tokenizer=tokenizer, raw_tokens=raw_tokens)
+        cache = cls(bundle, config, layer_types=list(adapter.layer_types), sliding_window=adapter.sliding_window,
+                    tokenizer=tokenizer, raw_tokens=raw_tokens)
+        # weak: a cache must not keep a model alive; a model that is gone is another model
+        cache._decoder = weakref.ref(model.get_decoder())
+        cache.max_positions = adapter.max_positions
+        return cache
+
+    def _begin_call(self, decoder, inputs: torch.Tensor | None) -> None:
+        """Checks a forward call before any layer changes (the decoder pre-hook; O(1), no device sync): the model is
+        the one this cache serves, no other thread is inside a call with it, the batch size is the cache's. Warns
+        once when the cache grows past the model's positions. inputs: input_ids [B, n] or inputs_embeds [B, n, D]."""
+        if self._decoder is not None and self._decoder() is not decoder:
+            raise BundleMismatchError(
+                f"this KvcalCache serves the model object given to `from_bundle` (`{self.bundle.model.name}`) and "
+                f"another model called it: make a cache for that model with `KvcalCache.from_bundle(bundle, model)`")
+        me = threading.get_ident()
+        if self._shared or self._thread not in (None, me):
+            self._shared = True         # the other thread's next call fails too: both hold mixed sequences
+            raise RuntimeError("two threads used this KvcalCache at once, which mixes their sequences: give each "
+                               "thread its own cache (`cache.release()` makes this one usable again)")
+        self._thread = me               # until the call ends (`_end_call`, which runs even when it raises)
+        if inputs is None:
+            return
+        rows = inputs.shape[0]
+        if self.kv is not None and rows != self.kv.batch:
+            raise ValueError(f"this KvcalCache holds a batch of {self.kv.batch} sequences and the call brings "
+                             f"{rows}: call `cache.release()` before a new batch, or make a new cache")
+        if self.max_positions is not None and not self._warned_positions:
+            n = self.get_seq_length() + inputs.shape[1]
+            if n > self.max_positions:
+                self._warned_positions = True
+                logger.warning("the KvcalCache now holds %d positions, past the model's %d "
+                               "(`max_position_embeddings`): its output beyond them is unreliable", n,
+                               self.max_positions)
 
     def prime(self, records: dict, token_ids: torch.Tensor | None = None) -> None:
         """Fill an empty cache with a recorded prefill instead of running it: `records` maps each layer to
@@ -292,6 +365,7 @@ class KvcalCache(Cache):
     def release(self) -> int:
         """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can
         serve a new batch as if it were new. Returns the number of pages freed."""
+        self._shared, self._thread = False, None
         if self.kv is None:
             return 0
         # tensors made under torch.inference_mode() (a common way to call generate) may only be updated in place
@@ -303,6 +377,10 @@ class KvcalCache(Cache):
             self.layers[i] = (self._sliding_layer(i, layer.sliding_window) if self.sliding[i]
                               else KvcalLayer(self, i))
         return freed
+
+    def reset(self) -> None:
+        """transformers' way to empty a cache: `release()` (the layers' own reset would keep the pages)."""
+        self.release()
 
     # --------------------------------------------------------------------------------------------- generate's edits
     # Beam search, batch selection and repetition re-index the page tables (pages become shared, copied on write);
