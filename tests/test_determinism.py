@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     search = sys.argv[5] == "search"
     calibrate(CalibrationConfig(model=sys.argv[2], out=sys.argv[4], random_tokens=512, text_tokens=512, seq_len=64,
                                 dataset=sys.argv[3], dtype="float32", search=search, context=160,
-                                search_windows=2, search_steps=32, search_chunk=8, eval_windows=1,
+                                search_windows=2, search_steps=32, eval_windows=1,
                                 accept_best=True))
 """)
 

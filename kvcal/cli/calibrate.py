@@ -91,8 +91,6 @@ def calibrate(
     = CalibrationConfig.search_prompt,
     search_steps: Annotated[int, typer.Option(help="Scored continuation tokens per search window.")]
     = CalibrationConfig.search_steps,
-    search_chunk: Annotated[int, typer.Option(help="Continuation tokens per forward pass of the search's batched "
-                                                   "probe (1: stepwise).")] = CalibrationConfig.search_chunk,
     key_percentile: Annotated[float, typer.Option(help="Static key tiers (K4sV4): per-channel key ranges keep this "
                                                   "percentile of calibration values in each tail.")]
     = CalibrationConfig.key_percentile,
@@ -123,7 +121,7 @@ def calibrate(
                                 target_top1=target_top1,
                                 target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
                                 search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
-                                context=context, search_chunk=search_chunk, accept_best=accept_best,
+                                context=context, accept_best=accept_best,
                                 max_probes=max_probes, max_checks=max_checks,
                                 key_percentile=key_percentile,
                                 command=" ".join(["kvcal", *sys.argv[1:]]))

@@ -101,7 +101,6 @@ class CalibrationConfig:
     search_dtype: str = "float32"       # model dtype while measuring: bf16 rounding would be charged to compression
     search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
                                         # enough that Algorithm 1's downgrades during decode are represented
-    search_chunk: int = 32              # continuation tokens per forward pass of the batched probe (1: stepwise)
     eval_windows: int = 4               # final, stepwise check of the chosen configuration on evaluation text
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_probes: int = 6                 # decode probes on search text that set the budget (a bisection)
@@ -127,7 +126,7 @@ class CalibrationConfig:
         if self.max_position is not None and self.max_position < 2:
             raise ValueError(f"`--max-position {self.max_position}` must be at least 2")
         tail_rows(1, self.key_percentile)                                       # its range check
-        for name in ("search_windows", "search_prompt", "search_steps", "search_chunk", "eval_windows", "eval_steps",
+        for name in ("search_windows", "search_prompt", "search_steps", "eval_windows", "eval_steps",
                      "max_checks", "max_probes", "key_range_windows"):  # search_prompt None: derived from the context
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"`--{name.replace('_', '-')} {getattr(self, name)}` must be at least 1")
@@ -476,7 +475,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     t_search = time.perf_counter()
     if cfg.search:
         search_key = key + json.dumps([cfg.search_windows, P, cfg.search_steps, cfg.window, cfg.search_dtype,
-                                       cfg.search_chunk])
+                                       "coded-probe"])
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
         report = choose_settings(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
         checkpoint.resumed.update(search_checkpoint.resumed)

@@ -3,9 +3,10 @@
 1. `record_costs` (kvcal.profile.quality_model): one forward and backward pass per search window gives the
    predicted loss of every catalogue format per (layer, KV head, K|V);
 2. `frontier` (kvcal.profile.allocate): the per-layer allocations that are cheapest for their predicted loss;
-3. `bisect` (kvcal.profile.budget): at most `max_probes` batched decode probes on the search windows find the
-   cheapest of them that meets the target at its bounds;
-4. `confirm`: one stepwise check on evaluation text, stepping back by the measured gap on a miss.
+3. `bisect` (kvcal.profile.budget): at most `max_probes` coded probes on the search windows (kvcal.profile.
+   coded_probe: the model over the K/V as the allocation codes them, without the runtime's per-token policy steps)
+   find the cheapest of them that meets the target at its bounds;
+4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss.
 
 The number of measurements is known before the first one (`planned_steps`), so the progress bar shows one ETA.
 Every measurement is checkpointed by its settings, so an interrupted run resumes without measuring again.
@@ -27,6 +28,7 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
 from kvcal.profile.budget import bisect, confirm, meets
+from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.quality import DecodeProbe, QualityTarget
 from kvcal.profile.quality_model import record_costs
 from kvcal.profile.ranks import ranks_of
@@ -53,11 +55,9 @@ def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, p
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
 
-def _record(lm, bundle, base, record: torch.Tensor, scored: int, step: Progress):
+def _record(lm, served, base, record: torch.Tensor, scored: int, step: Progress):
     """The quality model's table over the windows `record` [n, S], one window per progress step."""
     a, t = lm.adapter, time.perf_counter()
-    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
-                          bundle.extras.get("qk.smoothing"))
     costs = None
     for i in range(len(record)):
         step("record", f"recording window {i + 1}/{len(record)} ({record.shape[1]} tokens, forward and backward)",
@@ -87,7 +87,9 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     t = time.perf_counter()
     record = windows[:, -min(P + M + 1, RECORD_TOKENS):]
-    costs = _record(lm, bundle, base, record, M, step)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
+                          bundle.extras.get("qk.smoothing"))
+    costs = _record(lm, served, base, record, M, step)
     seconds["recording"] = time.perf_counter() - t
     t = time.perf_counter()
     hull = frontier(costs)
@@ -98,7 +100,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     memo = checkpoint.load_probes()
     rows: list[dict] = []
 
-    def measured(stage: str, probe: DecodeProbe, chunk: int) -> Callable[[int], dict]:
+    def measured(stage: str, run: Callable[[int], object]) -> Callable[[int], dict]:
         def measure(i: int) -> dict:
             config = to_config(base, costs, hull[i].bits)
             key = json.dumps([stage, config.to_dict()], sort_keys=True)
@@ -106,7 +108,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                  None)
             t0 = time.perf_counter()
             if key not in memo:
-                memo[key] = asdict(probe.measure(config, chunk=chunk))
+                memo[key] = asdict(run(i))
                 checkpoint.save_probes(memo)
                 release_memory()
             fid = memo[key]
@@ -121,9 +123,10 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     t = time.perf_counter()
     say(f"probes: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
-    probe = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer)
-    index, searched = bisect(len(hull), measured("probe", probe, cfg.search_chunk), target, cfg.max_probes)
-    del probe
+    probe = CodedProbe(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types), a.head_dim)
+    index, searched = bisect(len(hull), measured("probe", lambda i: probe.measure(costs, hull[i].bits)), target,
+                             cfg.max_probes)
+    probe = None                    # its recorded prompts and reference logits: hundreds of MB
     release_memory()
     seconds["probes"] = time.perf_counter() - t
 
@@ -131,8 +134,10 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                                  P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
     eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
-    index, checks = confirm(max(index, 0), searched, measured("confirm", eval_probe, 1), target, cfg.max_checks)
-    del eval_probe
+    index, checks = confirm(max(index, 0), searched,
+                            measured("confirm", lambda i: eval_probe.measure(to_config(base, costs, hull[i].bits))),
+                            target, cfg.max_checks)
+    eval_probe = None
     seconds["confirmation"] = time.perf_counter() - t
 
     chosen = to_config(base, costs, hull[index].bits)
@@ -143,7 +148,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     chosen_row = next(r for r in reversed(rows) if r["index"] == index and r["stage"] == "confirm")
     search_meta = {
         "target": asdict(target),
-        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "chunk": cfg.search_chunk,
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
                   "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
                   "record_tokens": int(record.shape[1])},
         "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,

@@ -150,7 +150,7 @@ def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases,
                 grads = torch.autograd.grad(loss, [t for layer in range(L) for t in keep.seen[layer][1:]])
             for layer in range(L):
                 query, key, value = (t.detach() for t in keep.seen[layer])
-                held = _held_mask(query, key, base, scored, sliding[layer])
+                held = held_mask(query, key, base, scored, sliding[layer])
                 tokens[layer] += held.double().mean(0).sum() / len(windows)
                 _add_layer(costs[layer], layer, (key, value), grads[2 * layer:2 * layer + 2], held, served, base,
                            sliding[layer], head_dim)
@@ -166,11 +166,11 @@ def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases,
 
 
 @torch.no_grad()
-def _held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, scored: int,
+def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, scored: int,
                sliding: bool) -> torch.Tensor:
     """query [1, Hq, S, d], key [1, H, S, d] -> bool [H, S]: the tokens a layer holds in the allocated format. A
     sliding layer: all. A paged one: those that leave the window before the last query, below the heavy-hitter
-    threshold (mean attention of the scored queries, over a KV head's query heads, under alpha_high / N)."""
+    threshold (mean over the scored queries of the max over a KV head's query heads, under alpha_high / N)."""
     H, S = key.shape[1], key.shape[2]
     if sliding:
         return torch.ones(H, S, dtype=torch.bool)
@@ -183,7 +183,8 @@ def _held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, 
         logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         causal = torch.arange(S)[None, :] > torch.arange(start, S)[:, None]
         attention = logits.masked_fill(causal, float("-inf")).softmax(-1)
-        significance = attention.mean(1).view(H, -1, S).mean(1)                       # [H, S]
+        # the runtime's rule (kvcal.runtime.diffkv): per query the max over the KV head's query heads
+        significance = attention.view(H, -1, *attention.shape[1:]).amax(1).mean(1)     # [H, S]
         held &= significance < base.tiering.alpha_high / S
     return held
 

@@ -134,11 +134,13 @@ def _markdown(r: dict, png: str) -> str:
         f"Command: `{r['command']}`.",
         "",
         f"Quality target: top-1 agreement >= {t['top1']} and continuation-perplexity ratio <= {t['ppl_ratio']} vs "
-        f"dense, measured by the runtime on {s['probe']['windows']} held-out calibration windows of "
+        f"dense, on {s['probe']['windows']} held-out calibration windows of "
         f"{s['probe']['prompt']} prompt tokens + {s['probe']['steps']} teacher-forced steps "
-        f"({s['probe']['windows'] * s['probe']['steps']} predictions per point). Bytes are KV bytes held in the page "
-        "arena at the end of a window (metadata and page fragmentation included) over an fp16 dense cache of the "
-        "same tokens.",
+        f"({s['probe']['windows'] * s['probe']['steps']} predictions per point). Checks on evaluation text are the "
+        "runtime's own stepwise decode, and their bytes are KV bytes held in the page arena at the end of a window "
+        "(metadata and page fragmentation included) over an fp16 dense cache of the same tokens; budget probes on "
+        "search text run the model over the K/V as the allocation codes them, and their bytes are modelled "
+        "(codes and scales, no page slack).",
         "",
         "## Chosen configuration",
         "",
@@ -164,9 +166,9 @@ def _markdown(r: dict, png: str) -> str:
               f"One forward and backward pass per search window ({s['probe']['record_tokens']} tokens) predicted the "
               f"loss of every format per layer, keys and values apart; the {len(q['hull'])} allocations on the "
               f"bytes-loss frontier run from {q['hull'][0]['held_bytes'] / 1e6:.2f} to "
-              f"{q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the recorded context. Decode probes bisected that "
-              "frontier for the cheapest point meeting the target at its bounds; checks on evaluation text confirmed "
-              "it (docs/calibration.md). Seconds: "
+              f"{q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the recorded context. Coded probes bisected that "
+              "frontier for the cheapest point meeting the target at its bounds; the runtime's stepwise decode on "
+              "evaluation text confirmed it (docs/calibration.md). Seconds: "
               + ", ".join(f"{k} {v:g}" for k, v in s["seconds"].items()) + ".", ""]
     lines += ["", f"![quality vs bytes]({png})", "", "## Every measurement, in order", "",
               "| measured | hull point | predicted loss | bytes / fp16 | compression | top-1 | ppl ratio | KL | "

@@ -1,0 +1,79 @@
+"""The coded probe (kvcal.profile.coded_probe): exact where nothing is coded, and it orders allocations as the
+runtime's own stepwise decode measures them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_bundle, random_text
+
+from kvcal.models import adapter_for
+from kvcal.profile.allocate import base_settings, to_config
+from kvcal.profile.coded_probe import CodedProbe
+from kvcal.profile.quality import DecodeProbe
+from kvcal.profile.quality_model import BITS, record_costs, spearman
+from kvcal.profile.ranks import ranks_of
+from kvcal.runtime.bases import served_bases
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _setup(family: str = "llama", L: int = 4, window: int = 8, **model_kwargs):
+    model, tok = make_model(family, num_hidden_layers=L, **model_kwargs)
+    a = adapter_for(model.config)
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161].repeat(2, 1)
+    ids[1] = ids[1].roll(17)                                  # two windows that differ
+    base = base_settings(a.layer_types).with_tiering(window=window)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
+    costs = record_costs(model, ids[:1], 48, served, base, a.layer_types, a.head_dim)
+    probe = CodedProbe(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
+    return model, tok, bundle, ids, base, costs, probe
+
+
+def test_nothing_coded_is_the_dense_model():
+    """A window longer than the whole sequence holds nothing coded: the probe's attention must then be the model's
+    own, so every prediction agrees with the dense reference (float order only: KL below 1e-6)."""
+    model, tok, bundle, ids, base, costs, _ = _setup(window=8)
+    a = adapter_for(model.config)
+    wide = base.with_tiering(window=10_000)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, wide), wide, None)
+    probe = CodedProbe(model, ids[:, :112], ids[:, 112:], served, wide, list(a.layer_types), a.head_dim)
+    fid = probe.measure(costs, torch.full((4, 2), 2))
+    assert fid.top1 == 1.0 and fid.kl < 1e-6 and abs(fid.ppl_ratio - 1) < 1e-5, fid
+
+
+def test_fewer_bits_cost_more_and_bytes_fall():
+    model, tok, bundle, ids, base, costs, probe = _setup()
+    fids = [probe.measure(costs, torch.full((4, 2), b)) for b in BITS]
+    kls = [f.kl for f in fids]
+    ratios = [f.memory["ratio_to_fp16"] for f in fids]
+    assert kls[0] < kls[1] < kls[2], kls
+    assert 1.0 > ratios[0] > ratios[1] > ratios[2] > 0, ratios
+    assert fids[0].predictions == 2 * 48
+
+
+def test_the_coded_probe_orders_allocations_as_the_runtime_measures_them():
+    """Allocations from all 8-bit to all 2-bit, measured by the coded probe and stepwise by the runtime's decode
+    probe on the same windows: their KLs rank alike. A probe that codes the wrong tokens, sides or layers (or none)
+    breaks the order, and this fails."""
+    model, tok, bundle, ids, base, costs, probe = _setup()
+    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
+    g = torch.Generator().manual_seed(0)
+    allocations = [torch.full((4, 2), b) for b in BITS]
+    allocations += [torch.tensor(BITS)[torch.randint(3, (4, 2), generator=g)] for _ in range(7)]
+    coded = [probe.measure(costs, b).kl for b in allocations]
+    served = [runtime.measure(to_config(base, costs, b)).kl for b in allocations]
+    assert spearman(coded, served) >= 0.8, list(zip(coded, served))
+
+
+def test_sliding_layers_are_coded_too():
+    """Gemma3's sliding-window layers hold every token in their format: 2 bits there must cost more than 8."""
+    model, tok, bundle, ids, base, costs, probe = _setup("gemma3_text", L=4, sliding_window=32,
+                                                     layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    sliding = [i for i, s in enumerate(probe.sliding) if s]
+    assert sliding
+    wide = torch.full((4, 2), 8)
+    narrow = wide.clone()
+    narrow[sliding] = 2
+    assert probe.measure(costs, narrow).kl > probe.measure(costs, wide).kl
