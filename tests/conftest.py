@@ -147,3 +147,20 @@ def decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     for t in range(prompt, ids.shape[1]):
         logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
     return torch.stack(logits, dim=1)
+
+
+def read_only_folder(folder, monkeypatch) -> None:
+    """Make `folder` read-only; as root (who writes anyway) refuse new files there as a read-only mount would."""
+    import errno
+    from pathlib import Path
+
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.open
+
+        def read_only(path, *a, **k):
+            if Path(path).parent == folder:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(os, "open", read_only)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, random_bundle, random_text, save_model
+from conftest import make_model, random_bundle, random_text, read_only_folder, save_model
 from typer.testing import CliRunner
 
 from kvcal.cli import app
@@ -514,22 +514,6 @@ def _no_load_anywhere(monkeypatch):
     monkeypatch.setattr(kvcal.models, "load_model", refuse)
 
 
-def _read_only(folder: Path, monkeypatch) -> None:
-    """Make `folder` read-only; as root (who writes anyway) refuse new files there as a read-only mount would."""
-    import errno
-
-    folder.chmod(0o555)
-    if os.geteuid() == 0:
-        real = os.open
-
-        def read_only(path, *a, **k):
-            if Path(path).parent == folder:
-                raise PermissionError(errno.EACCES, "Permission denied")
-            return real(path, *a, **k)
-
-        monkeypatch.setattr(os, "open", read_only)
-
-
 def _calibrate(env, out, *extra):
     return ["calibrate", "--model", str(env["model"]), "--out", str(out), "--dataset", str(env["data"]), *SMALL, *extra]
 
@@ -698,7 +682,7 @@ def r2item12_read_only_folder_calibrate(env, tmp_path, monkeypatch):
     no_model_load(monkeypatch)
     ro = tmp_path / "ro"
     ro.mkdir()
-    _read_only(ro, monkeypatch)
+    read_only_folder(ro, monkeypatch)
     return Case(_calibrate(env, ro / "b.kvcal.safetensors", "--no-search"), [tmp_path],
                 says=f"cannot write in `{ro}` (Permission denied)")
 
@@ -707,7 +691,7 @@ def r2item12_read_only_folder_bench_and_export(env, tmp_path, monkeypatch):
     _no_load_anywhere(monkeypatch)
     ro = tmp_path / "ro"
     ro.mkdir()
-    _read_only(ro, monkeypatch)
+    read_only_folder(ro, monkeypatch)
     run_case(Case(_bench(env, ro / "bench"), [tmp_path, env["bundle"]], says=f"cannot write in `{ro}`"), monkeypatch)
     return Case(["export", str(env["bundle"]), "--format", "vllm-fp8", "--model", str(env["model"]), "--out",
                  str(ro / "fp8")], [tmp_path, env["bundle"]], says=f"cannot write in `{ro}`")
@@ -872,7 +856,8 @@ def r2item12_seq_len_names_the_maximum(env, tmp_path, monkeypatch):
                      "config.json); pass `--seq-len 512` or less")
 
 
-CASES = [f for name, f in sorted(globals().items()) if name.startswith("item")]
+ROUNDS = {"item": range(1, 19), "r2item": range(1, 13)}       # issue 15's items, then issue 34's
+CASES = [f for name, f in sorted(globals().items()) if name.split("_")[0].rstrip("0123456789") in ROUNDS]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f.__name__ for f in CASES])
@@ -882,24 +867,11 @@ def test_bad_input(case, env, tmp_path, monkeypatch):
         run_case(result, monkeypatch)
 
 
-def test_every_item_has_a_case():
-    items = {int(f.__name__.split("_")[0].removeprefix("item")) for f in CASES}
-    assert items == set(range(1, 19))
-
-
-ROUND2 = [f for name, f in sorted(globals().items()) if name.startswith("r2item")]
-
-
-@pytest.mark.parametrize("case", ROUND2, ids=[f.__name__ for f in ROUND2])
-def test_bad_input_round2(case, env, tmp_path, monkeypatch):
-    result = case(env, tmp_path, monkeypatch)
-    if result is not None:
-        run_case(result, monkeypatch)
-
-
-def test_every_round2_item_has_a_case():
-    items = {int(f.__name__.split("_")[0].removeprefix("r2item")) for f in ROUND2}
-    assert items == set(range(1, 13))
+@pytest.mark.parametrize("prefix", ROUNDS)
+def test_every_item_has_a_case(prefix):
+    heads = [f.__name__.split("_")[0] for f in CASES]
+    items = {int(h.removeprefix(prefix)) for h in heads if h.rstrip("0123456789") == prefix}
+    assert items == set(ROUNDS[prefix])
 
 
 # ---------------------------------------------------------------------------------------------- library-level

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import read_only_folder
 
 from kvcal.runtime.files import UnsafePathError, check_writable, write_file, write_folder
 
@@ -130,17 +131,8 @@ def test_check_writable_refuses_a_read_only_folder(tmp_path, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
     check_writable(ro / "not" / "yet")                    # tried where it will be made
-    ro.chmod(0o555)
     try:
-        if os.geteuid() == 0:                             # root writes anywhere: refuse as a read-only mount would
-            real = os.open
-
-            def read_only(path, *a, **k):
-                if Path(path).parent == ro:
-                    raise PermissionError(errno.EACCES, "Permission denied")
-                return real(path, *a, **k)
-
-            monkeypatch.setattr(os, "open", read_only)
+        read_only_folder(ro, monkeypatch)
         with pytest.raises(UnsafePathError, match=f"cannot write in `{ro}` \\(Permission denied\\)"):
             check_writable(ro / "sub")
     finally:
