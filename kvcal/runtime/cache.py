@@ -96,7 +96,7 @@ class CompressedKV:
                                      key_ranges=key_ranges, low_tracked=config.low_tracked)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs (see write_prefill)
+        self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs instead of storing them
         self.token_classes = token_classes
         self.policies: list[CachePolicy] = cache_policies(self)   # token policies, run in this order
         self.raw: dict[int, RawLayer] = {}                        # layers in the raw phase
@@ -267,7 +267,10 @@ class CompressedKV:
         out, score = self.backend.prefill(attention.query, attention.keys, value.float(), mask, scale)
         statistics = {p.name: p.prompt_statistics(attention, real, score) for p in self.policies}
         if self.recorder is not None:
+            # a recording cache exists to hand its prefill to the caches primed from it (`write_prefill`); writing
+            # the prompt into its own pages as well would hold every layer's K/V twice, for nothing
             self.recorder[layer] = (key.float(), value.float(), score, real, statistics)
+            return out
         self.write_prompt(layer, key, value, score, real, statistics)
         return out
 

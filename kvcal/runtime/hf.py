@@ -199,7 +199,8 @@ class KvcalCache(Cache):
 
             self.token_classes = token_classes(tokenizer)
         self.kv: CompressedKV | None = None
-        self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV)
+        self.record = False      # True: keep each layer's prefill inputs in kv.recorder (see CompressedKV), and
+        #                          store nothing: a recording cache is released after its prefill, never decoded
         self._decoder: weakref.ref | None = None    # the decoder it serves (from_bundle); None: not checked
         self.max_positions: int | None = None       # the model's max_position_embeddings: past it, warn once
         self._warned_positions = False
