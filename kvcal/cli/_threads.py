@@ -13,6 +13,7 @@ environment is respected when `--threads` is left at `auto`.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -71,15 +72,13 @@ def busy_cores(window: float = 0.2) -> float | None:
 
 
 CORES_AT_START = usable_cores()
-_BUSY: list[float | None] = []     # measured once per process, at the first command that asks
 
 
+@functools.cache
 def busy_at_start() -> float | None:
-    """The busy cores (else the load average) when the first command of this process started."""
-    if not _BUSY:
-        busy = busy_cores()
-        _BUSY.append(load_average() if busy is None else busy)
-    return _BUSY[0]
+    """The busy cores (else the load average) when the first command of this process started: measured once."""
+    busy = busy_cores()
+    return load_average() if busy is None else busy
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     memo = checkpoint.load_probes()
     rows: list[dict] = []
 
-    def measured(stage: str, run: Callable[[int], object]) -> Callable[[int], dict]:
+    def measured(stage: str, run: Callable[[int, object], object]) -> Callable[[int], dict]:
         def measure(i: int) -> dict:
             config = to_config(base, costs, hull[i].bits)
             key = json.dumps([stage, config.to_dict()], sort_keys=True)
@@ -108,7 +108,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                  None)
             t0 = time.perf_counter()
             if key not in memo:
-                memo[key] = asdict(run(i))
+                memo[key] = asdict(run(i, config))
                 checkpoint.save_probes(memo)
                 release_memory()
             fid = memo[key]
@@ -124,7 +124,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     t = time.perf_counter()
     say(f"probes: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
     probe = CodedProbe(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types), a.head_dim)
-    index, searched = bisect(len(hull), measured("probe", lambda i: probe.measure(costs, hull[i].bits)), target,
+    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i].bits)), target,
                              cfg.max_probes)
     probe = None                    # its recorded prompts and reference logits: hundreds of MB
     release_memory()
@@ -135,7 +135,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                                  P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
     eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
     index, checks = confirm(max(index, 0), searched,
-                            measured("confirm", lambda i: eval_probe.measure(to_config(base, costs, hull[i].bits))),
+                            measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks)
     eval_probe = None
     seconds["confirmation"] = time.perf_counter() - t

@@ -28,7 +28,7 @@ from contextvars import ContextVar
 
 import torch
 
-from kvcal.profile.quality import LogitScores
+from kvcal.profile.quality import LogitScores, dense_cache
 from kvcal.profile.quality_model import BITS, FormatCosts, coded_keys, coded_values, held_mask, layer_format
 from kvcal.runtime.bases import ServedBases
 from kvcal.runtime.config import CompressionConfig
@@ -62,9 +62,9 @@ class _Coding:
     def __init__(self, probe: CodedProbe, bits: torch.Tensor):
         self.probe, self.bits = probe, bits
 
-    def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, window: int):
+    def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, held: torch.Tensor):
         """key, value [B, H, S, d] (what the layer's cache shows this forward) -> the same coded as layer `layer`'s
-        format holds them, every token that is held by the last query (the caller masks which query sees which);
+        format holds them, every token in `held` [B, H, S] (`held_tokens`; the caller masks which query sees which);
         keys per channel over pages of held tokens in position order, as the low tier fills its pages."""
         p, sliding = self.probe, self.probe.sliding[layer]
         fmt = layer_format(p.base, sliding, int(self.bits[layer, 0]), int(self.bits[layer, 1]))
@@ -73,7 +73,6 @@ class _Coding:
         B, H, S, d = key.shape
         page = PageLayout.build(fmt, d, d, p.base.page_size(d), p.base.low_tracked and not sliding).tokens
         k_out, v_out = key.float().clone(), value.float().clone()
-        held = self.held_tokens(layer, B, H, S, window)                              # [B, H, S]
         for b in range(B):
             for h in range(H):
                 sel = held[b, h]
@@ -107,10 +106,10 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     H, S = key.shape[1], key.shape[2]
     sliding = state.probe.sliding[layer]
     window = 1 if sliding else state.probe.base.tiering.window
-    kc, vc = state.coded_kv(layer, key, value, window)
+    held = state.held_tokens(layer, B, H, S, window)                                      # [B, H, S]
+    kc, vc = state.coded_kv(layer, key, value, held)
     g = Hq // H
     q = query.float().view(B, H, g, n, d)
-    held = state.held_tokens(layer, B, H, S, window)                                      # [B, H, S]
     # keys before `cut` are out of the window for every query: one mixed copy serves them all; only the band after
     # it (window + n keys) needs a choice per query
     cut = min(max(S - n - window + 1, 0), S)
@@ -156,26 +155,14 @@ class CodedProbe:
         self.sliding = [t == "sliding_attention" for t in layer_types]
         cache = DynamicCache(config=model.config)
         model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        self.records = [(layer.keys, layer.values, getattr(layer, "cumulative_length", None))
-                        for layer in cache.layers]
+        self.records = {i: (layer.keys, layer.values, getattr(layer, "cumulative_length", None))
+                        for i, layer in enumerate(cache.layers)}
         M = continuation.shape[1] - 1
         keep = _Held(base, self.sliding)
         with capturing(model, keep):                     # the dense reference and the held tokens, in one pass
             self.ref = model(input_ids=continuation[:, :M], cache=cache, use_cache=True).logits.float()
         self.held = keep.held
         del cache
-
-    def _cache(self):
-        """A fresh DynamicCache holding the recorded prompt."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicSlidingWindowLayer
-
-        cache = DynamicCache(config=self.model.config)
-        for layer, (keys, values, seen) in zip(cache.layers, self.records, strict=True):
-            layer.update(keys, values)
-            if isinstance(layer, DynamicSlidingWindowLayer) and seen is not None:
-                layer.cumulative_length = seen
-        return cache
 
     def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
@@ -212,7 +199,7 @@ class CodedProbe:
             raise ValueError(f"bits must be entries of {BITS}")
         _register()
         previous = self.model.config._attn_implementation
-        cache, target = self._cache(), self.continuation[:, 1:]
+        cache, target = dense_cache(self.model, self.records), self.continuation[:, 1:]
         M = target.shape[1]
         t0 = time.perf_counter()
         token = _STATE.set(_Coding(self, bits))

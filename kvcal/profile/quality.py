@@ -94,24 +94,31 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-@torch.inference_mode()
-def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """Dense logits [B, M, vocab] (float32) of continuation[:, :M] (continuation [B, M + 1]) after a recorded prompt:
-    a transformers `DynamicCache` filled with the prompt's exact K/V from `records` (`DecodeProbe`'s, taken from the
-    recording prefill), then `chunk` tokens per forward pass. Equal to one dense forward over prompt + continuation
-    up to float rounding, at the cost of the continuation alone: the prompt is not run a second time."""
+def dense_cache(model, records: dict):
+    """A transformers `DynamicCache` holding a recorded prompt: `records` maps each layer to its K/V [B, H, n, d]
+    (and more, ignored) or, for a sliding layer, (its kept window's keys, values, the number of tokens it has seen)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=model.config)
     dtype = next(model.parameters()).dtype
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):    # records: its kept window and the tokens it has seen
+        if isinstance(layer, DynamicSlidingWindowLayer):
             keys, values, seen = records[i]
             layer.update(keys, values)
             layer.cumulative_length = seen
-        else:                                               # records: the whole prompt's K/V (and more)
+        else:
             layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
+    return cache
+
+
+@torch.inference_mode()
+def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Dense logits [B, M, vocab] (float32) of continuation[:, :M] (continuation [B, M + 1]) after a recorded prompt:
+    a transformers `DynamicCache` filled with the prompt's exact K/V from `records` (`DecodeProbe`'s, taken from the
+    recording prefill), then `chunk` tokens per forward pass. Equal to one dense forward over prompt + continuation
+    up to float rounding, at the cost of the continuation alone: the prompt is not run a second time."""
+    cache = dense_cache(model, records)
     M = continuation.shape[1] - 1
     logits = [model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits
               .float() for t in range(0, M, chunk)]
