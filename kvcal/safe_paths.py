@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvcal.runtime.bundle import is_kvcal_bundle
-from kvcal.runtime.files import check_writable, refuse_link
+from kvcal.runtime.files import check_writable, refuse_link, temp_target
 
 
 def _resolved(path: str | os.PathLike) -> Path:
@@ -86,7 +86,7 @@ def check_report_folder(out: str | os.PathLike, names: Iterable[str], *, overwri
         raise ValueError(f"`--out {out}` is a file; pass a folder for the reports (a new one, or an earlier report "
                          "folder with `--overwrite`)")
     if out.is_dir():
-        theirs = sorted(p.name for p in out.iterdir() if p.name not in ours and not _temp_of(p.name, ours))
+        theirs = sorted(p.name for p in out.iterdir() if not _written_by_us(p.name, ours))
         if theirs:
             raise ValueError(f"`--out {out}` holds files kvcal did not write (`{theirs[0]}`"
                              f"{f' and {len(theirs) - 1} more' if len(theirs) > 1 else ''}); choose a new folder")
@@ -99,10 +99,10 @@ def check_report_folder(out: str | os.PathLike, names: Iterable[str], *, overwri
     check_writable(out)
 
 
-def _temp_of(name: str, names: set[str]) -> bool:
-    """`name` is the temporary file of a writer of one of `names` (`.NAME.tmp-PID`, removed once its writer is gone)."""
-    stem, sep, pid = name.rpartition(".tmp-")
-    return bool(sep) and pid.isdigit() and stem.startswith(".") and stem[1:] in names
+def _written_by_us(name: str, ours: set[str]) -> bool:
+    """`name` is one of `ours`, or the temporary file of a writer of one (`.NAME.tmp-PID`)."""
+    target = temp_target(name)
+    return name in ours or (target is not None and target[0] in ours)
 
 
 def check_out_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = ()) -> None:

@@ -35,6 +35,12 @@ logger = logging.getLogger(__name__)
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
 
+def temp_target(name: str) -> tuple[str, int] | None:
+    """(NAME, PID) when `name` is a writer's temporary file `.NAME.tmp-PID`, else None."""
+    m = _TMP.match(name)
+    return None if m is None else (m["name"], int(m["pid"]))
+
+
 def safetensors_header(path: str | os.PathLike) -> tuple[int, dict] | None:
     """(header length n, JSON header) of a safetensors file (8-byte little-endian n, then a JSON object; the tensor
     data starts at byte 8 + n), read without the tensors; None when `path` cannot be read or its header is not one
@@ -82,8 +88,8 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
         return []
     removed = []
     for p in folder.glob(f".{path.name}.tmp-*"):
-        m = _TMP.match(p.name)
-        if m is None or m["name"] != path.name or _pid_alive(int(m["pid"])):
+        target = temp_target(p.name)
+        if target is None or target[0] != path.name or _pid_alive(target[1]):
             continue
         try:
             if p.is_dir() and not p.is_symlink():
