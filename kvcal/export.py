@@ -355,14 +355,15 @@ _ENCODING = {
 
 
 def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *, model=None,
-                    overwrite: bool = False) -> ExportResult:
+                    overwrite: bool = False, page_bytes: int | None = None) -> ExportResult:
     """Write `manifest.json` (model, tiers, per (layer, KV head, tier) page layout: every segment's byte offset) and
     `kvcal_bases.safetensors` (`qk.rotation`, `v.basis` [L, H, d, d] float32; `qk.rank`, `v.rank` [L, H] int32), both
-    as the runtime applies them under `config` (default: the bundle's settings). With `model`, the bundle is checked
-    against it first."""
-    from kvcal.runtime.bases import served_bases
+    as the runtime applies them under `config` (default: the bundle's settings) and `page_bytes` (the page size a
+    runtime serving with `ServeOptions(page_bytes=...)` uses; None: from the settings). With `model`, the bundle is
+    checked against it first."""
     from kvcal.runtime.config import CompressionConfig
-    from kvcal.runtime.layout import ALIGN, PageLayout
+    from kvcal.runtime.storage.bases import served_bases
+    from kvcal.runtime.storage.layout import ALIGN, PageLayout
 
     bundle = _bundle(bundle)
     target = _target(model, need_weights=False) if model is not None else None
@@ -384,7 +385,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     # what the runtime applies (ranks, rotation, and the fixed mixing inside the kept subspace), not the raw bundle
     rank_k, rank_v, rotation, basis, _ = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank,
                                                       bundle.v_rank, cfg)
-    page_bytes = cfg.page_size(d)
+    page_bytes = cfg.page_size(d, page_bytes)
     layers = []
     for layer in range(L):
         compressed = bundle.model.layer_types[layer] != "sliding_attention"   # sliding layers stay dense

@@ -98,7 +98,7 @@ def text_file(tmp_path_factory):
 def nvrtc_cache(tmp_path_factory):
     """One NVRTC build-cache folder for every CUDA test, so NVRTC unpacks its bundled headers (26 MB) once; the test
     skips where NVRTC is missing."""
-    from kvcal.runtime.cuda import nvrtc_version
+    from kvcal.runtime.backends.cuda import nvrtc_version
 
     try:
         nvrtc_version()

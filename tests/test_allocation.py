@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import make_model, random_bundle, random_text
 
+from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
 from kvcal.profile.allocate import allocate, at_price, base_settings, frontier, to_config
-from kvcal.profile.quality import DecodeProbe
 from kvcal.profile.quality_model import BITS, FormatCosts, record_costs, spearman
 from kvcal.profile.ranks import ranks_of
-from kvcal.runtime.bases import served_bases
+from kvcal.runtime.storage.bases import served_bases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,8 +98,8 @@ def _fid(top1: float, n: int = 1000) -> dict:
 
 def test_the_budget_bisection_finds_the_last_point_that_meets_in_few_probes():
     """Quality falls along the hull; the bisection lands on the last index that meets at the Wilson bound."""
+    from kvcal.eval import QualityTarget
     from kvcal.profile.budget import bisect
-    from kvcal.profile.quality import QualityTarget
 
     target = QualityTarget(0.97, 1.02, 1.5)
     quality = [1.0 - 0.001 * i for i in range(100)]          # meets at the bound up to index 21 (n = 1000)
@@ -114,8 +114,8 @@ def test_the_budget_bisection_finds_the_last_point_that_meets_in_few_probes():
 
 
 def test_confirmation_steps_back_by_the_measured_gap():
+    from kvcal.eval import QualityTarget
     from kvcal.profile.budget import Probe, confirm
-    from kvcal.profile.quality import QualityTarget
 
     target = QualityTarget(0.97, 1.02, 0.0)
     searched = [Probe(i, "search", _fid(1.0 - 0.005 * i), True) for i in (0, 2, 4, 6)]

@@ -878,7 +878,7 @@ def test_every_item_has_a_case(prefix):
 
 
 def test_checkpoint_clear_deletes_only_what_kvcal_wrote(tmp_path):
-    from kvcal.profile.calibrate import Checkpoint
+    from kvcal.profile.checkpoint import Checkpoint
 
     ckpt = Checkpoint(tmp_path / "b.ckpt", "key")
     ckpt.save_probes({})

@@ -8,9 +8,9 @@ from conftest import smollm2_or_skip
 from transformers import DynamicCache
 
 from kvcal.runtime.cache import CompressionConfig
-from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.storage.layout import TierFormat
 
 pytestmark = pytest.mark.slow
 

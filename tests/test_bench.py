@@ -16,7 +16,7 @@ from kvcal.bench.report import SCHEMA, SCHEMA_VERSION, validate
 from kvcal.cli import app
 from kvcal.models import adapter_for
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
-from kvcal.runtime.layout import PageLayout, TierFormat
+from kvcal.runtime.storage.layout import PageLayout, TierFormat
 
 runner = CliRunner()
 
@@ -276,8 +276,8 @@ def test_methods_from_a_searched_bundle(bundle_path, tiny_dir):
 
 
 def test_passkey_replay_equals_generate(tiny):
-    from kvcal.bench.run import PasskeyProbe
-    from kvcal.runtime.fastgen import FastGenConfig
+    from kvcal.bench.measure import PasskeyProbe
+    from kvcal.runtime.policies.fastgen import FastGenConfig
 
     model, tok, a = tiny
     bundle = _bundle(model, tok)
@@ -415,9 +415,9 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
 
     from conftest import random_bundle
 
-    from kvcal.bench.run import measure_quality
+    from kvcal.bench.measure import measure_quality
+    from kvcal.eval import DecodeProbe, QualityTarget
     from kvcal.profile.budget import meets
-    from kvcal.profile.quality import DecodeProbe, QualityTarget
     from kvcal.runtime.config import CompressionConfig
 
     model, tok, _ = tiny

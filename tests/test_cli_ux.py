@@ -83,8 +83,8 @@ def test_calibrate_defaults_are_the_library_defaults():
 
     import typer.main
 
+    from kvcal.eval import QualityTarget
     from kvcal.profile.calibrate import CalibrationConfig
-    from kvcal.profile.quality import QualityTarget
 
     params = {p.name: p.default for p in typer.main.get_command(app).commands["calibrate"].params}
     library = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)

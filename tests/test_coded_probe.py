@@ -7,13 +7,13 @@ import pytest
 import torch
 from conftest import make_model, random_bundle, random_text
 
+from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
 from kvcal.profile.allocate import base_settings, to_config
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality import DecodeProbe
 from kvcal.profile.quality_model import BITS, record_costs, spearman
 from kvcal.profile.ranks import ranks_of
-from kvcal.runtime.bases import served_bases
+from kvcal.runtime.storage.bases import served_bases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,3 +77,4 @@ def test_sliding_layers_are_coded_too():
     narrow = wide.clone()
     narrow[sliding] = 2
     assert probe.measure(costs, narrow).kl > probe.measure(costs, wide).kl
+

@@ -8,8 +8,8 @@ import pytest
 
 from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import SETTINGS_KEYS, CompressionConfig
-from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.storage.layout import TierFormat
 
 ROOT = Path(__file__).parent.parent
 
@@ -45,9 +45,9 @@ def test_round_trip_of_every_setting_the_block_holds():
 def test_eviction_settings_round_trip_and_are_off_when_absent():
     """H2O, SnapKV and StreamingLLM are one settings block each; a block without them (every bundle written before
     they existed) reads them as off, and a config without them writes none of their keys."""
-    from kvcal.runtime.h2o import H2OConfig
-    from kvcal.runtime.snapkv import SnapKVConfig
-    from kvcal.runtime.streamingllm import StreamingLLMConfig
+    from kvcal.runtime.policies.h2o import H2OConfig
+    from kvcal.runtime.policies.snapkv import SnapKVConfig
+    from kvcal.runtime.policies.streamingllm import StreamingLLMConfig
 
     config = CompressionConfig(h2o=H2OConfig(0.25, recent=8), snapkv=SnapKVConfig(0.3, window=16, reserve=4),
                                streamingllm=StreamingLLMConfig(0.5, sinks=2))
@@ -91,13 +91,13 @@ def test_value_group_and_ranks_round_up_to_it():
 
 
 def test_pages_are_sized_by_the_low_tier_when_page_tokens_is_set():
-    from kvcal.runtime.layout import PageLayout
+    from kvcal.runtime.storage.layout import PageLayout
 
     fp16_window = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV2"))
     assert PageLayout.build(fp16_window.high, 64, 64, fp16_window.page_size(64)).tokens == 32   # 32 fp16 tokens
     sized = fp16_window.with_(page_tokens=16)
     assert PageLayout.build(sized.low, 64, 64, sized.page_size(64)).tokens == 16                 # 16 low tokens
-    assert sized.with_(page_bytes=4096).page_size(64) == 4096                                    # explicit wins
+    assert sized.page_size(64, page_bytes=4096) == 4096                                          # explicit wins
     for bad in (0, -3, 2.5, "32"):
         with pytest.raises(ValueError, match="page_tokens=.* must be a positive integer"):
             CompressionConfig.from_dict({"page_tokens": bad})
@@ -105,7 +105,7 @@ def test_pages_are_sized_by_the_low_tier_when_page_tokens_is_set():
 
 def test_the_residual_family_reads_in_words_without_the_sentinel_alpha():
     from kvcal.profile.report import settings_in_words
-    from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
+    from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW
 
     residual = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV2"), page_tokens=32)
     words = settings_in_words(residual.with_tiering(window=32, alpha_high=EVERY_TOKEN_LOW).to_dict())
@@ -115,9 +115,9 @@ def test_the_residual_family_reads_in_words_without_the_sentinel_alpha():
 
 
 def test_low_tokens_that_never_move_keep_no_score_or_position():
-    from kvcal.runtime.diffkv import TieringConfig
-    from kvcal.runtime.layout import PageLayout, default_page_bytes
-    from kvcal.runtime.snapkv import SnapKVConfig
+    from kvcal.runtime.policies.diffkv import TieringConfig
+    from kvcal.runtime.policies.snapkv import SnapKVConfig
+    from kvcal.runtime.storage.layout import PageLayout, default_page_bytes
 
     residual = CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32,
                                  tiering=TieringConfig(window=16, alpha_high=16.0))

@@ -10,18 +10,19 @@ import pytest
 import torch
 from conftest import make_model, random_bundle, random_text
 
-from kvcal.runtime import attention
-from kvcal.runtime.attention import TorchBackend, select_backend
+from kvcal.runtime import backends as attention
+from kvcal.runtime.backends import TorchBackend, select_backend
+from kvcal.runtime.backends.cpu import backend as cpu_backend
+from kvcal.runtime.backends.cpu import build
+from kvcal.runtime.backends.cpu.backend import CpuBackend
 from kvcal.runtime.cache import CompressionConfig
-from kvcal.runtime.cpu import backend as cpu_backend
-from kvcal.runtime.cpu import build
-from kvcal.runtime.cpu.backend import CpuBackend
-from kvcal.runtime.diffkv import TieringConfig
-from kvcal.runtime.fastgen import FastGenConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import CompressedStore
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.storage.layout import TierFormat
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import CompressedStore
 
 # (high, low) tier formats: precisions, per-token / per-channel keys, value and key groups, raw tiers
 MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K4V2", "K2cV2"), ("K8V8", "K8cV4"), ("K16V16", "K4cV2"),
@@ -218,7 +219,7 @@ def _decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor
 TIERED = TieringConfig(window=4, alpha_high=1.5, alpha_low=0.5)
 CONFIGS = {
     "K8V4 untiered": CompressionConfig(use_ranks=False),
-    "tiers, per-channel low": CompressionConfig(tiering=TIERED, page_bytes=256),     # small pages: some get sealed
+    "tiers, per-channel low": CompressionConfig(tiering=TIERED),
     "tiers, per-token low": CompressionConfig(high=TierFormat.parse("K8V4g4"), low=TierFormat.parse("K4V2"),
                                               tiering=TIERED),
     "tiers + FastGen": CompressionConfig(tiering=TIERED, fastgen=FastGenConfig(recovery=0.5)),
@@ -227,6 +228,9 @@ CONFIGS = {
                                                         tiering=TieringConfig(window=4, alpha_high=1.5),
                                                         page_tokens=8),
 }
+
+
+PAGE_BYTES = {"tiers, per-channel low": 256}     # small pages: some get sealed
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -241,8 +245,8 @@ def test_whole_decode_matches_torch_backend(name):
     for backend in ("torch", "cpu"):
         # raw_tokens=0: the tier moves and stored scores compared are the pages' (the per-token low config would
         # hold all 56 tokens raw); the backends across the raw phase's hand-over: test_cache_bytes.py
-        cache = KvcalCache.from_bundle(bundle, model, CONFIGS[name].with_(backend=backend), tokenizer=tok,
-                                       raw_tokens=0)
+        cache = KvcalCache.from_bundle(bundle, model, CONFIGS[name], tokenizer=tok, raw_tokens=0,
+                                       serve=ServeOptions(backend, PAGE_BYTES.get(name)))
         runs[backend] = (_decode_logits(model, cache, ids, 24), cache)
     (want, ref), (got, cache) = runs["torch"], runs["cpu"]
     assert cache.kv.backend is CpuBackend and ref.kv.backend is TorchBackend
@@ -275,10 +279,10 @@ def test_auto_falls_back_to_torch_with_one_log_line_when_the_build_fails(monkeyp
         raise build.CpuBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set $CXX)")
 
     monkeypatch.setattr(cpu_backend, "load_library", fail)
-    with caplog.at_level(logging.INFO, logger="kvcal.runtime.attention"):
+    with caplog.at_level(logging.INFO, logger="kvcal.runtime.backends.registry"):
         chosen = select_backend.__wrapped__("auto", "cpu")
     assert chosen is TorchBackend
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvcal.runtime.attention"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcal.runtime.backends.registry"]
     assert len(lines) == 1 and "no C++ compiler" in lines[0] and lines[0].startswith("kvcal attention backend: torch")
     with pytest.raises(ValueError, match="attention backend `cpu` cannot run on cpu: no C\\+\\+ compiler"):
         select_backend.__wrapped__("cpu", "cpu")
@@ -315,4 +319,5 @@ def test_a_missing_compiler_is_a_one_line_reason(monkeypatch, tmp_path):
 
 
 def test_registry_names_the_backend():
-    assert attention.BACKENDS["cpu"] == "kvcal.runtime.cpu.backend:CpuBackend"
+    assert attention.BACKENDS["cpu"] == "kvcal.runtime.backends.cpu.backend:CpuBackend"
+

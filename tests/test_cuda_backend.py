@@ -13,9 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcal.runtime.attention import TorchBackend, select_backend
-from kvcal.runtime.cuda import ceil_div, compile_kernel, cuda_status
-from kvcal.runtime.cuda.backend import (
+from kvcal.runtime.backends import TorchBackend, select_backend
+from kvcal.runtime.backends.cuda import ceil_div, compile_kernel, cuda_status
+from kvcal.runtime.backends.cuda.backend import (
     QT,
     CudaBackend,
     decode_args,
@@ -24,12 +24,12 @@ from kvcal.runtime.cuda.backend import (
     split_smem,
     write_args,
 )
-from kvcal.runtime.cuda.emulate import emulate_decode, emulate_write
-from kvcal.runtime.cuda.plan import build_decode_plan, build_write_plan, desc_fields, desc_table
-from kvcal.runtime.cuda.sources import KERNELS, kernel_signature, kernel_text
-from kvcal.runtime.layout import PageLayout, TierFormat
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import CompressedStore
+from kvcal.runtime.backends.cuda.emulate import emulate_decode, emulate_write
+from kvcal.runtime.backends.cuda.plan import build_decode_plan, build_write_plan, desc_fields, desc_table
+from kvcal.runtime.backends.cuda.sources import KERNELS, kernel_signature, kernel_text
+from kvcal.runtime.storage.layout import PageLayout, TierFormat
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import CompressedStore
 
 ARCHS = ("sm_80", "sm_90")      # A100, H100/H200
 REGISTER_BUDGET = 128           # per thread: 128 threads x 128 registers keeps 4 blocks per SM
@@ -350,10 +350,10 @@ def test_select_cuda_without_gpu_is_a_one_line_value_error():
 @pytest.mark.skipif(not NO_GPU, reason="checks the GPU-less fallback")
 def test_auto_falls_back_to_torch_with_one_log_line(caplog):
     cuda_status()                                            # its own probe line is not the selector's
-    with caplog.at_level(logging.INFO, logger="kvcal.runtime.attention"):
+    with caplog.at_level(logging.INFO, logger="kvcal.runtime.backends.registry"):
         backend = select_backend.__wrapped__("auto", "cpu")
     assert backend is not CudaBackend                        # the fused cpu backend, or torch where it cannot build
-    lines = [r for r in caplog.records if r.name == "kvcal.runtime.attention"]
+    lines = [r for r in caplog.records if r.name == "kvcal.runtime.backends.registry"]
     assert len(lines) == 1 and backend.name() in lines[0].getMessage() and "cuda" in lines[0].getMessage()
 
 

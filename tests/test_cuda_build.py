@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcal.runtime import quant
-from kvcal.runtime.cuda import (
+from kvcal.runtime.backends.cuda import (
     CudaStatus,
     ceil_div,
     compile_kernel,
@@ -23,6 +22,7 @@ from kvcal.runtime.cuda import (
     parse_params,
     parse_ptxas_report,
 )
+from kvcal.runtime.storage import quant
 
 SMOKE = "dequant_u4_per_token"
 SMOKE_SIG = "const unsigned int* codes, const __half* scale, const __half* zero, __half* out, int n_tokens, int n"
@@ -45,7 +45,7 @@ def test_cuda_status_never_raises_and_explains():
 
 
 def test_cuda_status_reasons(monkeypatch):
-    import kvcal.runtime.cuda as kc
+    import kvcal.runtime.backends.cuda as kc
 
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # makes `from cuda.bindings import ...` fail
     assert kc._probe() == CudaStatus(False, "cuda-python is not installed (`pip install kvcal[cuda]`)")
@@ -82,7 +82,7 @@ def test_a_build_prints_nothing_and_logs_its_report_at_debug(nvrtc_cache, capfd,
     import logging
 
     src = kernel_source("smoke.cu") + f"\n// quiet test {nvrtc_cache.name}\n"     # unique source: a real compile
-    with caplog.at_level(logging.DEBUG, logger="kvcal.runtime.cuda.build"):
+    with caplog.at_level(logging.DEBUG, logger="kvcal.runtime.backends.cuda.build"):
         mod = compile_kernel(src, [SMOKE], "sm_80", cache_dir=nvrtc_cache, name="smoke")
         compile_kernel(src, [SMOKE], "sm_80", cache_dir=nvrtc_cache, name="smoke")          # and a cache hit
     out, err = capfd.readouterr()             # file descriptors: NVRTC's own writes would show here too
@@ -234,8 +234,8 @@ def test_grid_math():
 
 
 def test_gpu_entry_points_refuse_cleanly_without_gpu(nvrtc_cache):
-    from kvcal.runtime.cuda import launch, load_module
-    from kvcal.runtime.cuda.build import cuda_core
+    from kvcal.runtime.backends.cuda import launch, load_module
+    from kvcal.runtime.backends.cuda.build import cuda_core
 
     mod = compile_kernel(kernel_source("smoke.cu"), [SMOKE], "sm_90", cache_dir=nvrtc_cache)
     cuda_core().ObjectCode.from_cubin(mod.cubin, symbol_mapping=mod.symbols)  # host-side object; no driver needed
@@ -256,7 +256,7 @@ def _gpu_skip_reason() -> str:
 @pytest.mark.gpu
 @pytest.mark.skipif(bool(_gpu_skip_reason()), reason=_gpu_skip_reason() or "GPU available")
 def test_smoke_kernel_matches_torch_reference(tmp_path):
-    from kvcal.runtime.cuda import launch, load_module
+    from kvcal.runtime.backends.cuda import launch, load_module
 
     torch.manual_seed(0)
     n_tokens, n = 37, 256  # odd token count exercises the tail block

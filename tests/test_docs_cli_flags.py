@@ -1,4 +1,4 @@
-"""docs/cli-flags.md says what `--help` says: the page is what `benchmarks/cli_flags_page.py` generates from the
+"""docs/cli-flags.md says what `--help` says: the page is what `experiments/cli_flags_page.py` generates from the
 command objects now, every long flag a command's `--help` prints is on the page under that command, and every
 option's name and description on the page is printed by `--help` as is. No model loads: seconds."""
 
@@ -16,12 +16,12 @@ from kvcal.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli-flags.md"
-FIX = "run `python benchmarks/cli_flags_page.py` and commit docs/cli-flags.md"
+FIX = "run `python experiments/cli_flags_page.py` and commit docs/cli-flags.md"
 runner = CliRunner()
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("cli_flags_page", ROOT / "benchmarks" / "cli_flags_page.py")
+    spec = importlib.util.spec_from_file_location("cli_flags_page", ROOT / "experiments" / "cli_flags_page.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module         # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)

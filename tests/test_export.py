@@ -26,11 +26,12 @@ from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
 from kvcal.runtime.bundle import BundleError, BundleMismatchError, load_bundle, save_bundle
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
-from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import PageLayout, TierFormat
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import HELD
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.storage.layout import PageLayout, TierFormat
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import HELD
 
 runner = CliRunner()
 
@@ -269,17 +270,19 @@ def test_interrupted_export_leaves_nothing(calibrated, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- manifest
 
 RAGGED = torch.tensor([[16, 8], [12, 16]], dtype=torch.int32)
+PAGE_BYTES = {"K8V4+K4cV2": 256, "K16V16+K4V2g4": 512, "K16V16+K4cV4 untracked": 512,
+              "K16V16+K4cV4, layer 1 K4cV2": 512}
 CONFIGS = {
-    "K8V4+K4cV2": CompressionConfig(high=TierFormat(8, 4), low=TierFormat(4, 2, "channel"), page_bytes=256,
+    "K8V4+K4cV2": CompressionConfig(high=TierFormat(8, 4), low=TierFormat(4, 2, "channel"),
                                     tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
     "K16V16+K4V2g4": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 2, k_group=4, v_group=4),
-                                       page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
+                                       tiering=TieringConfig(window=4, alpha_high=1.6, alpha_low=0.2)),
     # nothing is pruned: the low tier keeps no score or position (untracked)
     "K16V16+K4cV4 untracked": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 4, "channel"),
-                                                page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6)),
+                                                tiering=TieringConfig(window=4, alpha_high=1.6)),
     # layer 1's low tier at 2-bit values: its layouts name their own format
     "K16V16+K4cV4, layer 1 K4cV2": CompressionConfig(high=TierFormat(16, 16), low=TierFormat(4, 4, "channel"),
-                                                     page_bytes=512, tiering=TieringConfig(window=4, alpha_high=1.6),
+                                                     tiering=TieringConfig(window=4, alpha_high=1.6),
                                                      low_layers=((1, TierFormat(4, 2, "channel")),)),
 }
 
@@ -288,8 +291,8 @@ def test_manifest_offsets_equal_page_layout(tmp_path):
     model, tok = make_model("gemma3_text")
     bundle = random_bundle(model, tok, rank_k=torch.tensor([[32], [24], [16]], dtype=torch.int32),
                             rank_v=torch.tensor([[8], [32], [20]], dtype=torch.int32))
-    cfg = CompressionConfig(page_bytes=1024)
-    res = export_manifest(bundle, tmp_path / "m", cfg, model=model)
+    cfg = CompressionConfig()
+    res = export_manifest(bundle, tmp_path / "m", cfg, model=model, page_bytes=1024)
     assert sorted(res.files) == ["kvcal_bases.safetensors", "manifest.json"]
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert (man["format"], man["schema_version"]) == ("kvcal-manifest", 2)
@@ -312,7 +315,8 @@ def test_manifest_offsets_equal_page_layout(tmp_path):
     assert torch.equal(tensors["qk.rank"], bundle.qk_rank) and tensors["v.rank"].dtype == torch.int32
     # the exported bases are the ones the runtime applies (mixing included), not the raw calibrated ones ...
     kv = CompressedKV.from_bundle(bundle, cfg, batch=1,
-                                  sliding=[t == "sliding_attention" for t in bundle.model.layer_types])
+                                  sliding=[t == "sliding_attention" for t in bundle.model.layer_types],
+                                  serve=ServeOptions(page_bytes=1024))
     for layer in kv.layers:
         for h in range(bundle.shape[1]):
             r_k, r_v = int(bundle.qk_rank[layer, h]), int(bundle.v_rank[layer, h])
@@ -370,12 +374,12 @@ def _decode_page(page: torch.Tensor, lay: dict, tier: dict):
 def test_manifest_offsets_match_the_runtime_store_bytes(tmp_path, name):
     """Run the runtime (prefill + decode, tiering, per-head ranks), then read every stored token back from the raw
     arena bytes at the manifest's offsets: it must equal what the store itself reads."""
-    cfg = CONFIGS[name]
+    cfg, page_bytes = CONFIGS[name], PAGE_BYTES[name]
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok, rank_k=RAGGED, rank_v=RAGGED.flip(-1))
-    export_manifest(bundle, tmp_path / "m", cfg, model=model)
+    export_manifest(bundle, tmp_path / "m", cfg, model=model, page_bytes=page_bytes)
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    cache = KvcalCache.from_bundle(bundle, model, cfg)
+    cache = KvcalCache.from_bundle(bundle, model, cfg, serve=ServeOptions(page_bytes=page_bytes))
     tok.padding_side = "left"
     inputs = tok([random_text(60, seed=1), random_text(45, seed=2)], return_tensors="pt", padding=True)
     with torch.no_grad():

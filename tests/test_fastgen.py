@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcal.runtime.fastgen import (
+from kvcal.runtime.policies.fastgen import (
     FULL,
     PATTERNS,
     FastGenConfig,
@@ -381,10 +381,12 @@ def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(mon
     included), computed from the same probabilities the prefill ran, in several row blocks."""
     from conftest import make_model, random_bundle, random_text
 
-    import kvcal.runtime.fastgen as fastgen
-    from kvcal.runtime import attention
+    import kvcal.runtime.policies.fastgen as fastgen
+    from kvcal.runtime.backends import base as attention
+    from kvcal.runtime.backends.reference import TorchBackend
     from kvcal.runtime.config import CompressionConfig
     from kvcal.runtime.hf import KvcalCache
+    from kvcal.runtime.options import ServeOptions
 
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok)
@@ -397,16 +399,17 @@ def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(mon
     assert len(rows) == 24 and rows[0] == 0 and rows[-1] == n - 1 and (rows.diff() >= 1).all()
     assert torch.equal(fastgen.profile_rows(20), torch.arange(20))
     cfg = FastGenConfig(0.9)
-    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=cfg, backend="torch"), tokenizer=tok)
+    cache = KvcalCache.from_bundle(bundle, model, CompressionConfig(fastgen=cfg), tokenizer=tok,
+                                   serve=ServeOptions("torch"))
     cache.record = True
     captured = {}
-    real_prefill = attention.TorchBackend.prefill
+    real_prefill = TorchBackend.prefill
 
     def prefill(query, keys, values, mask, scale):
         captured.setdefault("args", (query, keys, mask, scale))
         return real_prefill(query, keys, values, mask, scale)
 
-    monkeypatch.setattr(attention.TorchBackend, "prefill", staticmethod(prefill))
+    monkeypatch.setattr(TorchBackend, "prefill", staticmethod(prefill))
     with torch.no_grad():
         model(**inputs, cache=cache, use_cache=True)
     key, value, score, real, statistics = cache.kv.recorder[0]

@@ -64,7 +64,7 @@ print(json.dumps(changes(before, snapshot())))
 '''
 
 
-@pytest.mark.parametrize("module", ["kvcal", "kvcal.runtime", "kvcal.runtime.hf", "kvcal.runtime.bundle",
+@pytest.mark.parametrize("module", ["kvcal", "kvcal.runtime", "kvcal.runtime.hf", "kvcal.runtime.bundle", "kvcal.eval",
                                     "kvcal.profile", "kvcal.bench", "kvcal.cli", "kvcal.models", "kvcal.data"])
 def test_importing_changes_nothing_in_the_process(module):
     assert _run(IMPORT, module) == {}

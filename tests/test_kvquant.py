@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvcal.bench import kvquant as KQ
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.models import adapter_for
-from kvcal.runtime.quant import pack
+from kvcal.runtime.storage.quant import pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

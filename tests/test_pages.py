@@ -1,4 +1,4 @@
-"""Tests for kvcal.runtime.pages: bidirectional page tables over one arena with a circular free list."""
+"""Tests for kvcal.runtime.storage.pages: bidirectional page tables over one arena with a circular free list."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcal.runtime.pages import HIGH, LOW, PageArena
+from kvcal.runtime.storage.pages import HIGH, LOW, PageArena
 
 
 def t(values) -> torch.Tensor:

@@ -10,20 +10,21 @@ import pytest
 import torch
 from conftest import make_model, random_bundle
 
-from kvcal.runtime import attention
+from kvcal.runtime import backends as attention
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.h2o import H2OConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.snapkv import SnapKVConfig
-from kvcal.runtime.streamingllm import StreamingLLMConfig
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.policies.h2o import H2OConfig
+from kvcal.runtime.policies.snapkv import SnapKVConfig
+from kvcal.runtime.policies.streamingllm import StreamingLLMConfig
+from kvcal.runtime.storage.layout import TierFormat
 
 TIERS = dict(window=8, alpha_high=2.0, alpha_low=1.5)
 POLICIES = {
     "none": CompressionConfig(),
     "diffkv, per-token low": CompressionConfig(low=TierFormat.parse("K4V2")).with_tiering(**TIERS),
-    "diffkv, per-channel low": CompressionConfig(page_bytes=512).with_tiering(**{**TIERS, "alpha_low": 0.8}),
+    "diffkv, per-channel low": CompressionConfig().with_tiering(**{**TIERS, "alpha_low": 0.8}),
     "residual: fp16 window, per-channel low": CompressionConfig(
         high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8).with_tiering(
         window=8, alpha_high=1e9, alpha_low=0.5),
@@ -46,12 +47,13 @@ POLICIES = {
                                                streamingllm=StreamingLLMConfig(0.5)).with_tiering(**TIERS),
 }
 BACKENDS = ("torch", "cpu", "cuda-emulated")
+PAGE_BYTES = {"diffkv, per-channel low": 512}     # small pages: some low pages get sealed
 
 
 @pytest.fixture(autouse=True)
 def emulated_cuda(monkeypatch):
     """Make the CUDA emulation selectable by name for these tests only (it is never chosen by `auto`)."""
-    monkeypatch.setitem(attention.BACKENDS, "cuda-emulated", "kvcal.runtime.cuda.emulate:EmulatedCudaBackend")
+    monkeypatch.setitem(attention.BACKENDS, "cuda-emulated", "kvcal.runtime.backends.cuda.emulate:EmulatedCudaBackend")
     attention.select_backend.cache_clear()
     yield
     attention.select_backend.cache_clear()
@@ -65,11 +67,11 @@ def _model():
     return model, tok, random_bundle(model, tok, ranks_k, ranks_v, seed=5)
 
 
-def _serve(config: CompressionConfig, prompt: int = 40, steps: int = 12):
+def _serve(config: CompressionConfig, serve: ServeOptions, prompt: int = 40, steps: int = 12):
     model, tok, bundle = _model()
     ids = torch.randint(3, len(tok), (2, prompt + steps), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
-        cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
+        cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok, serve=serve)
         logits = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
         for t in range(prompt, prompt + steps):
             logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
@@ -82,8 +84,8 @@ def _serve(config: CompressionConfig, prompt: int = 40, steps: int = 12):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_policy_serves_the_same_on_each_backend(policy, backend):
-    config = POLICIES[policy].with_(backend=backend)
-    logits, tiers, served_by, _ = _serve(config)
+    config = POLICIES[policy]
+    logits, tiers, served_by, _ = _serve(config, ServeOptions(backend, PAGE_BYTES.get(policy)))
     assert served_by == backend
     # each policy does what it is for on this input (so the comparison below covers its decisions)
     if policy == "none":
@@ -96,7 +98,7 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
         assert tiers["low"] > 0 and tiers["high"] > 0
     if policy != "none" and "per-channel" not in policy and "untracked" not in policy:
         assert tiers["pruned"] > 0
-    ref_logits, ref_tiers, _, _ = _serve(POLICIES[policy].with_(backend="torch"))
+    ref_logits, ref_tiers, _, _ = _serve(POLICIES[policy], ServeOptions("torch", PAGE_BYTES.get(policy)))
     assert tiers == ref_tiers
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
 
@@ -106,11 +108,11 @@ def test_an_untracked_low_tier_serves_the_same_tokens_in_fewer_bytes(backend, mo
     """Dropping the score and position of low tokens that can never move changes no logit and no tier, only the
     bytes (the layouts' sizes: tests/test_config.py). Full rank: a page sized for 8 full-rank low tokens holds more
     lower-rank ones, and how many more depends on the bytes a token takes, so ragged ranks would group differently."""
-    config = POLICIES["residual, untracked low"].with_(backend=backend, use_ranks=False)
+    config = POLICIES["residual, untracked low"].with_(use_ranks=False)
     assert not config.low_tracked
-    logits, tiers, _, held = _serve(config)
+    logits, tiers, _, held = _serve(config, ServeOptions(backend))
     monkeypatch.setattr(CompressionConfig, "low_tracked", property(lambda self: True))
-    ref_logits, ref_tiers, _, ref_held = _serve(config)
+    ref_logits, ref_tiers, _, ref_held = _serve(config, ServeOptions(backend))
     assert tiers == ref_tiers and tiers["low"] > 0
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-6)     # summation order only (page widths)
     assert held < ref_held
@@ -119,7 +121,7 @@ def test_an_untracked_low_tier_serves_the_same_tokens_in_fewer_bytes(backend, mo
 def test_a_layers_own_low_bits_shape_its_pages_and_only_its_pages():
     """`low_layers`: the named layer's low pages have that format's layout, the other layer's are as without it; no
     token is dropped and the cache holds fewer bytes."""
-    from kvcal.runtime.pages import LOW
+    from kvcal.runtime.storage.pages import LOW
 
     per_layer = POLICIES["residual, untracked low, bits per layer"]
     model, tok, bundle = _model()
@@ -130,8 +132,8 @@ def test_a_layers_own_low_bits_shape_its_pages_and_only_its_pages():
     assert formats == {0: {"K4cV4"}, 1: {"K2cV2"}}
     # a page of the cheaper format holds more low tokens, so more wait in fp16 for it to fill: saving shows over
     # a few pages
-    _, tiers, _, held = _serve(per_layer, prompt=200)
-    _, ref_tiers, _, ref_held = _serve(per_layer.with_(low_layers=()), prompt=200)
+    _, tiers, _, held = _serve(per_layer, ServeOptions(), prompt=200)
+    _, ref_tiers, _, ref_held = _serve(per_layer.with_(low_layers=()), ServeOptions(), prompt=200)
     assert tiers["pruned"] == ref_tiers["pruned"] == 0 and held < ref_held
 
 
@@ -140,7 +142,7 @@ def test_eviction_budgets_count_the_real_tokens_of_left_padded_prompts(name):
     """With left padding, each sequence keeps the budget of its own real length and never a padding token."""
     from conftest import random_text
 
-    from kvcal.runtime.h2o import H2OConfig
+    from kvcal.runtime.policies.h2o import H2OConfig
 
     model, tok, bundle = _model()
     tok.padding_side = "left"

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcal.runtime.quant import (
+from kvcal.runtime.storage.quant import (
     LOG_SCALES,
     SUPPORTED_BITS,
     decode_meta,

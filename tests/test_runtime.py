@@ -6,16 +6,17 @@ import torch
 from conftest import make_model, random_bundle, random_text
 from transformers import DynamicCache
 
-from kvcal.profile.quality import decode_fidelity
+from kvcal.eval import decode_fidelity
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
-from kvcal.runtime.diffkv import TIER_HIGH as T_HIGH
-from kvcal.runtime.diffkv import TIER_LOW as T_LOW
-from kvcal.runtime.diffkv import TIER_PRUNED as PRUNED
-from kvcal.runtime.diffkv import TieringConfig, classify_prompt, decode_actions
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import PageLayout, TierFormat
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import CompressedStore
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies.diffkv import TIER_HIGH as T_HIGH
+from kvcal.runtime.policies.diffkv import TIER_LOW as T_LOW
+from kvcal.runtime.policies.diffkv import TIER_PRUNED as PRUNED
+from kvcal.runtime.policies.diffkv import TieringConfig, classify_prompt, decode_actions
+from kvcal.runtime.storage.layout import PageLayout, TierFormat
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import CompressedStore
 
 
 def padded_batch(tok, lengths=(40, 23)):
@@ -185,7 +186,7 @@ def test_algorithm1_branches():
 def test_algorithm1_without_pruning_and_with_per_channel_low_pages_takes_no_action():
     """What `DiffKVTiers.decode` skips for alpha_low = 0 with a per-channel low tier: Algorithm 1 then never acts
     (only whole pending low pages move), whatever the scores, lengths and threshold base."""
-    from kvcal.runtime.diffkv import decode_actions
+    from kvcal.runtime.policies.diffkv import decode_actions
 
     gen = torch.Generator().manual_seed(0)
     for base in ("length", "position"):
@@ -221,7 +222,7 @@ def test_scores_are_received_probability():
     torch.manual_seed(0)
     B, H, g, n, d = 1, 2, 2, 6, 8
     q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, d)
-    from kvcal.runtime.attention import TorchBackend
+    from kvcal.runtime.backends.reference import TorchBackend
 
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
     out, score = TorchBackend.prefill(q, k, v, mask, 0.3)
@@ -246,7 +247,7 @@ def test_ragged_ranks_per_head():
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_probe_replay_equals_full_run(model_type):
     """DecodeProbe (recorded prefill, replayed writes) gives the same logits as running the prefill per setting."""
-    from kvcal.profile.quality import DecodeProbe
+    from kvcal.eval import DecodeProbe
 
     model, tok = make_model(model_type)
     bundle = random_bundle(model, tok)
@@ -264,9 +265,9 @@ def test_per_channel_low_tier_seals_pages_in_prefill_and_decode():
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok)
     ids = tok([random_text(90, seed=7)], return_tensors="pt").input_ids
-    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"), page_bytes=256,
+    cfg = CompressionConfig(low=TierFormat(4, 2, "channel"),
                             tiering=TieringConfig(window=4, alpha_high=2.0, alpha_low=0.9))
-    cache = KvcalCache.from_bundle(bundle, model, cfg)
+    cache = KvcalCache.from_bundle(bundle, model, cfg, serve=ServeOptions(page_bytes=256))
     with torch.no_grad():
         model(input_ids=ids[:, :50], cache=cache, use_cache=True)
         T_low = cache.kv.store.groups[0][0].layouts[LOW].tokens
@@ -314,7 +315,7 @@ def test_low_rank_matches_projected_reference():
 
 
 def test_fastgen_every_head_full_reproduces_dense():
-    from kvcal.runtime.fastgen import FULL, FastGenConfig
+    from kvcal.runtime.policies.fastgen import FULL, FastGenConfig
 
     model, tok = make_model("llama")
     inputs = padded_batch(tok)
@@ -328,8 +329,8 @@ def test_fastgen_every_head_full_reproduces_dense():
 
 
 def test_fastgen_prunes_and_replays():
-    from kvcal.profile.quality import DecodeProbe
-    from kvcal.runtime.fastgen import FastGenConfig
+    from kvcal.eval import DecodeProbe
+    from kvcal.runtime.policies.fastgen import FastGenConfig
 
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok)
@@ -349,7 +350,7 @@ def test_fastgen_prunes_and_replays():
 def test_fastgen_token_ids_go_to_the_cache_of_each_call():
     """Two FastGen caches taking turns on one model each see only their own tokens (the decoder pre-hook hands the
     ids to the cache of the call), so interleaved decoding equals running each alone; `inputs_embeds` is refused."""
-    from kvcal.runtime.fastgen import FastGenConfig
+    from kvcal.runtime.policies.fastgen import FastGenConfig
 
     model, tok = make_model("llama")
     bundle = random_bundle(model, tok)

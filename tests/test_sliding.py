@@ -1,15 +1,15 @@
-"""Quantized sliding-window layers (`CompressionConfig.sliding`, kvcal.runtime.sliding) on a tiny Gemma3: the window
+"""Quantized sliding-window layers (`CompressionConfig.sliding`, kvcal.runtime.hf.sliding) on a tiny Gemma3: the window
 transformers keeps, in fewer bytes, with logits near dense; the settings codec; the refusals."""
 
 import pytest
 import torch
 from conftest import decode_logits, make_model, random_bundle, random_text
 
-from kvcal.runtime import quant
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
-from kvcal.runtime.sliding import QuantizedSlidingLayer
+from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
+from kvcal.runtime.storage import quant
+from kvcal.runtime.storage.layout import TierFormat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,10 +6,10 @@ import torch
 from transformers import DynamicCache
 
 from kvcal.data import load_corpus, token_windows
-from kvcal.profile.quality import decode_fidelity
+from kvcal.eval import decode_fidelity
 from kvcal.runtime.cache import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.storage.layout import TierFormat
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ from conftest import decode_logits, make_model, random_bundle, random_text
 
 from kvcal.profile.capture import capturing
 from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
-from kvcal.runtime.bases import served_bases
 from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.layout import TierFormat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RAW = CompressionConfig(high=TierFormat(32, 32), low=TierFormat(32, 32), use_ranks=False)
@@ -67,7 +67,7 @@ def test_a_raw_store_with_smoothing_serves_the_dense_logits(model_type):
 
 def test_a_sliding_layer_reads_smoothed_keys_back_in_the_model_basis():
     """Keys stored through R D⁻¹ M come back through (R D M)ᵀ, their inverse."""
-    from kvcal.runtime.sliding import QuantizedSlidingLayer
+    from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
 
     H, d = 2, 32
     g = torch.Generator().manual_seed(0)

@@ -12,18 +12,18 @@ from conftest import make_model, random_bundle
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
 from kvcal.profile.capture import capturing
 from kvcal.profile.key_ranges import KeyRangeCollector, clip_range, spread_windows, tail_rows
-from kvcal.runtime import quant
-from kvcal.runtime.attention import TorchBackend, select_backend
-from kvcal.runtime.bases import served_bases
+from kvcal.runtime.backends import TorchBackend, select_backend
+from kvcal.runtime.backends.cpu.backend import CpuBackend
+from kvcal.runtime.backends.cuda.emulate import EmulatedCudaBackend
 from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.cpu.backend import CpuBackend
-from kvcal.runtime.cuda.emulate import EmulatedCudaBackend
-from kvcal.runtime.diffkv import TieringConfig
 from kvcal.runtime.hf import KvcalCache
-from kvcal.runtime.layout import PageLayout, TierFormat
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import CompressedStore
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.storage import quant
+from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.layout import PageLayout, TierFormat
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import CompressedStore
 
 STATIC = ("K8sV4", "K4sV4", "K2sV2", "K4sV4g8")
 
@@ -369,22 +369,3 @@ def test_bundle_file_with_bad_key_ranges_is_refused_on_load(tmp_path):
     with pytest.raises(BundleError, match="schema version 1 cannot hold static key ranges"):
         load_bundle(tmp_path / "v1.kvcal.safetensors")
 
-
-def test_batched_probe_rounds_chunk_tokens_through_static_keys_like_stepwise_decode():
-    """The search's batched probe reads a chunk's own tokens as the high tier stores them (`stored_like`): with a
-    static high tier that is the static quantizer, so chunked and stepwise decode give the same logits."""
-    from conftest import random_text
-
-    from kvcal.profile.quality import DecodeProbe, teacher_force
-
-    model, tok = make_model("llama")
-    bundle = _bundle_with_ranges(model, tok)
-    ids = tok([random_text(110, seed=5), random_text(110, seed=6)], return_tensors="pt").input_ids
-    probe = DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok)
-    cfg = CompressionConfig(high=TierFormat.parse("K4sV4"))
-    out = {}
-    for chunk in (1, 16):
-        with torch.inference_mode():
-            cache = probe.replay(cfg, chunk=chunk)
-            out[chunk], _ = teacher_force(model, cache, probe.continuation, chunk)
-    assert (out[16] - out[1]).abs().max().item() < 1e-3

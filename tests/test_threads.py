@@ -65,7 +65,7 @@ def test_parse_threads():
 
 def test_use_threads_applies_the_count_to_torch_and_the_cpu_decode(monkeypatch):
     """The fused CPU decode asks torch for its thread count at each layer, so `--threads` reaches it too."""
-    from kvcal.runtime.cpu import backend as cpu_backend
+    from kvcal.runtime.backends.cpu import backend as cpu_backend
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert use_threads("1").count == 1 and torch.get_num_threads() == 1                  # the option wins

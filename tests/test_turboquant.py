@@ -17,7 +17,7 @@ from kvcal.bench.turboquant import (
     random_rotation,
     turboquant_methods,
 )
-from kvcal.runtime.quant import packed_size
+from kvcal.runtime.storage.quant import packed_size
 
 # --------------------------------------------------------------------------------------------- codebook
 

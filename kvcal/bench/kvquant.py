@@ -44,7 +44,7 @@ from kvcal.bench.method import Method
 from kvcal.bench.rope import RopeTable, apply_rope, undo_rope
 from kvcal.profile.codebooks import encode, fit_codebooks
 from kvcal.profile.key_ranges import clip_range
-from kvcal.runtime.quant import pack, unpack
+from kvcal.runtime.storage.quant import pack, unpack
 
 KVQUANT_BITS = (2, 3, 4)
 OUTLIER_FRACTION = 0.01        # KVQuant's 1% dense-and-sparse
@@ -63,7 +63,7 @@ def outlier_count(head_dim: int, fraction: float = OUTLIER_FRACTION) -> int:
 def pack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes uint8 [..., n] < 2**bits -> uint8 [..., ceil(n * bits / 8)]: code i in bits i*bits .. i*bits + bits - 1
     of the byte stream, least significant first, any width 1..8 (a code may straddle two bytes). For widths dividing 8
-    this is `kvcal.runtime.quant.pack`'s layout."""
+    this is `kvcal.runtime.storage.quant.pack`'s layout."""
     *lead, n = codes.shape
     planes = (codes[..., None] >> torch.arange(bits, dtype=torch.uint8, device=codes.device)) & 1   # [..., n, bits]
     nbytes = (n * bits + 7) // 8
@@ -82,7 +82,7 @@ def unpack_bitplanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """`kvcal.runtime.quant.pack` for widths dividing 8 (2, 4), bit planes for 3, which it does not take."""
+    """`kvcal.runtime.storage.quant.pack` for widths dividing 8 (2, 4), bit planes for 3, which it does not take."""
     return pack(codes, bits) if 8 % bits == 0 else pack_bitplanes(codes, bits)
 
 

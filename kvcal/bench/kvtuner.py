@@ -29,7 +29,13 @@ from kvcal.bench.caches import dense_bytes, memory_dict
 from kvcal.bench.methods import Method, kivi_config
 from kvcal.profile.capture import capturing
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.quant import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.storage.quant import (
+    dequantize_per_channel,
+    dequantize_per_token,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
 PAIRS = ((8, 8), (8, 4), (4, 8), (4, 4), (4, 2), (2, 4), (2, 2))   # (key bits, value bits), KVTuner's candidates
 BUDGETS = (4.0, 3.0, 2.5)        # mean low-tier bits per element: K4V4's, K4V2's, and between K4V2 and K2V2
@@ -140,15 +146,16 @@ class LayerwiseKvcalCache(Cache):
     """A transformers `Cache` whose compressed layers each have their own `CompressionConfig`: one `KvcalCache` per
     distinct config (compressing only its layers), their layers interleaved; sliding layers stay dense."""
 
-    def __init__(self, bundle, adapter, configs: list[CompressionConfig | None]):
+    def __init__(self, bundle, adapter, configs: list[CompressionConfig | None], serve: ServeOptions | None = None):
         from kvcal.runtime.hf import KvcalCache
 
+        serve = serve or ServeOptions()
         self.adapter, self.configs = adapter, configs
         placeholder = adapter.sliding_window or 1          # other groups' layers: never filled in this group's cache
         self.groups = []
         for config in dict.fromkeys(c for c in configs if c is not None):
             types = [t if c == config else "sliding_attention" for t, c in zip(adapter.layer_types, configs)]
-            self.groups.append(KvcalCache(bundle, config, layer_types=types, sliding_window=placeholder))
+            self.groups.append(KvcalCache(bundle, config, layer_types=types, sliding_window=placeholder, serve=serve))
         super().__init__(layers=self._layers())
 
     def _layers(self) -> list:
@@ -180,9 +187,10 @@ class LayerwiseKvcalCache(Cache):
 
 
 def kvtuner_methods(model, adapter, bundle, sensitivity: Callable[[], torch.Tensor], window: int, group: int,
-                    backend: str = "auto") -> list[Method]:
-    """One `Method` per budget in `BUDGETS`; `sensitivity()` returns e [L, len(PAIRS)] (computed on first use).
-    A method's settings gain the allocation (pair per layer) when its first cache is made."""
+                    serve: ServeOptions | None = None) -> list[Method]:
+    """One `Method` per budget in `BUDGETS`, served with `serve` (default options when None); `sensitivity()`
+    returns e [L, len(PAIRS)] (computed on first use). A method's settings gain the allocation (pair per layer) when
+    its first cache is made."""
     from kvcal.runtime.hf import install
 
     compressed = [not adapter.is_sliding(i) for i in range(adapter.num_layers)]
@@ -194,8 +202,8 @@ def kvtuner_methods(model, adapter, bundle, sensitivity: Callable[[], torch.Tens
             pairs = allocate(sensitivity(), compressed, budget)
             settings["pairs"] = [f"K{k}V{v}" if c else None for (k, v), c in zip(pairs, compressed)]
             install(model)
-            configs = [kivi_config(k, v, window, group, backend) if c else None for (k, v), c in zip(pairs, compressed)]
-            return LayerwiseKvcalCache(bundle, adapter, configs)
+            configs = [kivi_config(k, v, window, group) if c else None for (k, v), c in zip(pairs, compressed)]
+            return LayerwiseKvcalCache(bundle, adapter, configs, serve)
 
         out.append(Method(f"kvtuner-{budget:g}bit", f"KVTuner-style {budget:g} bit", "quantization", "KVTuner-style",
                           f"KIVI layout (fp16 residual of {window} + <{group} tokens), (key, value) bits per layer "

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.options import ServeOptions
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Method:
     factory: Callable[[int], Any] | None = None      # other caches: reserve (decode steps to come) -> fresh cache
     unavailable: str | None = None                   # one-line reason it cannot run here
     note: str | None = None                          # how it was built, when that needs saying
+    serve: ServeOptions = ServeOptions()             # how its KvcalCache is served (backend, page size)
 
     @property
     def replays(self) -> bool:
@@ -42,5 +44,5 @@ class Method:
             config = self.config
             if config.snapkv is not None:
                 config = config.with_(snapkv=dataclasses.replace(config.snapkv, reserve=reserve))
-            return KvcalCache.from_bundle(self.bundle, model, config, tokenizer=tokenizer)
+            return KvcalCache.from_bundle(self.bundle, model, config, tokenizer=tokenizer, serve=self.serve)
         return self.factory(reserve)

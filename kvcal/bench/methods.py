@@ -22,7 +22,7 @@ KVQuant-style K4V4 / K3V3 / K2V2 (Hooper et al., NeurIPS 2024, arXiv 2401.18079)
 `kvcal.bench.kvquant`: pre-RoPE per-channel keys and per-token values on per-layer non-uniform codebooks, 1% outliers
 and the first token exact, all calibrated on the corpus's calib split (`kvquant_methods`, added by `run_bench`).
 
-The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.streamingllm`,
+The eviction baselines StreamingLLM, H2O and SnapKV are runtime token policies (`kvcal.runtime.policies.streamingllm`,
 `h2o`, `snapkv`) on a `K16V16` store at full rank without rotation, so their bytes are the pages they really hold.
 The others are caches of their own (`kvcal.bench.caches`, `kvcal.bench.lowrank`, `kvcal.bench.turboquant`): dense
 (model dtype), transformers' `QuantizedCache` for each backend that runs offline, Palu, and TurboQuant-style
@@ -45,12 +45,13 @@ from kvcal.bench.turboquant import turboquant_methods
 from kvcal.profile.ranks import ranks_of
 from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.diffkv import EVERY_TOKEN_LOW, TieringConfig
-from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.h2o import H2OConfig
-from kvcal.runtime.layout import PageLayout, TierFormat, default_page_bytes
-from kvcal.runtime.snapkv import SnapKVConfig
-from kvcal.runtime.streamingllm import StreamingLLMConfig
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW, TieringConfig
+from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.policies.h2o import H2OConfig
+from kvcal.runtime.policies.snapkv import SnapKVConfig
+from kvcal.runtime.policies.streamingllm import StreamingLLMConfig
+from kvcal.runtime.storage.layout import PageLayout, TierFormat, default_page_bytes
 
 KIVI_WINDOW = 64          # recent tokens always fp16
 KIVI_GROUP = 32           # tokens per per-channel key group (KIVI's G)
@@ -64,12 +65,11 @@ FAMILY_DEFAULTS = {       # used when the bundle's search kept no point for a fa
 }
 
 
-def kivi_config(k_bits: int, v_bits: int, window: int = KIVI_WINDOW, group: int = KIVI_GROUP,
-                backend: str = "auto") -> CompressionConfig:
+def kivi_config(k_bits: int, v_bits: int, window: int = KIVI_WINDOW, group: int = KIVI_GROUP) -> CompressionConfig:
     """KIVI's layout in the kvcal store, in the model's basis at full rank: an fp16 residual of `window` tokens (plus
     fewer than `group` waiting), every older token in the low tier K{k}cV{v}, keys per channel over `group` tokens."""
     return CompressionConfig(high=TierFormat(16, 16), low=TierFormat(k_bits, v_bits, "channel"), page_tokens=group,
-                             use_ranks=False, rotate=False, mix=False, backend=backend,
+                             use_ranks=False, rotate=False, mix=False,
                              tiering=TieringConfig(window=window, alpha_high=KIVI_ALPHA, alpha_low=0.0))
 
 
@@ -89,21 +89,25 @@ def _tiers(config: CompressionConfig) -> str:
 # --------------------------------------------------------------------------------------------- store methods
 
 
-def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
-    """Uniform and KIVI-style quantization, each seed family alone, and kvcal joint (all on the kvcal store)."""
-    plain = CompressionConfig(use_ranks=False, rotate=False, mix=False, backend=backend)   # model basis, full rank
+def store_methods(bundle: Bundle, serve: ServeOptions | None = None) -> list[Method]:
+    """Uniform and KIVI-style quantization, each seed family alone, and kvcal joint (all on the kvcal store, served
+    with `serve`, default options when None)."""
+    serve = serve or ServeOptions()
+    plain = CompressionConfig(use_ranks=False, rotate=False, mix=False)   # model basis, full rank
     out = []
     for bits in (8, 4, 2):
         out.append(Method(f"uniform-k{bits}v{bits}", f"K{bits}V{bits} per-token", "quantization",
                           "uniform per-token", f"every token K{bits}V{bits}, per-token min-max in the model basis",
-                          {"high": f"K{bits}V{bits}"}, plain.with_(high=TierFormat(bits, bits)), bundle))
+                          {"high": f"K{bits}V{bits}"}, plain.with_(high=TierFormat(bits, bits)), bundle,
+                          serve=serve))
     for k_bits, v_bits in KIVI_BITS:
-        cfg = kivi_config(k_bits, v_bits, backend=backend)
+        cfg = kivi_config(k_bits, v_bits)
         low = cfg.low
         out.append(Method(f"kivi-k{k_bits}v{v_bits}", f"KIVI K{k_bits}V{v_bits}", "quantization", "KIVI-style",
                           f"keys per channel (groups of {KIVI_GROUP} tokens), values per token, fp16 residual of "
                           f"{KIVI_WINDOW} + <{KIVI_GROUP} tokens",
-                          {"high": "K16V16", "low": low.name, "window": KIVI_WINDOW, "group": KIVI_GROUP}, cfg, bundle))
+                          {"high": "K16V16", "low": low.name, "window": KIVI_WINDOW, "group": KIVI_GROUP}, cfg, bundle,
+                          serve=serve))
     families = (bundle.calibration.get("search") or {}).get("families") or {}
     for name, key, label, series in (("rank-only (FDC)", "fdc-ranks", "FDC ranks only", "FDC ranks"),
                                      ("tiers-only (DiffKV)", "diffkv-tiers", "DiffKV tiers only", "DiffKV tiers"),
@@ -119,19 +123,20 @@ def store_methods(bundle: Bundle, backend: str = "auto") -> list[Method]:
         else:
             settings = dict(point["settings"])
             cfg = CompressionConfig.from_dict(settings)
-        cfg = cfg.with_(backend=backend)
         desc = _tiers(cfg)
         if cfg.qk_removal_rate or cfg.v_removal_rate:
             desc += f", FDC removal rates qk {cfg.qk_removal_rate:g} / v {cfg.v_removal_rate:g}"
         if cfg.fastgen:
             desc += f", FastGen T={cfg.fastgen.recovery:g}"
-        out.append(Method(key, label, "seed", series, desc, settings, cfg, with_ranks(bundle, cfg), note=note))
-    out.append(joint_method(bundle, backend))
+        out.append(Method(key, label, "seed", series, desc, settings, cfg, with_ranks(bundle, cfg), note=note,
+                          serve=serve))
+    out.append(joint_method(bundle, serve))
     return out
 
 
-def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
-    cfg = CompressionConfig.from_dict(bundle.settings).with_(backend=backend)
+def joint_method(bundle: Bundle, serve: ServeOptions | None = None) -> Method:
+    serve = serve or ServeOptions()
+    cfg = CompressionConfig.from_dict(bundle.settings)
     searched = "search" in bundle.calibration
     note = None if searched else ("the bundle records no searched settings (`kvcal calibrate --no-search`); kvcal "
                                   "joint = the runtime's default settings")
@@ -140,7 +145,7 @@ def joint_method(bundle: Bundle, backend: str = "auto") -> Method:
     desc = _tiers(cfg) + (f", FastGen T={cfg.fastgen.recovery:g}" if cfg.fastgen else "") + \
         (f", ranks keep {kept:.3f} of K/V dims" if kept < 1 else "")
     return Method("kvcal-joint", "kvcal joint", "kvcal", "kvcal joint", desc, cfg.to_dict(searched=searched), cfg,
-                  bundle, note=note)
+                  bundle, note=note, serve=serve)
 
 
 def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
@@ -163,7 +168,7 @@ def sweep_methods(bundle: Bundle, joint: Method, quick: bool) -> list[Method]:
         seen.add((a_h, a_l))
         variant = cfg.with_tiering(alpha_high=a_h, alpha_low=a_l)
         out.append(Method(f"kvcal-a{a_h:g}-{a_l:g}", f"kvcal a=({a_h:g},{a_l:g})", "kvcal", "kvcal sweep",
-                          _tiers(variant), variant.to_dict(), variant, joint.bundle))
+                          _tiers(variant), variant.to_dict(), variant, joint.bundle, serve=joint.serve))
     return out
 
 
@@ -211,23 +216,26 @@ def eviction_fraction(ratio: float, head_dim: int) -> float:
 
 
 def matched_methods(model, adapter, ratio: float, palu: Callable[[], Any], bundle: Bundle,
-                    backend: str = "auto", shortest_prompt: int = 1 << 30) -> list[Method]:
+                    serve: ServeOptions | None = None, shortest_prompt: int = 1 << 30) -> list[Method]:
     """StreamingLLM, H2O, SnapKV (runtime policies on `bundle`'s store), Palu and kvpress's presses budgeted to
     `ratio` of fp16 bytes (kvcal joint's measured ratio). `palu()` returns the PaluFactors (computed on first use);
-    `shortest_prompt`: the run's shortest prompt, which some presses need to be long enough."""
+    `shortest_prompt`: the run's shortest prompt, which some presses need to be long enough. The policies are served
+    with `serve` (default options when None) on pages of `EVICTION_PAGE_TOKENS` tokens."""
+    serve = serve or ServeOptions()
     f = eviction_fraction(ratio, adapter.head_dim)
-    store = EVICTION_STORE.with_(backend=backend, page_bytes=eviction_page_bytes(adapter.head_dim))
+    store, pages = EVICTION_STORE, serve.with_(page_bytes=eviction_page_bytes(adapter.head_dim))
     out = [
         Method("streamingllm", "StreamingLLM", "eviction", "StreamingLLM",
                f"4 sink tokens + recent window, {ratio:.3f} of fp16 bytes", {"ratio": ratio, "fraction": f, "sinks": 4},
-               store.with_(streamingllm=StreamingLLMConfig(f, sinks=4)), bundle),
+               store.with_(streamingllm=StreamingLLMConfig(f, sinks=4)), bundle, serve=pages),
         Method("h2o", "H2O", "eviction", "H2O",
                f"heavy hitters + recent (half the budget each), {ratio:.3f} of fp16 bytes",
-               {"ratio": ratio, "fraction": f, "recent": "half the budget"}, store.with_(h2o=H2OConfig(f)), bundle),
+               {"ratio": ratio, "fraction": f, "recent": "half the budget"}, store.with_(h2o=H2OConfig(f)), bundle,
+               serve=pages),
         Method("snapkv", "SnapKV", "eviction", "SnapKV",
                f"observation window 32, avg-pool 7, prompt compressed once, {ratio:.3f} of fp16 bytes",
                {"ratio": ratio, "fraction": f, "window": 32, "kernel": 7},
-               store.with_(snapkv=SnapKVConfig(f, window=32, kernel=7)), bundle),
+               store.with_(snapkv=SnapKVConfig(f, window=32, kernel=7)), bundle, serve=pages),
     ]
     d = adapter.head_dim
     rank = max(1, min(d, round(ratio * d)))

@@ -53,7 +53,7 @@ def bundle_kv_bytes(bundle, head_dim: int) -> list[float]:
     """Stored K+V bytes per token of each layer (all KV heads) in kvcal's high tier: page bytes per token slot at
     the bundle's ranks, padding and quantization metadata included (tokens demoted to the low tier are smaller)."""
     from kvcal.runtime.cache import CompressionConfig
-    from kvcal.runtime.layout import PageLayout
+    from kvcal.runtime.storage.layout import PageLayout
 
     cfg = CompressionConfig.from_dict(bundle.settings)
     page = cfg.page_size(head_dim)

@@ -4,12 +4,12 @@ Protocol, per method (all against the same dense model, same token ids):
 
 * **Quality** on held-out text (`load_corpus(dataset, "eval")`, documents disjoint from calibration and search):
   `windows` windows of `prompt` prompt tokens, then `steps` teacher-forced decode steps through the method's cache
-  (kvcal.profile.quality). KL(dense || method), top-1 agreement with dense and the continuation-perplexity ratio over
+  (kvcal.eval). KL(dense || method), top-1 agreement with dense and the continuation-perplexity ratio over
   windows x steps predictions. The dense reference logits and, for methods on the kvcal store, the dense prefill are
   computed once (`DecodeProbe`); other caches run their own prefill. The method's memory is read from the cache at
   the end of this run (prompt + steps tokens): bytes per token = bytes held / (windows x (prompt + steps)).
 * **Passkey**: greedy retrieval of a 5-digit key hidden in pydoc text at each depth, for each length
-  (`kvcal.profile.quality.passkey`; methods on the kvcal store replay one recorded prefill per prompt, `PasskeyProbe`,
+  (`kvcal.eval.passkey`; methods on the kvcal store replay one recorded prefill per prompt, `PasskeyProbe`,
   which gives the same answers as `generate` and saves a prefill per method).
 * **Speed** at each context length C (batch 1, CPU): prefill tokens/s of one prefill of C tokens through a fresh
   cache, then `speed_steps` + 1 teacher-forced decode steps; decode ms/step is the mean over the last `speed_steps`
@@ -21,6 +21,10 @@ corpus's calib split, never on the eval split measured here.
 Matched memory: kvcal joint is measured first; its bytes ratio on the quality run is the budget of the eviction and
 Palu baselines (kvcal.bench.methods). Seeds: windows come from `seed`, passkeys from `seed` too; nothing else is
 random (the runtime's mixing rotation is seeded by its rank).
+
+Steps of `run_bench`, each a function below: `prepare` (checks, inputs), `build_catalogue` (the methods),
+`quality_phase`, `passkey_phase`, `speed_phase` (each over all methods, sharing a `Tally` of rows and progress), then
+`assemble_report`. What one method's measurement does is `kvcal.bench.measure`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,174 +44,23 @@ import torch
 
 from kvcal.bench import kvquant as KQ
 from kvcal.bench import methods as M
+from kvcal.bench.inputs import Inputs, load_inputs
 from kvcal.bench.kvtuner import kvtuner_methods, layer_sensitivity
+from kvcal.bench.lowrank import palu_factors
+from kvcal.bench.measure import PasskeyProbe, measure_quality, measure_speed
+from kvcal.bench.method import Method
 from kvcal.bench.report import SCHEMA_VERSION, summarise
+from kvcal.bench.settings import BenchSettings
 from kvcal.data import load_corpus, token_windows
+from kvcal.eval import DecodeProbe, QualityTarget, passkey
 from kvcal.models import LoadedModel, fingerprint, weights_hash
 from kvcal.models.sources import file_sha256
-from kvcal.profile.quality import DecodeProbe, QualityTarget, passkey
 from kvcal.runtime.bundle import Bundle
-from kvcal.runtime.fastgen import FastGenConfig
+from kvcal.runtime.policies.fastgen import FastGenConfig
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]     # (what is running, units done, units total)
-
-
-@dataclass
-class BenchSettings:
-    quick: bool = False
-    seed: int = 0
-    backend: str = "auto"                 # kvcal attention backend (auto, torch, cuda)
-    dataset: str = "default"              # corpus for held-out quality text (eval split) and Palu's whitening (calib)
-    windows: int = 8                      # held-out windows for quality
-    prompt: int = 1024                    # prompt tokens per window
-    steps: int = 64                       # teacher-forced decode steps per window (windows x steps predictions)
-    passkey_lengths: tuple[int, ...] = (1024, 4096, 16384)
-    passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    passkey_tokens: int = 8               # greedy tokens generated for the answer
-    contexts: tuple[int, ...] = (1024, 4096, 16384)   # speed: context lengths
-    speed_steps: int = 16                 # speed: decode steps averaged per context
-    calib_windows: int = 4                # calibration windows (of `prompt` tokens): Palu, KVTuner-style sensitivity
-    methods: tuple[str, ...] | None = None   # keys / families / series to run (None: all); kvcal joint always runs
-    target_top1: float | None = None      # top-1 of the quality target (None: the bundle's, `bundle_target`)
-    command: str | None = None            # the command line, recorded in the report
-
-    QUICK = {"windows": 4, "prompt": 512, "steps": 32, "passkey_lengths": (1024,), "contexts": (1024,),
-             "speed_steps": 8, "calib_windows": 2}
-
-    @classmethod
-    def preset(cls, quick: bool = False, **overrides) -> BenchSettings:
-        """Full settings, or `--quick` ones (a few minutes for a 135M model on 2 cores); `overrides` win."""
-        base = dict(cls.QUICK) if quick else {}
-        return cls(quick=quick, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
-
-    def __post_init__(self):
-        for name in ("windows", "prompt", "steps", "passkey_tokens", "speed_steps", "calib_windows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}={getattr(self, name)}` must be >= 1")
-        if any(c < 1 for c in (*self.contexts, *self.passkey_lengths)):
-            raise ValueError("context and passkey lengths must be >= 1")
-        if any(not 0 <= x <= 1 for x in self.passkey_depths):
-            raise ValueError(f"passkey depths {self.passkey_depths} must lie in [0, 1]")
-        if self.target_top1 is not None and not 0 < self.target_top1 <= 1:
-            raise ValueError(f"`--target-top1 {self.target_top1:g}` must lie in (0, 1]")
-
-
-# --------------------------------------------------------------------------------------------- measuring
-
-
-def _release(cache) -> None:
-    if hasattr(cache, "release"):
-        cache.release()
-
-
-def _memory(mem: dict, tokens: int) -> dict:
-    """A row's memory (report schema) from a cache's `memory()` over `tokens` tokens."""
-    return {"bytes_per_token": mem["total_bytes"] / tokens, "ratio_to_fp16": mem["ratio_to_fp16"],
-            "total_bytes": int(mem["total_bytes"]), "fp16_bytes": int(mem["fp16_bytes"]), "tokens": int(tokens),
-            "fixed_bytes": int(mem.get("fixed_bytes", 0))}
-
-
-@torch.inference_mode()
-def measure_quality(method: M.Method, probe: DecodeProbe, model, tokenizer,
-                    target: QualityTarget) -> tuple[dict, dict]:
-    """(quality, memory) of `method` on the probe's windows: store methods replay the probe's recorded prefill,
-    other caches run their own. "Meets the target" is `target.met`, the rule calibrate's search applies."""
-    from kvcal.profile.quality import compare_logits, teacher_force
-
-    B, P = probe.prompt.shape
-    steps = probe.continuation.shape[1] - 1
-    cfg = method.config
-    if method.replays and (cfg.fastgen is None or (cfg.fastgen.r_local, cfg.fastgen.r_frequent)
-                            == (probe.fastgen.r_local, probe.fastgen.r_frequent)):
-        fid = probe.measure(cfg, method.bundle)
-        mem = fid.memory
-    else:
-        cache = method.make_cache(model, tokenizer, reserve=steps)
-        model(input_ids=probe.prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        got, seconds = teacher_force(model, cache, probe.continuation)
-        fid = compare_logits(probe.ref, got, probe.continuation[:, 1:], P, seconds, cache)
-        mem = cache.memory()
-        _release(cache)
-    tokens = B * (P + steps)
-    memory = _memory(mem, tokens)
-    quality = {"kl": fid.kl, "top1": fid.top1, "ppl_ratio": fid.ppl_ratio, "ppl": fid.ppl, "ppl_dense": fid.ppl_dense,
-               "predictions": fid.predictions, "decode_ms_per_step": fid.decode_ms_per_step,
-               "meets_target": target.met(fid),
-               "tiers": fid.tiers}
-    return quality, memory
-
-
-@torch.inference_mode()
-def measure_speed(method: M.Method, model, tokenizer, ids: torch.Tensor, context: int, steps: int) -> dict:
-    """ids [1, >= context + steps + 1]: prefill `context` tokens, then steps + 1 decode steps (the first warms up)."""
-    cache = method.make_cache(model, tokenizer, reserve=steps + 1)
-    t0 = time.perf_counter()
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
-    prefill = time.perf_counter() - t0
-    times = []
-    for t in range(steps + 1):
-        t0 = time.perf_counter()
-        model(input_ids=ids[:, context + t:context + t + 1], cache=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-    mem = _memory(cache.memory(), context + steps + 1)
-    _release(cache)
-    return {"context": context, "prefill_tokens_per_s": context / prefill,
-            "decode_ms_per_step": 1000 * sum(times[1:]) / steps, "bytes_per_token": mem["bytes_per_token"],
-            "ratio_to_fp16": mem["ratio_to_fp16"]}
-
-
-class PasskeyProbe:
-    """`passkey` for many methods on the kvcal store, paying each prompt's prefill once.
-
-    kvcal's prefill attends on the uncompressed K/V whatever the settings, so the first answer token and the
-    prefill's inputs are the same for every store method: record them once per prompt (as `DecodeProbe` does), then
-    replay the prefill into a fresh cache per method (`KvcalCache.prime`) and decode greedily, stopping at EOS as
-    `generate` does. Prompts, keys and seeds are those of `kvcal.profile.quality.passkey`.
-    """
-
-    @torch.inference_mode()
-    def __init__(self, model, bundle, tokenizer, filler: str, length: int, depth: float, seed: int,
-                 fastgen: FastGenConfig):
-        from kvcal.profile.quality import passkey_prompt
-        from kvcal.runtime.cache import CompressionConfig
-        from kvcal.runtime.hf import KvcalCache
-
-        self.model, self.tokenizer = model, tokenizer
-        filler_ids = tokenizer(filler, add_special_tokens=False).input_ids
-        ids, self.key = passkey_prompt(tokenizer, filler_ids, length, depth, seed + length + int(depth * 100))
-        self.case = f"{length}@{depth:g}"
-        self.prompt = torch.tensor([ids])
-        recording = KvcalCache.from_bundle(bundle, model, CompressionConfig.none().with_(fastgen=fastgen),
-                                           tokenizer=tokenizer)
-        recording.record = True
-        out = model(input_ids=self.prompt, cache=recording, use_cache=True, logits_to_keep=1)
-        self.first = out.logits[:, -1].argmax(-1)                                      # [1]
-        self.records = dict(recording.kv.recorder)
-        for i, layer in enumerate(recording.layers):
-            if recording.sliding[i]:
-                self.records[i] = (layer.keys, layer.values, layer.cumulative_length)
-        recording.release()
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-
-    @torch.inference_mode()
-    def answer(self, method: M.Method, new_tokens: int) -> str:
-        """The greedy answer (`new_tokens` at most) of `method`'s cache, primed with the recorded prefill."""
-        from kvcal.runtime.hf import KvcalCache
-
-        cache = KvcalCache.from_bundle(method.bundle, self.model, method.config, tokenizer=self.tokenizer)
-        cache.prime(self.records, token_ids=self.prompt)
-        tokens = [int(self.first)]
-        while len(tokens) < new_tokens and tokens[-1] not in self.eos:
-            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-        cache.release()
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def retrieved(self, method: M.Method, new_tokens: int) -> bool:
-        return self.key in self.answer(method, new_tokens)
 
 
 # --------------------------------------------------------------------------------------------- provenance
@@ -243,191 +96,271 @@ def bundle_target(bundle: Bundle) -> tuple[QualityTarget, str]:
     return (QualityTarget(**recorded), "bundle") if recorded else (QualityTarget(), "default")
 
 
-# --------------------------------------------------------------------------------------------- the run
+# --------------------------------------------------------------------------------------------- step 1: checks
 
 
-def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundle_path: Path | None = None,
-              progress: Progress | None = None, status: Callable[[str], None] | None = None) -> dict:
-    """Measure every method and return the report (see kvcal.bench.report for its schema).
+@dataclass
+class Run:
+    """What every step of one bench run reads: the model, the bundle, the settings, the inputs, the target."""
 
-    Three phases over all methods, each on the same inputs: quality (dense first, then kvcal joint, whose bytes
-    ratio budgets the matched baselines), passkey, speed."""
-    from kvcal.runtime.attention import select_backend
+    lm: LoadedModel
+    bundle: Bundle
+    settings: BenchSettings
+    say: Callable[[str], None]                      # a status line
+    backend_name: str                               # the attention backend the kvcal caches get here
+    target: QualityTarget
+    target_source: str                              # "bundle", "default" or "command line"
+    inputs: Inputs
 
-    t_start = time.perf_counter()
-    say = status or (lambda msg: logger.info("%s", msg))
-    model, tok, adapter = lm.model, lm.tokenizer, lm.adapter
-    device = str(next(model.parameters()).device)
-    backend = select_backend(settings.backend, device)          # ValueError, one line, if it cannot run
+
+def prepare(lm: LoadedModel, bundle: Bundle, s: BenchSettings, say: Callable[[str], None]) -> Run:
+    """Check that the backend can run and the bundle is the model's (ValueError, one line), then load the inputs."""
+    model, adapter = lm.model, lm.adapter
+    backend = s.serve.resolve(str(next(model.parameters()).device))
     bundle.check_model(fingerprint(model.config), weights_hash(model, adapter),
                        shape=(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim))
-    torch.manual_seed(settings.seed)
-    s = settings
-    target, target_source = bundle_target(bundle)
+    torch.manual_seed(s.seed)
+    target, source = bundle_target(bundle)
     if s.target_top1 is not None:       # judged against another target than the bundle was searched for
-        target, target_source = dataclasses.replace(target, top1=s.target_top1), "command line"
-    max_pos = adapter.max_positions
-    if s.prompt + s.steps + 1 > max_pos:
-        raise ValueError(f"`--prompt {s.prompt}` + `--steps {s.steps}` exceeds the model's window ({max_pos} "
-                         "positions); lower them")
+        target, source = dataclasses.replace(target, top1=s.target_top1), "command line"
+    inputs = load_inputs(lm.tokenizer, s, adapter.max_positions)
+    return Run(lm, bundle, s, say, backend.name(), target, source, inputs)
 
-    # ---- inputs
-    eval_corpus = load_corpus(s.dataset, "eval")
-    windows = token_windows(tok, eval_corpus, s.windows, s.prompt + s.steps + 1, s.seed)
-    skipped, speed_ids = [], {}
-    for c in s.contexts:
-        if c + s.speed_steps + 1 > max_pos:
-            skipped.append({"what": "speed", "length": c, "reason": f"context {c} + {s.speed_steps + 1} decode "
-                            f"steps exceeds the model's window ({max_pos} positions)"})
-            continue
-        try:
-            speed_ids[c] = token_windows(tok, eval_corpus, 1, c + s.speed_steps + 1, s.seed + 3)
-        except ValueError as e:
-            skipped.append({"what": "speed", "length": c, "reason": str(e)})
-    pk_lengths = []
-    for n in s.passkey_lengths:
-        if n + s.passkey_tokens > max_pos:
-            skipped.append({"what": "passkey", "length": n, "reason": f"passkey length {n} + {s.passkey_tokens} "
-                            f"answer tokens exceeds the model's window ({max_pos} positions)"})
-        else:
-            pk_lengths.append(n)
-    cases = [(n, depth) for n in pk_lengths for depth in s.passkey_depths]
-    shortest_prompt = min([s.prompt, *pk_lengths, *speed_ids])
-    filler = "\n\n".join(load_corpus("pydoc", "all").documents) if cases else ""
 
-    # ---- methods
-    calibrated: dict = {}
+# --------------------------------------------------------------------------------------------- step 2: methods
 
-    def on_first_use(name: str, what: str, compute: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
-        """A function returning `compute(calibration windows)`, computed on its first call only (a baseline that
-        is not run costs nothing); every baseline calibrates on the same windows of the corpus's calib split."""
+
+@dataclass
+class Fits:
+    """The calibrated baselines' fits, each computed on its first use (a baseline that is not run costs nothing), all
+    on the same windows of the corpus's calib split."""
+
+    run: Run
+    done: dict = field(default_factory=dict)        # name -> fit, and "windows": the calibration windows
+
+    def lazy(self, name: str, what: str, compute: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        """A function returning `compute(calibration windows)`, computed on its first call only."""
         def get():
-            if name not in calibrated:
-                say(f"{what} from {s.calib_windows} calibration windows")
-                if "windows" not in calibrated:
-                    calibrated["windows"] = token_windows(tok, load_corpus(s.dataset, "calib"), s.calib_windows,
-                                                          s.prompt, s.seed + 5)
-                calibrated[name] = compute(calibrated["windows"])
-            return calibrated[name]
+            if name not in self.done:
+                s = self.run.settings
+                self.run.say(f"{what} from {s.calib_windows} calibration windows")
+                if "windows" not in self.done:
+                    self.done["windows"] = token_windows(self.run.lm.tokenizer, load_corpus(s.dataset, "calib"),
+                                                         s.calib_windows, s.prompt, s.seed + 5)
+                self.done[name] = compute(self.done["windows"])
+            return self.done[name]
         return get
 
-    def palu(windows):
-        from kvcal.bench.lowrank import palu_factors as whitened_svd
 
-        return whitened_svd(model, adapter, windows)
+@dataclass
+class Catalogue:
+    """Every method of the run. `everything` is the report's rows in order: `base`, the matched baselines built at a
+    placeholder budget of 1.0 (rebuilt by `matched(ratio)` once kvcal joint's ratio is measured), `sweep`."""
 
-    palu_factors = on_first_use("palu", "Palu: whitened SVD of W_K / W_V", palu)
-    kvquant = on_first_use("kvquant", "KVQuant: per-channel key ranges and nuq codebooks",
-                           lambda w: KQ.kvquant_calibration(model, adapter, w, seed=s.seed))
-    sensitivity = on_first_use("kvtuner", "KVTuner-style: attention-error sensitivity",
-                               lambda w: layer_sensitivity(model, adapter, w, M.KIVI_WINDOW, M.KIVI_GROUP))
-    base = (M.cache_methods(model) + M.store_methods(bundle, s.backend)
+    base: list[Method]
+    sweep: list[Method]
+    matched: Callable[[float], list[Method]]        # bytes ratio -> the eviction and low-rank baselines at it
+    everything: list[Method]
+    chosen: set[str]                                # keys `--methods` selects
+
+    def base_method(self, key: str) -> Method:
+        return next(m for m in self.base if m.key == key)
+
+    def runnable(self, methods: list[Method]) -> list[Method]:
+        return [m for m in methods if m.key in self.chosen and not m.unavailable]
+
+
+def _check_wanted(wanted: tuple[str, ...] | None, everything: list[Method]) -> None:
+    known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}
+    unknown = [w for w in wanted or () if w.lower() not in known]
+    if unknown:
+        raise ValueError(f"`--methods`: unknown `{unknown[0]}`; choose among {', '.join(m.key for m in everything)}"
+                         " or a family (dense, quantization, eviction, low-rank, seed, kvcal)")
+
+
+def build_catalogue(run: Run) -> tuple[Catalogue, Fits]:
+    """The methods `kvcal.bench.methods` and friends build for this model and bundle, checked against `--methods`."""
+    model, adapter, s, bundle = run.lm.model, run.lm.adapter, run.settings, run.bundle
+    fits = Fits(run)
+    palu = fits.lazy("palu", "Palu: whitened SVD of W_K / W_V", lambda w: palu_factors(model, adapter, w))
+    kvquant = fits.lazy("kvquant", "KVQuant: per-channel key ranges and nuq codebooks",
+                        lambda w: KQ.kvquant_calibration(model, adapter, w, seed=s.seed))
+    sensitivity = fits.lazy("kvtuner", "KVTuner-style: attention-error sensitivity",
+                            lambda w: layer_sensitivity(model, adapter, w, M.KIVI_WINDOW, M.KIVI_GROUP))
+    base = (M.cache_methods(model) + M.store_methods(bundle, s.serve)
             + KQ.kvquant_methods(model, adapter, kvquant, s.calib_windows, s.calib_windows * s.prompt)
-            + kvtuner_methods(model, adapter, bundle, sensitivity, M.KIVI_WINDOW, M.KIVI_GROUP, s.backend))
-    joint = next(m for m in base if m.key == "kvcal-joint")
-    sweep = M.sweep_methods(bundle, joint, s.quick)
-    everything = base + M.matched_methods(model, adapter, 1.0, palu_factors, bundle, s.backend, shortest_prompt) + sweep
-    if s.methods:
-        known = {x for m in everything for x in (m.key, m.family.lower(), m.series.lower())}
-        unknown = [w for w in s.methods if w.lower() not in known]
-        if unknown:
-            raise ValueError(f"`--methods`: unknown `{unknown[0]}`; choose among {', '.join(m.key for m in everything)}"
-                             " or a family (dense, quantization, eviction, low-rank, seed, kvcal)")
+            + kvtuner_methods(model, adapter, bundle, sensitivity, M.KIVI_WINDOW, M.KIVI_GROUP, s.serve))
+    sweep = M.sweep_methods(bundle, next(m for m in base if m.key == "kvcal-joint"), s.quick)
+    shortest_prompt = min([s.prompt, *run.inputs.passkey_lengths, *run.inputs.speed_ids])
+
+    def matched(ratio: float) -> list[Method]:
+        return M.matched_methods(model, adapter, ratio, palu, bundle, s.serve, shortest_prompt)
+
+    everything = base + matched(1.0) + sweep
+    _check_wanted(s.methods, everything)
     chosen = {m.key for m in M.select(everything, s.methods)}
-    n_run = sum(m.key in chosen and not m.unavailable for m in everything)
-    total, done = n_run * (1 + len(cases) + len(speed_ids)), 0
+    return Catalogue(base, sweep, matched, everything, chosen), fits
 
-    def tick(label: str, units: int = 1) -> None:
-        nonlocal done
-        done += units
-        if progress:
-            progress(label, done, total)
 
-    rows: dict[str, dict] = {}
-    for m in everything:
-        rows[m.key] = {"key": m.key, "name": m.name, "family": m.family, "series": m.series,
-                       "description": m.description, "settings": m.settings, "available": not m.unavailable,
-                       "unavailable_reason": m.unavailable, "note": m.note, "memory": None, "quality": None,
-                       "passkey": None, "speed": [], "seconds": 0.0}
-    timed: dict[str, float] = {}
+# --------------------------------------------------------------------------------------------- step 3: the phases
 
-    def timing(method: M.Method, t0: float) -> None:
-        timed[method.key] = timed.get(method.key, 0.0) + time.perf_counter() - t0
 
-    # ---- phase 1: quality (and memory) on held-out text
-    if progress:
-        progress("recording the dense prefill", 0, total)
-    say(f"recording the dense prefill of {s.windows} x {s.prompt} held-out tokens")
-    probe = DecodeProbe(model, bundle, windows[:, :s.prompt], windows[:, s.prompt:], tokenizer=tok,
-                        fastgen=FastGenConfig())
+def _row(m: Method) -> dict:
+    return {"key": m.key, "name": m.name, "family": m.family, "series": m.series, "description": m.description,
+            "settings": m.settings, "available": not m.unavailable, "unavailable_reason": m.unavailable,
+            "note": m.note, "memory": None, "quality": None, "passkey": None, "speed": [], "seconds": 0.0}
 
-    def quality(method: M.Method) -> None:
-        if progress:
-            progress(f"{method.name}: quality", done, total)
-        t0 = time.perf_counter()
-        row = rows[method.key]
-        row["quality"], row["memory"] = measure_quality(method, probe, model, tok, target)
-        timing(method, t0)
-        q, mem = row["quality"], row["memory"]
-        say(f"  {method.name:28} {mem['ratio_to_fp16']:.3f} of fp16  top-1 {q['top1']:.3f}  KL {q['kl']:.4f}  "
-            f"ppl {q['ppl_ratio']:.3f}  ({timed[method.key]:.0f} s)")
-        tick(f"{method.name}: quality")
 
-    quality(next(m for m in base if m.key == "dense"))
-    quality(joint)
-    ratio = rows["kvcal-joint"]["memory"]["ratio_to_fp16"]
-    matched = M.matched_methods(model, adapter, ratio, palu_factors, bundle, s.backend, shortest_prompt)
+class Tally:
+    """The report's method rows, the seconds spent on each method, and the progress count the phases share."""
+
+    def __init__(self, methods: list[Method], total: int, progress: Progress | None):
+        self.rows = {m.key: _row(m) for m in methods}
+        self.seconds: dict[str, float] = {}
+        self.done, self.total, self.progress = 0, total, progress
+
+    def running(self, label: str) -> None:
+        if self.progress:
+            self.progress(label, self.done, self.total)
+
+    def tick(self, label: str, units: int = 1) -> None:
+        self.done += units
+        self.running(label)
+
+    def timed(self, method: Method, t0: float) -> None:
+        self.seconds[method.key] = self.seconds.get(method.key, 0.0) + time.perf_counter() - t0
+
+
+def _quality(run: Run, probe: DecodeProbe, method: Method, tally: Tally) -> None:
+    tally.running(f"{method.name}: quality")
+    t0 = time.perf_counter()
+    row = tally.rows[method.key]
+    row["quality"], row["memory"] = measure_quality(method, probe, run.lm.model, run.lm.tokenizer, run.target)
+    tally.timed(method, t0)
+    q, mem = row["quality"], row["memory"]
+    run.say(f"  {method.name:28} {mem['ratio_to_fp16']:.3f} of fp16  top-1 {q['top1']:.3f}  KL {q['kl']:.4f}  "
+            f"ppl {q['ppl_ratio']:.3f}  ({tally.seconds[method.key]:.0f} s)")
+    tally.tick(f"{method.name}: quality")
+
+
+def quality_phase(run: Run, catalogue: Catalogue, tally: Tally) -> tuple[float, list[Method]]:
+    """Quality and memory on held-out text: dense, then kvcal joint, whose bytes ratio budgets the matched baselines,
+    then every other method. Returns (that ratio, the methods the later phases run, in report order)."""
+    s, windows = run.settings, run.inputs.windows
+    tally.running("recording the dense prefill")
+    run.say(f"recording the dense prefill of {s.windows} x {s.prompt} held-out tokens")
+    probe = DecodeProbe(run.lm.model, run.bundle, windows[:, :s.prompt], windows[:, s.prompt:],
+                        tokenizer=run.lm.tokenizer, fastgen=FastGenConfig())
+    _quality(run, probe, catalogue.base_method("dense"), tally)
+    _quality(run, probe, catalogue.base_method("kvcal-joint"), tally)
+    ratio = tally.rows["kvcal-joint"]["memory"]["ratio_to_fp16"]
+    matched = catalogue.matched(ratio)
     for m in matched:               # the rows were made from placeholders budgeted at 1.0: say the real budget
-        rows[m.key].update(description=m.description, settings=m.settings)
-    runnable = [m for m in base + matched + sweep if m.key in chosen and not m.unavailable]
+        tally.rows[m.key].update(description=m.description, settings=m.settings)
+    runnable = catalogue.runnable(catalogue.base + matched + catalogue.sweep)
     for m in runnable:
-        if rows[m.key]["quality"] is None:
-            quality(m)
-    probe = None          # frees the recorded prefill before the passkey prompts are recorded
+        if tally.rows[m.key]["quality"] is None:
+            _quality(run, probe, m, tally)
+    return ratio, runnable          # the probe's recorded prefill is freed before the passkey prompts are recorded
 
-    # ---- phase 2: passkey retrieval
-    if cases:
-        say(f"passkey: {len(cases)} prompts ({', '.join(f'{n}@{d:g}' for n, d in cases)})")
-        hits: dict[str, dict[str, bool]] = {m.key: {} for m in runnable}
-        store = [m for m in runnable if m.replays]
-        for n, depth in cases:
-            t0 = time.perf_counter()
-            pk = PasskeyProbe(model, bundle, tok, filler, n, depth, s.seed, FastGenConfig())
-            share = (time.perf_counter() - t0) / max(len(store), 1)
-            for m in store:
-                if progress:
-                    progress(f"{m.name}: passkey {pk.case}", done, total)
-                t0 = time.perf_counter()
-                hits[m.key][pk.case] = pk.retrieved(m, s.passkey_tokens)
-                timing(m, t0 - share)
-                tick(f"{m.name}: passkey {pk.case}")
-            del pk
-        for m in runnable:
-            if m.replays:
-                continue
-            if progress:
-                progress(f"{m.name}: passkey", done, total)
-            t0 = time.perf_counter()
-            make = lambda m=m: m.make_cache(model, tok, reserve=s.passkey_tokens)   # noqa: E731
-            hits[m.key] = passkey(model, tok, filler, pk_lengths, list(s.passkey_depths), make, seed=s.seed,
-                                  new_tokens=s.passkey_tokens)["cases"]
-            timing(m, t0)
-            tick(f"{m.name}: passkey", len(cases))
-        for key, h in hits.items():
-            rows[key]["passkey"] = {"accuracy": sum(h.values()) / len(h), "cases": h}
 
-    # ---- phase 3: speed
+def _store_passkeys(run: Run, store: list[Method], tally: Tally) -> dict[str, dict[str, bool]]:
+    """Methods on the kvcal store: one recorded prefill per prompt, replayed into each (`PasskeyProbe`)."""
+    s, lm = run.settings, run.lm
+    hits: dict[str, dict[str, bool]] = {m.key: {} for m in store}
+    for n, depth in run.inputs.cases:
+        t0 = time.perf_counter()
+        pk = PasskeyProbe(lm.model, run.bundle, lm.tokenizer, run.inputs.filler, n, depth, s.seed, FastGenConfig())
+        share = (time.perf_counter() - t0) / max(len(store), 1)
+        for m in store:
+            tally.running(f"{m.name}: passkey {pk.case}")
+            t0 = time.perf_counter()
+            hits[m.key][pk.case] = pk.retrieved(m, s.passkey_tokens)
+            tally.timed(m, t0 - share)
+            tally.tick(f"{m.name}: passkey {pk.case}")
+        del pk
+    return hits
+
+
+def _cache_passkeys(run: Run, others: list[Method], tally: Tally) -> dict[str, dict[str, bool]]:
+    """Other caches: `passkey`, each prompt with its own prefill."""
+    s, model, tok = run.settings, run.lm.model, run.lm.tokenizer
+    hits = {}
+    for m in others:
+        tally.running(f"{m.name}: passkey")
+        t0 = time.perf_counter()
+        make = lambda m=m: m.make_cache(model, tok, reserve=s.passkey_tokens)   # noqa: E731
+        hits[m.key] = passkey(model, tok, run.inputs.filler, run.inputs.passkey_lengths, list(s.passkey_depths), make,
+                              seed=s.seed, new_tokens=s.passkey_tokens)["cases"]
+        tally.timed(m, t0)
+        tally.tick(f"{m.name}: passkey", len(run.inputs.cases))
+    return hits
+
+
+def passkey_phase(run: Run, runnable: list[Method], tally: Tally) -> None:
+    """Greedy passkey retrieval of every method at each (length, depth) case."""
+    cases = run.inputs.cases
+    if not cases:
+        return
+    run.say(f"passkey: {len(cases)} prompts ({', '.join(f'{n}@{d:g}' for n, d in cases)})")
+    hits = _store_passkeys(run, [m for m in runnable if m.replays], tally)
+    hits.update(_cache_passkeys(run, [m for m in runnable if not m.replays], tally))
     for m in runnable:
-        for c, ids in speed_ids.items():
-            if progress:
-                progress(f"{m.name}: speed @ {c}", done, total)
-            t0 = time.perf_counter()
-            rows[m.key]["speed"].append(measure_speed(m, model, tok, ids, c, s.speed_steps))
-            timing(m, t0)
-            tick(f"{m.name}: speed @ {c}")
-    for key, seconds in timed.items():
-        rows[key]["seconds"] = round(seconds, 2)
+        h = hits[m.key]
+        tally.rows[m.key]["passkey"] = {"accuracy": sum(h.values()) / len(h), "cases": h}
 
+
+def speed_phase(run: Run, runnable: list[Method], tally: Tally) -> None:
+    """Prefill and decode speed of every method at each context length."""
+    for m in runnable:
+        for c, ids in run.inputs.speed_ids.items():
+            tally.running(f"{m.name}: speed @ {c}")
+            t0 = time.perf_counter()
+            tally.rows[m.key]["speed"].append(measure_speed(m, run.lm.model, run.lm.tokenizer, ids, c,
+                                                            run.settings.speed_steps))
+            tally.timed(m, t0)
+            tally.tick(f"{m.name}: speed @ {c}")
+
+
+# --------------------------------------------------------------------------------------------- step 4: the report
+
+
+def _model_block(lm: LoadedModel) -> dict:
+    model, a = lm.model, lm.adapter
+    return {"name": lm.name, "family": a.family, "fingerprint": fingerprint(model.config),
+            "weights_hash": weights_hash(model, a), "dtype": str(model.dtype).removeprefix("torch."),
+            "num_layers": a.num_layers, "num_kv_heads": a.num_kv_heads, "num_q_heads": a.num_q_heads,
+            "head_dim": a.head_dim, "max_positions": a.max_positions,
+            "fp16_bytes_per_token": sum(not a.is_sliding(i) for i in range(a.num_layers))
+            * a.num_kv_heads * a.head_dim * 2 * 2}
+
+
+def _bundle_block(run: Run, bundle_path: Path | None) -> dict:
+    b = run.bundle
+    return {"path": str(bundle_path) if bundle_path else None,
+            "sha256": file_sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
+            "created": b.created, "kvcal_version": b.kvcal_version, "policy": b.settings,
+            "target": {**asdict(run.target), "source": run.target_source}}
+
+
+def _settings_block(run: Run, ratio: float, fits: Fits) -> dict:
+    s, inputs = run.settings, run.inputs
+    return {"quality": {"dataset": inputs.corpus.name, "dataset_sha256": inputs.corpus.sha256,
+                        "windows": s.windows, "prompt": s.prompt, "steps": s.steps,
+                        "windows_sha256": hashlib.sha256(inputs.windows.numpy().tobytes()).hexdigest()},
+            "passkey": {"lengths": inputs.passkey_lengths, "depths": list(s.passkey_depths),
+                        "new_tokens": s.passkey_tokens, "filler": "pydoc"},
+            "speed": {"contexts": list(inputs.speed_ids), "decode_steps": s.speed_steps, "batch": 1},
+            "matched_ratio": ratio, "backend": s.serve.backend,
+            "palu_calibration_tokens": fits.done["palu"].calibration_tokens if "palu" in fits.done else 0}
+
+
+def assemble_report(run: Run, catalogue: Catalogue, tally: Tally, fits: Fits, ratio: float,
+                    bundle_path: Path | None) -> dict:
+    """The report (kvcal.bench.report's schema) with its summary; `wall_seconds` is left for the caller."""
+    for key, seconds in tally.seconds.items():
+        tally.rows[key]["seconds"] = round(seconds, 2)
+    s = run.settings
     report = {
         "schema_version": SCHEMA_VERSION,
         "kind": "kvcal-bench",
@@ -436,29 +369,34 @@ def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundl
         "seed": s.seed,
         "quick": s.quick,
         "wall_seconds": 0.0,
-        "model": {"name": lm.name, "family": adapter.family, "fingerprint": fingerprint(model.config),
-                  "weights_hash": weights_hash(model, adapter), "dtype": str(model.dtype).removeprefix("torch."),
-                  "num_layers": adapter.num_layers, "num_kv_heads": adapter.num_kv_heads,
-                  "num_q_heads": adapter.num_q_heads, "head_dim": adapter.head_dim, "max_positions": max_pos,
-                  "fp16_bytes_per_token": sum(not adapter.is_sliding(i) for i in range(adapter.num_layers))
-                  * adapter.num_kv_heads * adapter.head_dim * 2 * 2},
-        "bundle": {"path": str(bundle_path) if bundle_path else None,
-                   "sha256": file_sha256(bundle_path) if bundle_path and Path(bundle_path).is_file() else None,
-                   "created": bundle.created, "kvcal_version": bundle.kvcal_version, "policy": bundle.settings,
-                   "target": {**asdict(target), "source": target_source}},
-        "environment": environment(backend.name()),
-        "settings": {"quality": {"dataset": eval_corpus.name, "dataset_sha256": eval_corpus.sha256,
-                                 "windows": s.windows, "prompt": s.prompt, "steps": s.steps,
-                                 "windows_sha256": hashlib.sha256(windows.numpy().tobytes()).hexdigest()},
-                     "passkey": {"lengths": pk_lengths, "depths": list(s.passkey_depths),
-                                 "new_tokens": s.passkey_tokens, "filler": "pydoc"},
-                     "speed": {"contexts": list(speed_ids), "decode_steps": s.speed_steps, "batch": 1},
-                     "matched_ratio": ratio, "backend": s.backend,
-                     "palu_calibration_tokens": (calibrated["palu"].calibration_tokens
-                                                 if "palu" in calibrated else 0)},
-        "skipped": skipped,
-        "methods": [rows[m.key] for m in everything],
+        "model": _model_block(run.lm),
+        "bundle": _bundle_block(run, bundle_path),
+        "environment": environment(run.backend_name),
+        "settings": _settings_block(run, ratio, fits),
+        "skipped": run.inputs.skipped,
+        "methods": [tally.rows[m.key] for m in catalogue.everything],
     }
     report["summary"] = summarise(report)
+    return report
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+def run_bench(lm: LoadedModel, bundle: Bundle, settings: BenchSettings, *, bundle_path: Path | None = None,
+              progress: Progress | None = None, status: Callable[[str], None] | None = None) -> dict:
+    """Measure every method and return the report (see kvcal.bench.report for its schema).
+
+    Steps: check and load the inputs (`prepare`), build the methods (`build_catalogue`), then three phases over all
+    methods on the same inputs (quality, passkey, speed) and the report (`assemble_report`)."""
+    t_start = time.perf_counter()
+    run = prepare(lm, bundle, settings, status or (lambda msg: logger.info("%s", msg)))
+    catalogue, fits = build_catalogue(run)
+    n_run = len(catalogue.runnable(catalogue.everything))
+    tally = Tally(catalogue.everything, n_run * run.inputs.units, progress)
+    ratio, runnable = quality_phase(run, catalogue, tally)
+    passkey_phase(run, runnable, tally)
+    speed_phase(run, runnable, tally)
+    report = assemble_report(run, catalogue, tally, fits, ratio, bundle_path)
     report["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     return report

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory_dict, store_dtype, tensor_bytes
 from kvcal.bench.method import Method
-from kvcal.runtime.quant import pack, packed_size, unpack
+from kvcal.runtime.storage.quant import pack, packed_size, unpack
 
 TURBOQUANT_BITS = (1, 2, 4, 8)     # what `pack` can store; 3-bit codes would need a packer that straddles bytes
 ROTATION_SEED = 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -48,8 +51,31 @@ def _check_threads(value: str) -> str:
 # every command passes it to `kvcal.cli._threads.use_threads` first thing
 ThreadsOpt = Annotated[str, typer.Option(
     "--threads", metavar="N|auto", callback=_check_threads,
-    help="Threads for torch and the CPU kernels. auto: OMP_NUM_THREADS if set, else the cores not busy (usable cores "
-         "minus the 1-minute load average); on a shared machine, 1 if another job may start.")]
+    help="Threads for torch and the CPU kernels. auto: OMP_NUM_THREADS if set, else the usable cores that other work "
+         "does not keep busy (read from /proc/stat as the command starts).")]
+
+
+# --------------------------------------------------------------------------------------------- option groups
+
+
+def option_values(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The parsed options (a command's parameters by name) that are init fields of the dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return {name: value for name, value in options.items() if name in names}
+
+
+def from_options(cls: type, options: Mapping[str, Any], **derived: Any) -> Any:
+    """The dataclass `cls` built once from a command's parsed options: each field takes the option of its name;
+    `derived` (what the command computed from options: a parsed list, a checked device map) wins over them."""
+    return cls(**{**option_values(cls, options), **derived})
+
+
+@dataclass(frozen=True)
+class Output:
+    """How a command reports: `json_out`, one JSON object on stdout instead of tables; `quiet`, no progress bars."""
+
+    json_out: bool = False
+    quiet: bool = False
 
 
 class CheckedCommand(KvcalCommand):

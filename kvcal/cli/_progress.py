@@ -1,8 +1,10 @@
-"""Progress of `kvcal calibrate`: one bar per statistics pass, then one bar over choosing the settings.
+"""Progress of `kvcal calibrate` (`CalibrateProgress`): one bar per statistics pass, then one bar over choosing the
+settings.
 
 How many steps choosing takes is known before the first (kvcal.profile.choose.planned_steps): the recording windows,
 at most `max_probes` probes and `max_checks` checks. The bar counts them, so its ETA covers the whole choice from
-the start; a confirmation that meets at once ends it early.
+the start; a confirmation that meets at once ends it early. Stage names are the pipeline's own
+(kvcal.profile.choose.STAGES).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-STAGE_NAMES = {"record": "quality model", "probe": "budget probes", "confirm": "evaluation text"}
+from kvcal.cli._errors import plain
+from kvcal.profile.choose import STAGES
 
 
 def pass_bars(console: Console, quiet: bool) -> Progress:
@@ -46,7 +49,7 @@ class SearchBar(Progress):
         else:
             self.done += 1
             self.label = None
-        self.update(self.task, completed=self.done, stage=STAGE_NAMES.get(stage, stage))
+        self.update(self.task, completed=self.done, stage=STAGES.get(stage, stage))
 
     def finish(self) -> None:
         self.update(self.task, completed=self.tasks[0].total)
@@ -64,3 +67,40 @@ class SearchBar(Progress):
     def get_renderables(self):
         yield Group(self.make_tasks_table(self.tasks), self.current())
 
+
+class CalibrateProgress:
+    """What `kvcal calibrate` shows while it runs: the statistics passes' bars, then the search's bar below them, one
+    display live at a time (a stopped one stays printed, even if blank), and status lines. Its methods are the
+    callbacks of `kvcal.profile.calibrate.calibrate`; `plan` is `planned_steps(cfg)`."""
+
+    def __init__(self, console: Console, plan: dict[str, int], quiet: bool = False):
+        self.console, self.quiet = console, quiet
+        self.passes, self.search = pass_bars(console, quiet), SearchBar(console, plan, quiet)
+        self.tasks: dict[str, int] = {}         # pass name -> its task in `passes`
+        self.shown: list = []                   # the displays started so far, the live one last
+
+    def show(self, display) -> None:
+        if self.quiet or (self.shown and self.shown[-1] is display):
+            return
+        if self.shown:
+            self.shown[-1].stop()
+        display.start()
+        self.shown.append(display)
+
+    def progress(self, name: str, done: int, total: int) -> None:
+        self.show(self.passes)
+        if name not in self.tasks:
+            self.tasks[name] = self.passes.add_task(name, total=total, completed=done)
+        self.passes.update(self.tasks[name], completed=done)
+
+    def search_progress(self, stage: str, label: str, point) -> None:
+        self.show(self.search)                  # the passes are done: their bars stay, the search's comes below
+        self.search.step(stage, label, point)
+
+    def status(self, msg: str) -> None:
+        if not self.quiet:
+            self.console.print(f"[dim]{plain(msg)}[/]", highlight=False)      # msg names the model: plain text
+
+    def stop(self) -> None:
+        if self.shown:
+            self.shown[-1].stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -23,7 +24,17 @@ from rich.table import Table
 
 from kvcal.cli._console import stderr, stdout
 from kvcal.cli._errors import plain
-from kvcal.cli._options import JsonOpt, ModelOpt, QuietOpt, SeedOpt, ThreadsOpt, fail
+from kvcal.cli._options import (
+    JsonOpt,
+    ModelOpt,
+    Output,
+    QuietOpt,
+    SeedOpt,
+    ThreadsOpt,
+    fail,
+    from_options,
+    option_values,
+)
 from kvcal.cli._suggest import resolve_bundle, shipped_bundle, shown_path
 from kvcal.cli._threads import use_threads
 from kvcal.models import DEFAULT_MODEL
@@ -104,50 +115,25 @@ def bench(
     threads: ThreadsOpt = "auto",
 ) -> None:
     """Compare kvcal with baselines on KV bytes, quality, passkey retrieval and CPU speed; write a report."""
+    options = dict(locals())           # the parsed options by name, as typer converted them
     chosen_threads = use_threads(threads)
+    files, output = from_options(BenchFiles, options), from_options(Output, options)
     if offload:
-        return _offload(model, bundle, out, quick, dtype, seed, contexts, json_out, quiet, overwrite)
-    from kvcal.bench import BenchSettings, run_bench, write_report
-    from kvcal.models import load_model
-    from kvcal.runtime.bundle import BundleError, load_bundle
+        return _offload(files, output, options)
+    from kvcal.runtime.bundle import BundleError
 
     try:
         if bundle is None:
             raise ValueError(_needs_bundle(model))
-        settings = BenchSettings.preset(
-            quick, seed=seed, backend=backend.value, dataset=dataset,
-            methods=tuple(x.strip() for x in methods.split(",") if x.strip()) if methods else None,
-            windows=windows, prompt=prompt, steps=steps, contexts=_ints(contexts, "contexts"),
-            passkey_lengths=_ints(passkey_lengths, "passkey-lengths"), speed_steps=speed_steps,
-            target_top1=target_top1, command=" ".join(["kvcal", *sys.argv[1:]]))
-        from kvcal.runtime.attention import select_backend
-
-        select_backend(settings.backend, "cpu")       # a backend that cannot run fails before the model loads
-        bundle = resolve_bundle(bundle)
-        out_dir = _check_out(out, model, overwrite, offload=False)
-        b = load_bundle(bundle)
-        lm = load_model(model, dtype=dtype)
-        bars = Progress(TextColumn("{task.description:<42}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("ETA"), TimeRemainingColumn(), console=stderr, disable=quiet, transient=False)
-        task = bars.add_task("loading", total=None)
-
-        def progress(label: str, done: int, total: int) -> None:
-            bars.update(task, description=label[:42], completed=done, total=total)
-
-        def status(msg: str) -> None:
-            if not quiet:
-                bars.console.print(f"[dim]{plain(msg)}[/]", highlight=False)
-
-        with bars:
-            report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
-        report["environment"]["threads"] = str(chosen_threads)        # why this many (torch_threads: how many)
-        paths = write_report(report, out_dir, overwrite=overwrite)
+        settings = _settings(options)
+        settings.serve.resolve("cpu")       # a backend that cannot run fails before the model loads
+        report, paths = _run(files, settings, output, chosen_threads)
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: nothing was written")
         raise typer.Exit(code=130) from None
     except (BundleError, ValueError, RuntimeError, OSError) as e:
         raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
-    if json_out:
+    if output.json_out:
         print(json.dumps(report, indent=2, default=str))
         return
     _print_table(report)
@@ -160,6 +146,58 @@ def bench(
                  f"{paths['decode_png'].name})", highlight=False)
 
 
+@dataclass(frozen=True)
+class BenchFiles:
+    """What `kvcal bench` loads and where it writes (the measuring options are `BenchSettings`)."""
+
+    model: str = DEFAULT_MODEL
+    bundle: Path | None = None          # required unless --offload
+    out: Path | None = None             # report folder; None: ./bench-<model>
+    dtype: str = "float32"              # the model's, while measuring
+    overwrite: bool = False             # replace an earlier bench's reports in `out`
+
+
+def _settings(options: dict):
+    """`BenchSettings` from the parsed options: `--quick`'s presets under the options given, lists parsed."""
+    from kvcal.bench import BenchSettings
+    from kvcal.runtime.options import ServeOptions
+
+    methods = options["methods"]
+    derived = {"serve": ServeOptions(backend=options["backend"].value),
+               "methods": tuple(x.strip() for x in methods.split(",") if x.strip()) if methods else None,
+               "contexts": _ints(options["contexts"], "contexts"),
+               "passkey_lengths": _ints(options["passkey_lengths"], "passkey-lengths"),
+               "command": " ".join(["kvcal", *sys.argv[1:]])}
+    return BenchSettings.preset(**{**option_values(BenchSettings, options), **derived})
+
+
+def _run(files: BenchFiles, settings, output: Output, chosen_threads) -> tuple[dict, dict]:
+    """Load the bundle and the model, run the bench with bars on stderr, write the report: (report, its paths)."""
+    from kvcal.bench import run_bench, write_report
+    from kvcal.models import load_model
+    from kvcal.runtime.bundle import load_bundle
+
+    bundle = resolve_bundle(files.bundle)
+    out_dir = _check_out(files, offload=False)
+    b = load_bundle(bundle)
+    lm = load_model(files.model, dtype=files.dtype)
+    bars = Progress(TextColumn("{task.description:<42}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=stderr, disable=output.quiet, transient=False)
+    task = bars.add_task("loading", total=None)
+
+    def progress(label: str, done: int, total: int) -> None:
+        bars.update(task, description=label[:42], completed=done, total=total)
+
+    def status(msg: str) -> None:
+        if not output.quiet:
+            bars.console.print(f"[dim]{plain(msg)}[/]", highlight=False)
+
+    with bars:
+        report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
+    report["environment"]["threads"] = str(chosen_threads)        # why this many (torch_threads: how many)
+    return report, write_report(report, out_dir, overwrite=files.overwrite)
+
+
 def _needs_bundle(model: str) -> str:
     """The error for a bench without `--bundle`: the model's existing bundle when there is one (the shipped one in
     `artifacts/`), since calibrating a new one takes tens of minutes."""
@@ -170,40 +208,41 @@ def _needs_bundle(model: str) -> str:
     return f"`kvcal bench` needs `--bundle` (the model's bundle); create one with `kvcal calibrate --model {model}`"
 
 
-def _check_out(out: Path | None, model: str, overwrite: bool, *, offload: bool) -> Path:
+def _check_out(files: BenchFiles, *, offload: bool) -> Path:
     """The report folder (default `./bench-<model>`), checked before the model loads (`check_report_folder`)."""
     from kvcal.bench.offload import OUTPUTS as OFFLOAD_OUTPUTS
     from kvcal.bench.report import output_paths
     from kvcal.models import resolve_model
     from kvcal.safe_paths import check_report_folder
 
-    out_dir = out or Path(f"bench-{resolve_model(model).name}")
+    out_dir = files.out or Path(f"bench-{resolve_model(files.model).name}")
     bench = [p.name for p in output_paths(out_dir).values()]
     names, known = (OFFLOAD_OUTPUTS, bench) if offload else (bench, OFFLOAD_OUTPUTS)
-    check_report_folder(out_dir, names, overwrite=overwrite, known=known)
+    check_report_folder(out_dir, names, overwrite=files.overwrite, known=known)
     return out_dir
 
 
-def _offload(model: str, bundle: Path | None, out: Path | None, quick: bool, dtype: str, seed: int,
-             contexts: str | None, json_out: bool, quiet: bool, overwrite: bool) -> None:
-    """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled."""
+def _offload(files: BenchFiles, output: Output, options: dict) -> None:
+    """`kvcal bench --offload` (kvcal.bench.offload): no bundle needed; with one, its compressed bytes are modelled.
+    `options`: the parsed options, for `OffloadSettings` (--quick, --seed, --contexts)."""
     from kvcal.bench.offload import OffloadSettings, run_offload, to_markdown, write_offload_report
     from kvcal.models import load_model
     from kvcal.runtime.bundle import BundleError, load_bundle
 
-    status = (lambda msg: None) if quiet else (lambda msg: stderr.print(f"[dim]{plain(msg)}[/]", highlight=False))
+    status = ((lambda msg: None) if output.quiet
+              else (lambda msg: stderr.print(f"[dim]{plain(msg)}[/]", highlight=False)))
     try:
-        if bundle is not None:
-            bundle = resolve_bundle(bundle)
-        out_dir = _check_out(out, model, overwrite, offload=True)
+        bundle = resolve_bundle(files.bundle) if files.bundle is not None else None
+        out_dir = _check_out(files, offload=True)
         b = load_bundle(bundle) if bundle is not None else None
-        lm = load_model(model, dtype=dtype)
-        settings = OffloadSettings.preset(quick, seed=seed, contexts=_ints(contexts, "contexts"))
+        lm = load_model(files.model, dtype=files.dtype)
+        settings = OffloadSettings.preset(options["quick"], **{**option_values(OffloadSettings, options),
+                                                               "contexts": _ints(options["contexts"], "contexts")})
         report = run_offload(lm, settings, bundle=b, status=status)
-        paths = write_offload_report(report, out_dir, overwrite=overwrite)
+        paths = write_offload_report(report, out_dir, overwrite=files.overwrite)
     except (BundleError, ValueError, RuntimeError, OSError) as e:
         raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
-    if json_out:
+    if output.json_out:
         print(json.dumps(report, indent=2, default=str))
         return
     stdout.print(plain(to_markdown(report)), highlight=False, emoji=False, soft_wrap=True)   # it names the model

@@ -16,23 +16,24 @@ from typing import Annotated
 import typer
 
 from kvcal.cli._console import stderr, stdout
-from kvcal.cli._errors import plain
 from kvcal.cli._options import (
     JsonOpt,
     ModelOpt,
+    Output,
     QuietOpt,
     SeedOpt,
     ThreadsOpt,
     check_device_map,
     fail,
+    from_options,
     parse_max_memory,
 )
-from kvcal.cli._progress import SearchBar, pass_bars
+from kvcal.cli._progress import CalibrateProgress
 from kvcal.cli._summary import calibration_summary, fp16_bytes_per_token
 from kvcal.cli._threads import use_threads
+from kvcal.eval import QualityTarget
 from kvcal.profile.calibrate import QK_SOURCES, V_SOURCES, CalibrationConfig
 from kvcal.profile.choose import planned_steps
-from kvcal.profile.quality import QualityTarget
 from kvcal.profile.report import held_out_met
 from kvcal.profile.rotation import QK_WEIGHTINGS
 
@@ -109,68 +110,47 @@ def calibrate(
 ) -> None:
     """Random-token and calibration-text passes, quality searches (tiers, policies, ranks), then a validated bundle
     and its report."""
+    options = dict(locals())           # the parsed options by name, as typer converted them
     chosen_threads = use_threads(threads)
-    from kvcal.profile.calibrate import calibrate as run
-
+    output = from_options(Output, options)
     try:
-        cfg = CalibrationConfig(model=model, out=out, seed=seed, random_tokens=random_tokens, text_tokens=text_tokens,
-                                seq_len=seq_len, max_position=max_position, dataset=dataset,
-                                removal_rate=removal_rate, qk_source=qk_source, qk_weighting=qk_weighting,
-                                v_source=v_source, dtype=dtype, device_map=check_device_map(device_map),
-                                max_memory=parse_max_memory(max_memory, device_map), search=search,
-                                target_top1=target_top1,
-                                target_ppl_ratio=target_ppl_ratio, target_z=target_z, search_windows=search_windows,
-                                search_prompt=search_prompt, search_steps=search_steps, overwrite=overwrite,
-                                context=context, accept_best=accept_best,
-                                max_probes=max_probes, max_checks=max_checks,
-                                key_percentile=key_percentile,
-                                command=" ".join(["kvcal", *sys.argv[1:]]))
-        passes, search_bar = pass_bars(stderr, quiet), SearchBar(stderr, planned_steps(cfg), quiet)
-        tasks: dict[str, int] = {}
-        shown: list = []              # the display on screen now (a stopped one stays printed, even if blank)
-
-        def show(display) -> None:
-            if quiet or (shown and shown[-1] is display):
-                return
-            if shown:
-                shown[-1].stop()
-            display.start()
-            shown.append(display)
-
-        def progress(name: str, done: int, total: int) -> None:
-            show(passes)
-            if name not in tasks:
-                tasks[name] = passes.add_task(name, total=total, completed=done)
-            passes.update(tasks[name], completed=done)
-
-        def search_progress(stage: str, label: str, point) -> None:
-            show(search_bar)                     # the passes are done: their bars stay, the search's comes below
-            search_bar.step(stage, label, point)
-
-        def status(msg: str) -> None:
-            if not quiet:
-                stderr.print(f"[dim]{plain(msg)}[/]", highlight=False)      # msg names the model: plain text
-
-        try:
-            result = run(cfg, progress=progress, status=status, search_progress=search_progress)
-            search_bar.finish()
-        finally:
-            if shown:
-                shown[-1].stop()
+        cfg = from_options(CalibrationConfig, options, device_map=check_device_map(device_map),
+                           max_memory=parse_max_memory(max_memory, device_map),
+                           command=" ".join(["kvcal", *sys.argv[1:]]))
+        result = _run(cfg, output)
     except KeyboardInterrupt:
         stderr.print("[yellow]interrupted[/]: finished windows are checkpointed; rerun the same command to resume")
         raise typer.Exit(code=130) from None
     except (ValueError, RuntimeError, OSError) as e:
         raise fail(str(e)) from None
+    _report(result, cfg, output, chosen_threads)
 
+
+def _run(cfg: CalibrationConfig, output: Output):
+    """`kvcal.profile.calibrate.calibrate(cfg)` with its progress on screen."""
+    from kvcal.profile.calibrate import calibrate as run
+
+    displays = CalibrateProgress(stderr, planned_steps(cfg), output.quiet)
+    try:
+        result = run(cfg, progress=displays.progress, status=displays.status,
+                     search_progress=displays.search_progress)
+        displays.search.finish()
+    finally:
+        displays.stop()
+    return result
+
+
+def _report(result, cfg: CalibrationConfig, output: Output, chosen_threads) -> None:
+    """The summary (a table, or JSON with `--json`); exit 3 when the search missed its target and `--accept-best` was
+    not given."""
     s = result.summary
     s["threads"] = chosen_threads.to_dict()
     search = result.bundle.calibration.get("search")
     if search and s.get("search", {}).get("held_out"):
         s["search"]["held_out"]["met"] = held_out_met(search["held_out"], search["target"], at_bounds=True)
         s["search"]["bytes_per_token"] = round(search["chosen"]["bytes_ratio"] * fp16_bytes_per_token(result.bundle))
-    missed = bool(search) and not search["decision"]["met"] and not accept_best
-    if json_out:
+    missed = bool(search) and not search["decision"]["met"] and not cfg.accept_best
+    if output.json_out:
         print(json.dumps(s, indent=2))
     else:
         stdout.print(calibration_summary(s, result.bundle))

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +19,7 @@ from rich.console import Group
 from rich.text import Text
 
 from kvcal.cli._errors import plain
-from kvcal.cli._options import BundleArg, JsonOpt, ThreadsOpt, fail
+from kvcal.cli._options import BundleArg, JsonOpt, ThreadsOpt, fail, from_options
 from kvcal.cli._suggest import resolve_bundle
 from kvcal.cli._summary import key_value_table, print_plain
 from kvcal.cli._threads import use_threads
@@ -69,37 +70,65 @@ def export(
     threads: ThreadsOpt = "auto",
 ) -> None:
     """Export a bundle for vLLM (FP8 scales), for custom runtimes (manifest), or as a folded transformers checkpoint."""
+    options = dict(locals())           # the parsed options by name, as typer converted them
     use_threads(threads)
-    from kvcal.export import export_hf_lowrank_v, export_manifest, export_vllm_fp8
-    from kvcal.runtime.bundle import BundleError, load_bundle
+    from kvcal.runtime.bundle import BundleError
 
     try:
-        if model is None and fmt is not ExportFormat.manifest:
-            raise ValueError(f"`--format {fmt.value}` needs `--model` (the model the bundle was calibrated for)")
-        bundle = resolve_bundle(bundle)
-        from kvcal.runtime.files import check_folder
-        from kvcal.safe_paths import check_out_folder
-
-        # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory,
-        # nor a folder of files that no earlier export listed as its own
-        check_out_folder(out, inputs=[bundle, *_model_inputs(model)])
-        check_folder(out, overwrite=overwrite, listing=EXPORT_LIST)
-        b = load_bundle(bundle)
-        if fmt is ExportFormat.vllm_fp8:
-            result = export_vllm_fp8(b, model, out, strategy=strategy.value, margin=margin, with_weights=with_weights,
-                                     overwrite=overwrite)
-        elif fmt is ExportFormat.manifest:
-            result = export_manifest(b, out, model=model, overwrite=overwrite)
-        else:
-            result = export_hf_lowrank_v(b, model, out, dtype=dtype, overwrite=overwrite)
+        chosen = from_options(ExportOptions, options)
+        b, result = _export(chosen)
     except (BundleError, ValueError, TypeError, OSError) as e:
         raise fail(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     if json_out:
         print(json.dumps({"format": result.format, "out": str(result.out), "files": result.files,
                           "summary": result.summary}, indent=2, default=str))
         return
-    # the layout of `calibrate` and `inspect`: a head line, then names and values; names and paths come from files
-    # and the command line, so they are shown as plain text, never as markup
+    _print_result(b, result)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `kvcal export` writes, and how (the options named after the format apply to that format only)."""
+
+    bundle: Path
+    fmt: ExportFormat
+    out: Path                               # written atomically
+    model: str | None = None                # required except for manifest, where it adds a check
+    strategy: Strategy = Strategy.tensor    # vllm-fp8
+    margin: float = DEFAULT_MARGIN          # vllm-fp8
+    with_weights: bool = False              # vllm-fp8
+    dtype: str = "bfloat16"                 # hf-lowrank-v
+    overwrite: bool = False                 # replace an earlier export at `out`
+
+
+def _export(o: ExportOptions):
+    """(the bundle, the export's result), after the checks that come before any model loads."""
+    from kvcal.export import export_hf_lowrank_v, export_manifest, export_vllm_fp8
+    from kvcal.runtime.bundle import load_bundle
+    from kvcal.runtime.files import check_folder
+    from kvcal.safe_paths import check_out_folder
+
+    if o.model is None and o.fmt is not ExportFormat.manifest:
+        raise ValueError(f"`--format {o.fmt.value}` needs `--model` (the model the bundle was calibrated for)")
+    bundle = resolve_bundle(o.bundle)
+    # before the model loads: `--out` may not be (or hold) the bundle, the model's folder, or the working directory,
+    # nor a folder of files that no earlier export listed as its own
+    check_out_folder(o.out, inputs=[bundle, *_model_inputs(o.model)])
+    check_folder(o.out, overwrite=o.overwrite, listing=EXPORT_LIST)
+    b = load_bundle(bundle)
+    if o.fmt is ExportFormat.vllm_fp8:
+        result = export_vllm_fp8(b, o.model, o.out, strategy=o.strategy.value, margin=o.margin,
+                                 with_weights=o.with_weights, overwrite=o.overwrite)
+    elif o.fmt is ExportFormat.manifest:
+        result = export_manifest(b, o.out, model=o.model, overwrite=o.overwrite)
+    else:
+        result = export_hf_lowrank_v(b, o.model, o.out, dtype=o.dtype, overwrite=o.overwrite)
+    return b, result
+
+
+def _print_result(b, result) -> None:
+    """The layout of `calibrate` and `inspect`: a head line, then names and values; names and paths come from files
+    and the command line, so they are shown as plain text, never as markup."""
     head = Text.from_markup(f"[bold]kvcal export {result.format}[/bold]: {plain(b.model.name)}")
     t = key_value_table()
 

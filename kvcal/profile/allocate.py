@@ -20,8 +20,8 @@ import torch
 
 from kvcal.profile.quality_model import BITS, FormatCosts, layer_format
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.diffkv import TieringConfig
-from kvcal.runtime.layout import TierFormat
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.storage.layout import TierFormat
 
 # The frame the allocation fills in (KIVI's layout inside DiffKV's tiers): the newest WINDOW tokens and the heavy
 # hitters (mean attention >= HEAVY_HITTERS / N) at 16 bits, every other token of a paged layer in its low-tier

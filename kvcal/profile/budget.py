@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcal.profile.quality import QualityTarget
-from kvcal.profile.report import held_out_met
+from kvcal.eval import QualityTarget
 
 Measure = Callable[[int], dict]
 
@@ -36,9 +35,8 @@ class Probe:
 
 def meets(target: QualityTarget, fid: dict, margin: float = 0.0) -> bool:
     """`fid` (a Fidelity as a dict) meets `target` at its bounds, with `margin` added to its top-1 (the rule the
-    report and `kvcal bench` apply: `held_out_met`)."""
-    shifted = {"top1": min(target.top1 + margin, 1.0), "ppl_ratio": target.ppl_ratio, "z": target.z}
-    return held_out_met(fid, shifted, at_bounds=True)
+    report and `kvcal bench` apply)."""
+    return target.with_(top1=min(target.top1 + margin, 1.0)).met(fid)
 
 
 def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6) -> tuple[int, list[Probe]]:

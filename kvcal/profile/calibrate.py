@@ -23,6 +23,7 @@ import torch
 
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
 from kvcal.data.corpora import check_enough_tokens
+from kvcal.eval import QualityTarget
 from kvcal.models import (
     DEFAULT_MODEL,
     DTYPES,
@@ -38,6 +39,7 @@ from kvcal.models import (
     weights_hash,
 )
 from kvcal.profile.capture import CollectorSet, GramCollector, capturing
+from kvcal.profile.checkpoint import Checkpoint
 from kvcal.profile.choose import _brief, choose_settings
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.key_ranges import (
@@ -47,7 +49,6 @@ from kvcal.profile.key_ranges import (
     spread_windows,
     tail_rows,
 )
-from kvcal.profile.quality import QualityTarget
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
 from kvcal.profile.rotation import (
@@ -62,9 +63,9 @@ from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
 from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
 from kvcal.runtime.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.diffkv import TieringConfig
-from kvcal.runtime.fastgen import token_classes
-from kvcal.runtime.files import remove_stale_temps, wait_for_test_barrier, write_file
+from kvcal.runtime.files import remove_stale_temps, wait_for_test_barrier
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.policies.fastgen import token_classes
 from kvcal.safe_paths import check_bundle_out
 
 logger = logging.getLogger(__name__)
@@ -153,125 +154,6 @@ class CalibrationResult:
 
 
 # ---------------------------------------------------------------------------------------------- passes
-
-
-class Checkpoint:
-    """Per-pass statistics on disk, so an interrupted calibration loses at most the window in flight.
-
-    The folder's manifest (`MANIFEST`) lists every file kvcal wrote there; `clear` deletes only those, and a folder
-    without a manifest is refused (`check_folder`), so nothing of the user's is ever deleted.
-    """
-
-    MANIFEST = "kvcal-checkpoint.json"
-    _KNOWN = ("random-tokens.safetensors", "calibration-text.safetensors", "policy-statistics.safetensors",
-              "search.json")   # what checkpoint folders held before the manifest existed
-
-    def __init__(self, folder: Path, key: str):
-        self.folder, self.key = folder, key
-        self.resumed: dict[str, int] = {}     # pass name -> windows loaded from an earlier, interrupted run
-
-    @classmethod
-    def check_folder(cls, folder: Path) -> None:
-        """Refuse (ValueError) a `folder` that exists but was not made by kvcal; adopt an old one without manifest
-        whose files are all checkpoint files."""
-        if not (folder.exists() or folder.is_symlink()):
-            return
-        refuse = ValueError(f"`{folder}` exists and is not a kvcal checkpoint folder; move it away or pass another "
-                            "`--out`")
-        if folder.is_symlink() or not folder.is_dir():
-            raise refuse
-        if (folder / cls.MANIFEST).is_file():
-            return
-        entries = list(folder.iterdir())
-
-        def known(name: str) -> bool:      # a checkpoint file, or the temporary file of a killed writer of one
-            return name in cls._KNOWN or any(name.startswith(f".{k}.tmp-") for k in cls._KNOWN)
-
-        if not entries or not all(known(p.name) and p.is_file() and not p.is_symlink() for p in entries):
-            raise refuse
-        cls._write_manifest(folder, list(cls._KNOWN))
-
-    def _written(self) -> list[str]:
-        """Names recorded in the manifest (plain file names only: a forged entry cannot reach outside the folder)."""
-        try:
-            names = json.loads((self.folder / self.MANIFEST).read_text()).get("files", [])
-        except (OSError, ValueError, AttributeError):
-            return []
-        return [n for n in names if isinstance(n, str) and n and Path(n).name == n and n not in (".", "..")]
-
-    @classmethod
-    def _write_manifest(cls, folder: Path, names: list[str]) -> None:
-        write_file(folder / cls.MANIFEST, json.dumps({"written_by": "kvcal calibrate", "files": sorted(set(names))}),
-                   overwrite=True)
-
-    def _record(self, name: str) -> None:
-        """Create the folder if needed and list `name` in its manifest, before the file itself is written."""
-        if not self.folder.is_dir():
-            self.check_folder(self.folder)
-            self.folder.mkdir(parents=True, exist_ok=True)     # another run on the same `--out` may make it first
-        names = self._written()
-        if name not in names:
-            self._write_manifest(self.folder, [*names, name])
-
-    def load(self, name: str, collector: GramCollector) -> int:
-        from safetensors import safe_open
-
-        path = self.folder / f"{name}.safetensors"
-        if not path.is_file():
-            return 0
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("key") != self.key:
-                    return 0
-                collector.load_state_dict({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-                self.resumed[name] = int(meta["done"])
-                return self.resumed[name]
-        except Exception as e:  # a checkpoint is only a cache: a bad one is recomputed
-            logger.warning("ignoring unreadable checkpoint %s (%s)", path, e)
-            return 0
-
-    def save(self, name: str, collector: GramCollector, done: int) -> None:
-        from safetensors.torch import save_file
-
-        path = self.folder / f"{name}.safetensors"
-        self._record(path.name)
-        state = collector.state_dict()
-        write_file(path, lambda tmp: save_file(state, str(tmp), metadata={"key": self.key, "done": str(done)}),
-                   overwrite=True)
-
-    def load_probes(self) -> dict:
-        """Measurements of an interrupted run (settings key -> Fidelity as a dict)."""
-        path = self.folder / "search.json"
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if data.get("key") != self.key or not isinstance(data.get("probes"), dict):
-            return {}
-        self.resumed["measurements"] = len(data["probes"])
-        return data["probes"]
-
-    def save_probes(self, memo: dict) -> None:
-        path = self.folder / "search.json"
-        self._record(path.name)
-        write_file(path, json.dumps({"key": self.key, "probes": memo}), overwrite=True)
-
-    def clear(self) -> None:
-        """Delete the files this folder's manifest lists (and their temporary files), then the folder if empty."""
-        from kvcal.runtime.files import remove_stale_temps
-
-        if self.folder.is_symlink() or not (self.folder / self.MANIFEST).is_file():
-            return
-        for name in self._written():
-            (self.folder / name).unlink(missing_ok=True)
-            remove_stale_temps(self.folder / name)
-        remove_stale_temps(self.folder / self.MANIFEST)
-        (self.folder / self.MANIFEST).unlink()
-        try:
-            self.folder.rmdir()
-        except OSError:
-            logger.warning("left %s in place: it holds files kvcal did not write", self.folder)
 
 
 Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
@@ -390,60 +272,66 @@ def _check_inputs(cfg: CalibrationConfig, lm: LoadedModel | None):
     return out, corpus, P, max_position, seq_len, text_ids
 
 
-def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
-              status: Callable[[str], None] | None = None,
-              search_progress: SearchProgress | None = None) -> CalibrationResult:
-    """Run the passes and write the bundle. `lm` skips loading (tests, notebooks); `progress`/`status`/
-    `search_progress` report."""
-    t0 = time.perf_counter()
-    say = status or (lambda msg: logger.info("%s", msg))
-    out, corpus, P, max_position, seq_len, text_ids = _check_inputs(cfg, lm)
+@dataclass
+class Passes:
+    """What the statistics passes give the bundle: token windows, their offsets and the collectors' results."""
 
-    if lm is None:
-        say(f"loading {cfg.model}")
-        lm = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype), device_map=cfg.device_map,
-                        max_memory=cfg.max_memory)
-    a = lm.adapter
-    model_fp, w_hash, tok_hash = fingerprint(lm.model.config), weights_hash(lm.model, a), tokenizer_hash(lm.tokenizer)
+    random_ids: torch.Tensor            # [n, seq_len]
+    text_ids: torch.Tensor              # [n, seq_len]
+    random_offsets: list[int]
+    text_offsets: list[int]
+    random_stats: GramCollector
+    text_stats: GramCollector
+    fastgen_stats: FastGenStatsCollector
+    seconds: float
+
+
+def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq_len: int, max_position: int,
+               checkpoint: Checkpoint, progress: Progress | None) -> Passes:
+    """The random-token pass, the calibration-text pass and the FastGen statistics pass (module docstring)."""
+    t, a = time.perf_counter(), lm.adapter
     random_ids = random_token_windows(lm.tokenizer, lm.model.config.vocab_size, cfg.random_tokens, seq_len, cfg.seed)
     # both passes see the same positions, so their rotations differ only by what the tokens are
     random_offsets = position_offsets(len(random_ids), seq_len, max_position)
     text_offsets = position_offsets(len(text_ids), seq_len, max_position)
-    key = _checkpoint_key(cfg, model_fp, w_hash, {"corpus": corpus.sha256, "max_position": max_position})
-    checkpoint = Checkpoint(out.with_name(out.name + ".ckpt"), key)
-
-    t_pass = time.perf_counter()
     random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
     text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
     # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
     # the pass keeps its older name "policy-statistics": it names the checkpoint file that an interrupted run resumes
     fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
                              FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
-    pass_seconds = time.perf_counter() - t_pass
+    return Passes(random_ids, text_ids, random_offsets, text_offsets, random_stats, text_stats, fastgen_stats,
+                  time.perf_counter() - t)
 
+
+def make_bundle(cfg: CalibrationConfig, lm: LoadedModel, passes: Passes, corpus, max_position: int,
+                checkpoint: Checkpoint, progress: Progress | None, say: Callable[[str], None]) -> Bundle:
+    """The bundle of the passes' statistics: rotations, bases, ranks at `cfg.removal_rate`, static key ranges and
+    smoothing (a pass of their own, after the eigendecomposition), FastGen statistics, the unsearched settings."""
+    a, text_ids, text_offsets = lm.adapter, passes.text_ids, passes.text_offsets
     say("eigendecomposing Gram matrices")
-    (rotation, qk_spectrum), (v_basis, v_spectrum), independence = _bases(cfg, lm, random_stats, text_stats)
+    (rotation, qk_spectrum), (v_basis, v_spectrum), independence = _bases(cfg, lm, passes.random_stats,
+                                                                          passes.text_stats)
     picked = spread_windows(len(text_ids), cfg.key_range_windows)
     key_ids = text_ids[picked]
-    key_range_key = key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked, "query-absmax"])
+    key_range_key = checkpoint.key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked,
+                                                 "query-absmax"])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
     range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids,
                                                       [text_offsets[i] for i in picked], cfg.key_percentile,
                                                       key_checkpoint, progress)
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window or TieringConfig.window)
-    qk_rank = ranks_for(qk_spectrum, cfg.removal_rate)
-    v_rank = ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group)
-
     calibration = {
         "seed": cfg.seed,
-        "random_tokens": int(random_ids.numel()),
-        "random_windows": len(random_ids),
+        "random_tokens": int(passes.random_ids.numel()),
+        "random_windows": len(passes.random_ids),
         "text_tokens": int(text_ids.numel()),
         "text_windows": len(text_ids),
-        "seq_len": seq_len,
-        "positions": {"max_position": max_position, "random_offsets": random_offsets, "text_offsets": text_offsets},
-        "random_ids_sha256": hashlib.sha256(random_ids.numpy().tobytes()).hexdigest(),
+        "seq_len": int(text_ids.shape[1]),
+        "positions": {"max_position": max_position, "random_offsets": passes.random_offsets,
+                      "text_offsets": text_offsets},
+        "random_ids_sha256": hashlib.sha256(passes.random_ids.numpy().tobytes()).hexdigest(),
         "dataset": {"spec": cfg.dataset, "name": corpus.name, "documents": len(corpus), "sha256": corpus.sha256,
                     "windows_sha256": hashlib.sha256(text_ids.numpy().tobytes()).hexdigest()},
         "removal_rate": cfg.removal_rate,
@@ -456,21 +344,73 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         "smoothing": {"strength": SMOOTHING_STRENGTH, "windows": len(key_ids),
                       "basis": "columns of qk.rotation, post-RoPE, no mixing; max over the group's query heads"},
     }
-    bundle = Bundle(
-        model=ModelInfo(name=lm.name, fingerprint=model_fp, weights_hash=w_hash, tokenizer_hash=tok_hash,
-                        family=a.family, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
-                        num_q_heads=a.num_q_heads, head_dim=a.head_dim, layer_types=list(a.layer_types)),
-        qk_rotation=rotation.float(), qk_spectrum=qk_spectrum.float(), qk_rank=qk_rank,
-        v_basis=v_basis.float(), v_spectrum=v_spectrum.float(), v_rank=v_rank,
+    fastgen = passes.fastgen_stats
+    return Bundle(
+        model=ModelInfo(name=lm.name, fingerprint=fingerprint(lm.model.config), weights_hash=weights_hash(lm.model, a),
+                        tokenizer_hash=tokenizer_hash(lm.tokenizer), family=a.family, num_layers=a.num_layers,
+                        num_kv_heads=a.num_kv_heads, num_q_heads=a.num_q_heads, head_dim=a.head_dim,
+                        layer_types=list(a.layer_types)),
+        qk_rotation=rotation.float(), qk_spectrum=qk_spectrum.float(), qk_rank=ranks_for(qk_spectrum, cfg.removal_rate),
+        v_basis=v_basis.float(), v_spectrum=v_spectrum.float(),
+        v_rank=ranks_for(v_spectrum, cfg.removal_rate, unsearched.value_group),
         qk_source=cfg.qk_source, qk_weighting=cfg.qk_weighting, v_source=cfg.v_source,
         calibration=calibration,
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        extras={"k.absmax": text_stats.k_absmax.clone(), "v.absmax": text_stats.v_absmax.clone(),
-                "fastgen.recovery": fastgen_stats.recovery.float().nan_to_num(-1.0),
-                "fastgen.kept_fraction": fastgen_stats.kept_fraction.float().nan_to_num(-1.0),
+        extras={"k.absmax": passes.text_stats.k_absmax.clone(), "v.absmax": passes.text_stats.v_absmax.clone(),
+                "fastgen.recovery": fastgen.recovery.float().nan_to_num(-1.0),
+                "fastgen.kept_fraction": fastgen.kept_fraction.float().nan_to_num(-1.0),
                 "k.range_low": range_low, "k.range_high": range_high, "qk.smoothing": smoothing},
         settings=unsearched.to_dict(searched=False),
     )
+
+
+def summarize(cfg: CalibrationConfig, lm: LoadedModel, bundle: Bundle, out: Path, passes: Passes, report: dict | None,
+              seconds: dict[str, float], resumed: dict) -> dict[str, Any]:
+    """The run's summary (what `--json` prints); `seconds`: wall, search. Also records the timings in the bundle."""
+    d = lm.adapter.head_dim
+    summary = {
+        "bundle": str(out),
+        "model": lm.name,
+        "wall_seconds": round(seconds["wall"], 2),
+        "load_seconds": round(lm.load_seconds, 2),
+        "pass_seconds": round(passes.seconds, 2),
+        "search_seconds": round(seconds["search"], 2),
+        "tokens": {"random": int(passes.random_ids.numel()), "text": int(passes.text_ids.numel())},
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "ranks": {"qk": _histogram(bundle.qk_rank, d), "v": _histogram(bundle.v_rank, d)},
+        "energy_kept": {"qk": energy_kept(bundle.qk_spectrum, bundle.qk_rank).mean().item(),
+                        "v": energy_kept(bundle.v_spectrum, bundle.v_rank).mean().item()},
+        "token_independence": bundle.calibration["token_independence"],
+        "policy": bundle.settings,
+        "resumed": resumed,
+    }
+    if report is not None:
+        summary["search"] = {"chosen": report["search"]["chosen"], "held_out": _brief(report["held_out"]),
+                             "points": len(report["search"]["path"]), "context": report["search"]["probe"]["context"],
+                             "decision": report["search"]["decision"], "seconds": report["search"]["seconds"]}
+    bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
+                                                             "search_seconds", "peak_rss_mib")}
+    return summary
+
+
+def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress: Progress | None = None,
+              status: Callable[[str], None] | None = None,
+              search_progress: SearchProgress | None = None) -> CalibrationResult:
+    """Run the passes and write the bundle: check inputs -> load -> passes -> bundle -> choose the settings (quality
+    model, allocation, budget, confirmation: kvcal.profile.choose) -> save. `lm` skips loading (tests, notebooks);
+    `progress`/`status`/`search_progress` report."""
+    t0 = time.perf_counter()
+    say = status or (lambda msg: logger.info("%s", msg))
+    out, corpus, P, max_position, seq_len, text_ids = _check_inputs(cfg, lm)
+    if lm is None:
+        say(f"loading {cfg.model}")
+        lm = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype), device_map=cfg.device_map,
+                        max_memory=cfg.max_memory)
+    key = _checkpoint_key(cfg, fingerprint(lm.model.config), weights_hash(lm.model, lm.adapter),
+                          {"corpus": corpus.sha256, "max_position": max_position})
+    checkpoint = Checkpoint(out.with_name(out.name + ".ckpt"), key)
+    passes = run_passes(cfg, lm, text_ids, seq_len, max_position, checkpoint, progress)
+    bundle = make_bundle(cfg, lm, passes, corpus, max_position, checkpoint, progress, say)
     report = None
     t_search = time.perf_counter()
     if cfg.search:
@@ -479,30 +419,8 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
         report = choose_settings(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
         checkpoint.resumed.update(search_checkpoint.resumed)
-        qk_rank, v_rank = bundle.qk_rank, bundle.v_rank
-    search_seconds = time.perf_counter() - t_search
-    summary = {
-        "bundle": str(out),
-        "model": lm.name,
-        "wall_seconds": round(time.perf_counter() - t0, 2),
-        "load_seconds": round(lm.load_seconds, 2),
-        "pass_seconds": round(pass_seconds, 2),
-        "search_seconds": round(search_seconds, 2),
-        "tokens": {"random": int(random_ids.numel()), "text": int(text_ids.numel())},
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "ranks": {"qk": _histogram(qk_rank, a.head_dim), "v": _histogram(v_rank, a.head_dim)},
-        "energy_kept": {"qk": energy_kept(qk_spectrum, qk_rank).mean().item(),
-                        "v": energy_kept(v_spectrum, v_rank).mean().item()},
-        "token_independence": independence,
-        "policy": bundle.settings,
-        "resumed": checkpoint.resumed,
-    }
-    if report is not None:
-        summary["search"] = {"chosen": report["search"]["chosen"], "held_out": _brief(report["held_out"]),
-                             "points": len(report["search"]["path"]), "context": report["search"]["probe"]["context"],
-                             "decision": report["search"]["decision"], "seconds": report["search"]["seconds"]}
-    bundle.calibration["summary"] = {k: summary[k] for k in ("wall_seconds", "load_seconds", "pass_seconds",
-                                                             "search_seconds", "peak_rss_mib")}
+    seconds = {"search": time.perf_counter() - t_search, "wall": time.perf_counter() - t0}
+    summary = summarize(cfg, lm, bundle, out, passes, report, seconds, checkpoint.resumed)
     wait_for_test_barrier()
     save_bundle(bundle, out, overwrite=cfg.overwrite)
     if report is not None:

@@ -25,20 +25,21 @@ from dataclasses import asdict
 import torch
 
 from kvcal.data import load_corpus, token_windows
+from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
 from kvcal.profile.budget import bisect, confirm, meets
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality import DecodeProbe, QualityTarget
 from kvcal.profile.quality_model import record_costs
 from kvcal.profile.ranks import ranks_of
-from kvcal.runtime.bases import served_bases
+from kvcal.runtime.storage.bases import served_bases
 
 # The recording pass's backward holds every layer's activations: at most this many tokens per window (the last
 # ones, which hold the scored continuation), so its memory does not grow with the deployment context.
 RECORD_TOKENS = 1024
-# (stage, label, point): a step starts (point None) or a measurement ended (point: its row). Stages: "record",
-# "probe", "confirm".
+# The stages of choosing, in order, and what each measures (the progress bar's names for them)
+STAGES = {"record": "quality model", "probe": "budget probes", "confirm": "evaluation text"}
+# (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row)
 Progress = Callable[[str, str, dict | None], None]
 
 

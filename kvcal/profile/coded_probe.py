@@ -28,11 +28,11 @@ from contextvars import ContextVar
 
 import torch
 
-from kvcal.profile.quality import LogitScores, dense_cache
+from kvcal.eval.fidelity import LogitScores, dense_cache
 from kvcal.profile.quality_model import BITS, FormatCosts, coded_keys, coded_values, held_mask, layer_format
-from kvcal.runtime.bases import ServedBases
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.layout import PageLayout
+from kvcal.runtime.storage.bases import ServedBases
+from kvcal.runtime.storage.layout import PageLayout
 
 CODED_IMPL = "kvcal_coded_probe"
 _STATE: ContextVar[_Coding | None] = ContextVar("kvcal_coded_probe", default=None)

@@ -1,5 +1,5 @@
 """Offline FastGen statistics on calibration text: how much prompt attention each compressed pattern
-(`kvcal.runtime.fastgen.PATTERNS`) retains per (layer, KV head), and how many tokens it keeps.
+(`kvcal.runtime.policies.fastgen.PATTERNS`) retains per (layer, KV head), and how many tokens it keeps.
 
 Based on FastGen (Ge et al., ICLR 2024), Eq. 1–2, Alg. 1. The paper profiles each prompt online; this is the
 optional offline mode: the same per-prompt recovery, averaged over calibration windows, so a model's
@@ -20,8 +20,8 @@ import logging
 import torch
 
 from kvcal.models import ModelAdapter
-from kvcal.runtime.attention import prompt_probs
-from kvcal.runtime.fastgen import FastGenConfig, choose_pattern, kept_sets, prompt_recovery, token_flags
+from kvcal.runtime.backends.base import prompt_probs
+from kvcal.runtime.policies.fastgen import FastGenConfig, choose_pattern, kept_sets, prompt_recovery, token_flags
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class FastGenStatsCollector:
     """Streaming FastGen profile per (layer, KV head, compressed pattern), as a `capture` collector.
 
     recovery_sum [L, H, 4] float64: per window, the mean over query rows of the retained attention mass (min over the
-        group's query heads per row, see `kvcal.runtime.fastgen`), summed over windows;
+        group's query heads per row, see `kvcal.runtime.policies.fastgen`), summed over windows;
     kept_sum [L, H, 4] float64: per window, the fraction of its tokens each pattern keeps at the end of the window
         (current length t = n, frequent ranked by the final column sums), summed over windows;
     windows [L] int64: windows (sequences) seen per layer.

@@ -17,7 +17,7 @@ runs whether or not the search runs (the search probe's recorded K exists only w
 text the search measures on).
 
 Columns, not served coordinates: the runtime serves static keys in R's columns without the mixing rotation
-(kvcal.runtime.bases), so a range fitted here holds at every rank (cutting to a rank drops columns).
+(kvcal.runtime.storage.bases), so a range fitted here holds at every rank (cutting to a rank drops columns).
 """
 
 from __future__ import annotations

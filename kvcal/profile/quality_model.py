@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcal.profile.capture import capturing
-from kvcal.runtime import quant
-from kvcal.runtime.bases import ServedBases
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.layout import RAW_BITS, PageLayout, TierFormat
+from kvcal.runtime.storage import quant
+from kvcal.runtime.storage.bases import ServedBases
+from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
 SIDES = ("k", "v")
@@ -124,7 +124,7 @@ class _KeepQKV:
 def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases, base: CompressionConfig,
                  layer_types: list[str], head_dim: int) -> FormatCosts:
     """windows long [B, S] token ids, the last `scored` positions of each scored (their next tokens are the
-    targets); served: the bases the runtime applies under `base` (kvcal.runtime.bases.served_bases); base: the
+    targets); served: the bases the runtime applies under `base` (kvcal.runtime.storage.bases.served_bases); base: the
     settings the allocation changes bits of (window, heavy-hitter threshold, high tier, low / sliding formats).
     One forward and backward pass per window, in the model's dtype. The model's parameters get no gradient (their
     requires_grad is restored)."""
@@ -183,7 +183,7 @@ def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, s
         logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         causal = torch.arange(S)[None, :] > torch.arange(start, S)[:, None]
         attention = logits.masked_fill(causal, float("-inf")).softmax(-1)
-        # the runtime's rule (kvcal.runtime.diffkv): per query the max over the KV head's query heads
+        # the runtime's rule (kvcal.runtime.policies.diffkv): per query the max over the KV head's query heads
         significance = attention.view(H, -1, *attention.shape[1:]).amax(1).mean(1)     # [H, S]
         held &= significance < base.tiering.alpha_high / S
     return held

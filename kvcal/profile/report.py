@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
-from kvcal.profile.quality import QualityTarget
-from kvcal.runtime.diffkv import EVERY_TOKEN_LOW
+from kvcal.eval import QualityTarget
+from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW
 
 STAGE_COLORS = {"probe": "tab:blue", "confirm": "tab:green"}
 STAGE_NAMES = {"probe": "budget probe, search text", "confirm": "check, evaluation text"}
@@ -24,7 +23,7 @@ def report_paths(bundle_path: Path) -> dict[str, Path]:
 
 def tier_in_words(spec: str) -> str:
     """'K8V4g16' -> '8-bit keys, 4-bit values with a scale per 16 channels'; 'K16V16' -> 'fp16 keys and values'."""
-    from kvcal.runtime.layout import TierFormat
+    from kvcal.runtime.storage.layout import TierFormat
 
     f = TierFormat.parse(spec)
     if f.k_bits >= 16 and f.v_bits >= 16:
@@ -98,10 +97,8 @@ def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
     `target["z"]`: what the calibration's confirmation and `kvcal bench` ask), or as measured (`QualityTarget.met`
     at z = 0: what bundles made before the quality model were decided by, still reported for them).
     held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
-    z = target.get("z", QualityTarget.z) if at_bounds else 0.0
-    rule = QualityTarget(top1=target["top1"], ppl_ratio=target["ppl_ratio"], z=z)
-    return rule.met(SimpleNamespace(top1=held_out["top1"], predictions=held_out.get("predictions", 0),
-                                    ppl_ratio=held_out["ppl_ratio"], top1_windows=held_out.get("top1_windows")))
+    rule = QualityTarget.from_dict(target)
+    return (rule if at_bounds else rule.with_(z=0.0)).met(held_out)
 
 
 def write_report(bundle_path: Path, report: dict, *, overwrite: bool = False) -> dict[str, Path]:

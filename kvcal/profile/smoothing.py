@@ -13,7 +13,7 @@ spends its range on it; the query, which is never quantized, carries the factor 
 
 over calibration text, post-RoPE, per column of the bundle's rotation R (max over the group's query heads), then
 divided by its geometric mean over the head's columns, so the keys' overall scale is unchanged. The runtime folds D
-into the bases (kvcal.runtime.bases): keys through R·diag(1/D)·M, queries through R·diag(D)·M, with M kvcal's fixed
+into the bases (runtime.storage.bases): keys through R·diag(1/D)·M, queries through R·diag(D)·M, with M kvcal's fixed
 orthogonal mixing, so the mixing spreads what smoothing leaves. Per-channel key scales are indifferent to a
 per-coordinate factor on their own; after the mixing they are not.
 """

@@ -1,5 +1,5 @@
 """kvcal's runtime: serve a calibrated bundle as a compressed, paged KV cache. Depends on torch, safetensors and
-transformers (for `hf.py` and `offload/`), and optionally cuda-python; never on another part of kvcal.
+transformers (for `hf/` and `offload/`), and optionally cuda-python; never on another part of kvcal.
 
     from kvcal.runtime import CompressionConfig, KvcalCache, load_bundle
     bundle = load_bundle("model.kvcal.safetensors")      # the artefact (`kvcal.runtime.bundle`) belongs to the runtime
@@ -20,20 +20,21 @@ _WHERE = {
     "load_bundle": "kvcal.runtime.bundle",
     "save_bundle": "kvcal.runtime.bundle",
     "CompressionConfig": "kvcal.runtime.config",
-    "TieringConfig": "kvcal.runtime.diffkv",
-    "FastGenConfig": "kvcal.runtime.fastgen",
-    "H2OConfig": "kvcal.runtime.h2o",
-    "SnapKVConfig": "kvcal.runtime.snapkv",
-    "StreamingLLMConfig": "kvcal.runtime.streamingllm",
-    "CachePolicy": "kvcal.runtime.cache_policy",
-    "TierFormat": "kvcal.runtime.layout",
-    "PageLayout": "kvcal.runtime.layout",
-    "CompressedStore": "kvcal.runtime.store",
+    "ServeOptions": "kvcal.runtime.options",
+    "TieringConfig": "kvcal.runtime.policies.diffkv",
+    "FastGenConfig": "kvcal.runtime.policies.fastgen",
+    "H2OConfig": "kvcal.runtime.policies.h2o",
+    "SnapKVConfig": "kvcal.runtime.policies.snapkv",
+    "StreamingLLMConfig": "kvcal.runtime.policies.streamingllm",
+    "CachePolicy": "kvcal.runtime.policies.cache_policy",
+    "TierFormat": "kvcal.runtime.storage.layout",
+    "PageLayout": "kvcal.runtime.storage.layout",
+    "CompressedStore": "kvcal.runtime.storage.store",
     "CompressedKV": "kvcal.runtime.cache",
-    "served_bases": "kvcal.runtime.bases",
-    "AttentionBackend": "kvcal.runtime.attention",
-    "TorchBackend": "kvcal.runtime.attention",
-    "select_backend": "kvcal.runtime.attention",
+    "served_bases": "kvcal.runtime.storage.bases",
+    "AttentionBackend": "kvcal.runtime.backends.base",
+    "TorchBackend": "kvcal.runtime.backends.reference",
+    "select_backend": "kvcal.runtime.backends.registry",
     "KvcalCache": "kvcal.runtime.hf",
     "OffloadedCache": "kvcal.runtime.offload",
 }

@@ -20,17 +20,20 @@ partly filled pages and the tokens that wait at the high tier make short sequenc
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from kvcal.runtime.attention import _softmax_attend, select_backend
-from kvcal.runtime.bases import served_bases
-from kvcal.runtime.cache_policy import CachePolicy, Prompt, PromptAttention, cache_policies
+from kvcal.runtime.backends.base import _softmax_attend
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
-from kvcal.runtime.pages import HIGH, LOW
-from kvcal.runtime.store import CompressedStore
+from kvcal.runtime.options import ServeOptions
+from kvcal.runtime.policies import cache_policies
+from kvcal.runtime.policies.cache_policy import CachePolicy, Prompt, PromptAttention
+from kvcal.runtime.policies.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
+from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.pages import HIGH, LOW
+from kvcal.runtime.storage.store import CompressedStore
 
 
 @dataclass
@@ -56,6 +59,21 @@ def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1).reshape(H, B * m, d), w).view(H, B, m, -1).transpose(0, 1)
 
 
+@contextmanager
+def torch_threads(n: int | None):
+    """torch runs on `n` intra-op threads inside the block (the fused cpu decode sizes its OpenMP region from
+    `torch.get_num_threads()`), and on the host's setting again after it; None: the host's setting throughout."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class CompressedKV:
     """Compressed KV state of one batch of sequences across all layers (see module docstring)."""
 
@@ -63,12 +81,14 @@ class CompressedKV:
                  config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
                  raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 smoothing: torch.Tensor | None = None, raw_tokens: int | None = 0):
+                 smoothing: torch.Tensor | None = None, raw_tokens: int | None = 0,
+                 serve: ServeOptions = ServeOptions()):
         """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
         tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation. key_ranges: (low,
         high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
         keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`. raw_tokens: the raw phase
-        (module docstring): 0 = none, None = `auto_raw_tokens()`."""
+        (module docstring): 0 = none, None = `auto_raw_tokens()`. serve: how this process serves the cache (attention
+        backend, page size, threads), resolved here once."""
         L, H, d, _ = rotation.shape
         if config.static_keys and not config.rotate:
             raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
@@ -88,10 +108,11 @@ class CompressedKV:
         self.basis = {layer: basis[layer, :, :, :int(rank_v[layer].max())].to(self.device).contiguous()
                       for layer in self.layers}
         self.basis_t = {layer: b.transpose(1, 2).contiguous() for layer, b in self.basis.items()}
-        self.backend = select_backend(config.backend, str(self.device), config.formats, d)
+        self.serve = serve
+        self.backend = serve.resolve(self.device, config.formats, d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
-                                     low_layers=dict(config.low_layers),
-                                     batch=batch, device=self.device, page_bytes=config.page_size(d), raw16=raw16,
+                                     low_layers=dict(config.low_layers), batch=batch, device=self.device,
+                                     page_bytes=config.page_size(d, serve.page_bytes), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
                                      key_ranges=key_ranges, low_tracked=config.low_tracked)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
@@ -111,13 +132,14 @@ class CompressedKV:
     @classmethod
     def from_bundle(cls, bundle, config: CompressionConfig, *, batch: int, sliding: list[bool], device="cpu",
                     raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
-                    raw_tokens: int | None = 0) -> CompressedKV:
+                    raw_tokens: int | None = 0, serve: ServeOptions = ServeOptions()) -> CompressedKV:
         ranges = None
         if "k.range_low" in bundle.extras:
             ranges = (bundle.extras["k.range_low"], bundle.extras["k.range_high"])
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
                    sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
-                   smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens)
+                   smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens,
+                   serve=serve)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
@@ -133,7 +155,11 @@ class CompressedKV:
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 pad: torch.Tensor | None, scale: float) -> torch.Tensor:
         """query [B, Hq, n, d]; key, value [B, H, n, d]; pad bool [B, n] (True = real token; prefill only, None =
-        no padding) -> output [B, Hq, n, d] in query's dtype."""
+        no padding) -> output [B, Hq, n, d] in query's dtype. Runs on `serve.threads` torch threads when set."""
+        with torch_threads(self.serve.threads):
+            return self._forward(layer, query, key, value, pad, scale)
+
+    def _forward(self, layer, query, key, value, pad, scale):
         B, Hq, n, d = query.shape
         H = key.shape[1]
         q = query.view(B, H, Hq // H, n, d)

@@ -30,22 +30,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from kvcal.runtime.diffkv import TieringConfig
-from kvcal.runtime.fastgen import FastGenConfig
-from kvcal.runtime.h2o import H2OConfig
-from kvcal.runtime.layout import TierFormat, default_page_bytes
-from kvcal.runtime.sliding import check_sliding_format
-from kvcal.runtime.snapkv import SnapKVConfig
-from kvcal.runtime.streamingllm import StreamingLLMConfig
+from kvcal.runtime.policies import TOKEN_POLICY_CONFIGS
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.policies.h2o import H2OConfig
+from kvcal.runtime.policies.snapkv import SnapKVConfig
+from kvcal.runtime.policies.streamingllm import StreamingLLMConfig
+from kvcal.runtime.storage.layout import TierFormat, check_sliding_format, default_page_bytes
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
                  "sliding_layers", "sliding_recent", "smooth")
-# keys whose value is one token policy's settings dataclass; None = that policy is off (cache_policy.CACHE_POLICIES)
-_TOKEN_POLICY_CONFIGS = {"fastgen": FastGenConfig, "h2o": H2OConfig, "snapkv": SnapKVConfig,
-                    "streamingllm": StreamingLLMConfig}
-
-
 @dataclass(frozen=True)
 class CompressionConfig:
     """Runtime settings. `CompressionConfig.none()` stores everything exactly (for checks against dense)."""
@@ -57,12 +52,10 @@ class CompressionConfig:
     rotate: bool = True           # False: no rotation (identity R and B); only meaningful at full rank
     mix: bool = True              # spread energy evenly over the kept coordinates before quantizing (see bases.py)
     smooth: bool = False          # move key range to the queries first (bundle `qk.smoothing`, see bases.py)
-    page_bytes: int | None = None  # explicit page size; None: from `page_tokens`
     # Pages hold `page_tokens` full-rank low-tier tokens; None: 32 high-tier tokens. A per-channel low tier computes
     # its key scales over one page and keeps up to a page of low tokens waiting at the high tier, so with a raw
     # (fp16) high tier the page must be sized by the low tier, or the waiting tokens cost more than they save.
     page_tokens: int | None = None
-    backend: str = "auto"
     fastgen: FastGenConfig | None = None   # FastGen's per-head patterns on top of the tiers (None: off)
     qk_removal_rate: float = 0.0  # FDC removal rates behind the bundle's ranks (recorded, not applied here)
     v_removal_rate: float = 0.0
@@ -119,7 +112,7 @@ class CompressionConfig:
         moves only when something drops it: pruning (alpha_low > 0) or a token policy (FastGen, H2O, SnapKV,
         StreamingLLM). Without those its score is never read and its slot's place below the fill is all attention
         needs, so the 8 bytes a token would spend on them are not stored."""
-        policies = (self.fastgen, self.h2o, self.snapkv, self.streamingllm)
+        policies = [getattr(self, name) for name in TOKEN_POLICY_CONFIGS]
         return not self.tiering.tiered or self.tiering.alpha_low > 0 or any(p is not None for p in policies)
 
     def low_of(self, layer: int) -> TierFormat:
@@ -147,10 +140,12 @@ class CompressionConfig:
         """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
         return max(self.high.v_group or 1, self.low.v_group or 1)
 
-    def page_size(self, head_dim: int) -> int:
-        """Bytes per page for heads of `head_dim` (the arena's one page size, shared by both tiers)."""
-        if self.page_bytes:
-            return self.page_bytes
+    def page_size(self, head_dim: int, page_bytes: int | None = None) -> int:
+        """Bytes per page for heads of `head_dim` (the arena's one page size, shared by both tiers). page_bytes: an
+        explicit size (`ServeOptions.page_bytes`, a serving choice: never in the settings); None: from `page_tokens`,
+        else 32 high-tier tokens."""
+        if page_bytes:
+            return page_bytes
         if self.page_tokens:
             return default_page_bytes(head_dim, self.low, self.page_tokens, self.low_tracked)
         return default_page_bytes(head_dim, self.high)
@@ -205,7 +200,7 @@ class CompressionConfig:
                              "written by a newer kvcal: upgrade kvcal")
         base = cls()
         tokens = {k: d[k] for k in ("window", "alpha_high", "alpha_low", "threshold_base") if k in d}
-        policies = {name: kind(**d[name]) if d.get(name) else None for name, kind in _TOKEN_POLICY_CONFIGS.items()}
+        policies = {name: kind(**d[name]) if d.get(name) else None for name, kind in TOKEN_POLICY_CONFIGS.items()}
         return replace(base, high=TierFormat.parse(d["high"]) if "high" in d else base.high,
                        low=TierFormat.parse(d["low"]) if "low" in d else base.low, tiering=TieringConfig(**tokens),
                        qk_removal_rate=d.get("qk_removal_rate", 0.0), v_removal_rate=d.get("v_removal_rate", 0.0),

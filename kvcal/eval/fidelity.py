@@ -1,0 +1,167 @@
+"""Decode-phase fidelity of a compressed cache against the dense cache, on the same inputs.
+
+Protocol: prefill P prompt tokens through the cache under test, then teacher-force the continuation one token per
+step. Step t feeds continuation token t and predicts token t + 1, reading everything before it from the cache. The
+prefill's own last prediction is not scored, because compressing the cache cannot change it (prefill attention runs
+on the uncompressed K/V). The reference logits come from one dense forward pass over prompt + continuation.
+
+Metrics over every scored prediction: mean KL(dense || compressed) in nats; top-1 agreement with the dense argmax;
+continuation perplexity of the true tokens under both, and their ratio exp(mean NLL_c - mean NLL_d). Memory: bytes the
+cache actually holds at the end (pages in the arena, metadata and fragmentation included), against an fp16 dense
+cache of the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Fidelity:
+    kl: float                 # mean KL(dense || compressed), nats
+    top1: float               # agreement with the dense argmax
+    ppl: float                # continuation perplexity, compressed
+    ppl_dense: float
+    ppl_ratio: float          # exp(mean NLL compressed - mean NLL dense)
+    predictions: int          # scored predictions (sequences x steps)
+    prompt_tokens: int
+    memory: dict = field(default_factory=dict)   # KvcalCache.memory() at the end (empty for dense)
+    tiers: dict = field(default_factory=dict)    # token-head fractions high / low / pruned (compressed layers)
+    decode_ms_per_step: float = 0.0
+    page_ms_per_step: float = 0.0                # time in page allocation per step (page-management share)
+    top1_windows: list = field(default_factory=list)   # top-1 of each window (sequence): variation between documents
+
+
+@torch.inference_mode()
+def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> torch.Tensor:
+    """Logits [B, S - start, vocab] (float32) at positions start.. of one dense forward over ids [B, S]; the head
+    runs a few positions at a time, only where logits are needed (a [S, vocab] tensor costs GBs on big vocabularies)."""
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, start:]
+    head = model.get_output_embeddings()
+    return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
+
+
+def dense_cache(model, records: dict):
+    """A transformers `DynamicCache` holding a recorded prompt: `records` maps each layer to its K/V [B, H, n, d]
+    (and more, ignored) or, for a sliding layer, (its kept window's keys, values, the number of tokens it has seen)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            keys, values, seen = records[i]
+            layer.update(keys, values)
+            layer.cumulative_length = seen
+        else:
+            layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
+    return cache
+
+
+@torch.inference_mode()
+def reference_logits(model, records: dict, continuation: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Dense logits [B, M, vocab] (float32) of continuation[:, :M] (continuation [B, M + 1]) after a recorded prompt:
+    a transformers `DynamicCache` filled with the prompt's exact K/V from `records` (`DecodeProbe`'s, taken from the
+    recording prefill), then `chunk` tokens per forward pass. Equal to one dense forward over prompt + continuation
+    up to float rounding, at the cost of the continuation alone: the prompt is not run a second time."""
+    cache = dense_cache(model, records)
+    M = continuation.shape[1] - 1
+    logits = [model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits
+              .float() for t in range(0, M, chunk)]
+    return torch.cat(logits, dim=1)
+
+
+def teacher_force(model, cache, continuation: torch.Tensor,
+                  on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[torch.Tensor | None, float]:
+    """Feed continuation[:, :-1] [B, M] through `cache` one token per forward pass, the stepwise decode users run:
+    logits [B, M, vocab] float32, seconds. `on_logits(t, logits [B, 1, vocab])`: hand each step's logits over instead
+    of keeping them (returns None for logits): [B, M, vocab] float32 is hundreds of MB at a 256-token continuation on
+    a 50k vocabulary."""
+    steps = []
+    M = continuation.shape[1] - 1
+    t0 = time.perf_counter()
+    for t in range(M):
+        logits = model(input_ids=continuation[:, t:t + 1], cache=cache, use_cache=True).logits
+        if on_logits is None:
+            steps.append(logits.float())
+        else:
+            on_logits(t, logits.float())
+    return (torch.cat(steps, dim=1) if on_logits is None else None), time.perf_counter() - t0
+
+
+class LogitScores:
+    """`compare_logits`'s sums, added a few positions at a time (`add`), so no [B, M, vocab] tensor is needed."""
+
+    def __init__(self, batch: int):
+        self.kl, self.agree, self.nll, self.nll_ref = (torch.zeros(batch, dtype=torch.float64) for _ in range(4))
+        self.count = 0          # positions per window so far
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor) -> None:
+        """ref, got [B, c, vocab] logits; target [B, c] the true next tokens."""
+        logp_ref, logp = F.log_softmax(ref.float(), -1), F.log_softmax(got.float(), -1)
+        self.kl += (logp_ref.exp() * (logp_ref - logp)).sum(-1).sum(-1).double()
+        self.agree += (ref.argmax(-1) == got.argmax(-1)).sum(-1).double()
+        self.nll -= logp.gather(-1, target[..., None]).sum((-1, -2)).double()
+        self.nll_ref -= logp_ref.gather(-1, target[..., None]).sum((-1, -2)).double()
+        self.count += target.shape[1]
+
+    def fidelity(self, prompt_tokens: int, seconds: float, cache=None) -> Fidelity:
+        B, M = len(self.kl), self.count
+        n = max(B * M, 1)
+        nll, nll_ref = self.nll.sum().item() / n, self.nll_ref.sum().item() / n
+        result = Fidelity(kl=self.kl.sum().item() / n, top1=self.agree.sum().item() / n, ppl=math.exp(nll),
+                          ppl_dense=math.exp(nll_ref), ppl_ratio=math.exp(nll - nll_ref), predictions=B * M,
+                          prompt_tokens=prompt_tokens, decode_ms_per_step=1000 * seconds / max(M, 1),
+                          top1_windows=(self.agree / max(M, 1)).tolist())
+        if getattr(cache, "kv", None) is not None:
+            result.memory = cache.memory()
+            result.tiers = tier_fractions(cache)
+        return result
+
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor, target: torch.Tensor, prompt_tokens: int, seconds: float,
+                   cache=None, chunk: int = 32) -> Fidelity:
+    """Metrics of logits `got` against `ref` (both [B, M, vocab]) for true next tokens `target` [B, M], `chunk`
+    positions at a time (`LogitScores`)."""
+    scores = LogitScores(target.shape[0])
+    for t in range(0, target.shape[1], chunk):
+        scores.add(ref[:, t:t + chunk], got[:, t:t + chunk], target[:, t:t + chunk])
+    return scores.fidelity(prompt_tokens, seconds, cache)
+
+
+@torch.inference_mode()
+def decode_fidelity(model, prompt: torch.Tensor, continuation: torch.Tensor,
+                    make_cache: Callable[[], object]) -> Fidelity:
+    """prompt [B, P], continuation [B, M + 1] token ids; `make_cache()` returns a fresh cache (KvcalCache or
+    DynamicCache). Scores M predictions per sequence."""
+    P, M = prompt.shape[1], continuation.shape[1] - 1
+    ref = dense_logits(model, torch.cat([prompt, continuation], dim=1)[:, :P + M], start=P)
+    cache = make_cache()
+    model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    kv = getattr(cache, "kv", None)
+    page_s0 = kv.store.page_seconds if kv is not None else 0.0
+    got, seconds = teacher_force(model, cache, continuation)
+    result = compare_logits(ref, got, continuation[:, 1:], P, seconds, cache)
+    if kv is not None:
+        result.page_ms_per_step = 1000 * (kv.store.page_seconds - page_s0) / max(M, 1)
+        cache.release()
+    return result
+
+
+def tier_fractions(cache) -> dict[str, float]:
+    """Fractions of token-heads (compressed layers) held high, held low, or pruned."""
+    kv = cache.kv
+    counts = kv.tier_counts()
+    layer = kv.layers[0]
+    seen = (kv.length[layer] * kv.batch - int(kv.n_pad.sum())) * kv.store.num_kv_heads * len(kv.layers)
+    return {"high": counts["high"] / seen, "low": counts["low"] / seen,
+            "pruned": 1 - (counts["high"] + counts["low"]) / seen}
+
+

@@ -1,0 +1,77 @@
+"""`DecodeProbe`: the decode-phase fidelity of many cache settings on the same inputs, paying the shared work once.
+
+    probe = DecodeProbe(model, bundle, prompt, continuation, tokenizer=tokenizer)    # prompt [B, P], cont. [B, M + 1]
+    fid = probe.measure(config)                                                        # a Fidelity
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.eval.fidelity import Fidelity, LogitScores, reference_logits, teacher_force
+
+
+class DecodeProbe:
+    """`decode_fidelity` for many compression settings on the same inputs, paying the shared work once.
+
+    The dense reference logits and the prefill attention do not depend on the settings, so both run once here; each
+    `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
+    write_prefill`) and teacher-forces the continuation through it one token per step, so results equal
+    `decode_fidelity` with the same cache settings.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor, *, tokenizer=None,
+                 fastgen=None):
+        """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
+        FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`."""
+        from kvcal.runtime.adapters import adapter_for
+        from kvcal.runtime.config import CompressionConfig
+        from kvcal.runtime.hf import KvcalCache
+
+        self.model, self.bundle, self.prompt, self.continuation = model, bundle, prompt, continuation
+        self.tokenizer, self.fastgen = tokenizer, fastgen
+        sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
+        records, _ = KvcalCache.record_prompt(bundle, model, prompt, CompressionConfig.none().with_(fastgen=fastgen),
+                                              tokenizer=tokenizer)
+        self.ref = reference_logits(model, records, continuation)
+        # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more than
+        # fp16 once the reference is made: half the probe's largest allocation (4 x 4k tokens of a 30-layer model
+        # are 0.7 GB in float32). Sliding layers keep their window as the model's cache held it.
+        self.records = {i: (key.half(), value.half(), *rest) if not sliding[i] else (key, value, *rest)
+                        for i, (key, value, *rest) in records.items()}
+
+    @torch.inference_mode()
+    def measure(self, config, bundle=None, serve=None) -> Fidelity:
+        """Fidelity of `config` (a CompressionConfig), with `bundle`'s ranks (default: the probe's bundle), served with
+        `serve` (a ServeOptions; None: the defaults)."""
+        cache = self.replay(config, bundle, serve)
+        page_s0 = cache.kv.store.page_seconds
+        target = self.continuation[:, 1:]
+        scores = LogitScores(target.shape[0])
+
+        def score(t: int, logits: torch.Tensor) -> None:
+            c = logits.shape[1]
+            scores.add(self.ref[:, t:t + c], logits, target[:, t:t + c])
+
+        _, seconds = teacher_force(self.model, cache, self.continuation, on_logits=score)
+        result = scores.fidelity(self.prompt.shape[1], seconds, cache)
+        result.page_ms_per_step = 1000 * (cache.kv.store.page_seconds - page_s0) / max(target.shape[1], 1)
+        cache.release()
+        return result
+
+    def replay(self, config, bundle=None, serve=None):
+        """A fresh KvcalCache of `config` (served with `serve`, None: the defaults) holding the recorded prompt, ready
+        for the continuation."""
+        from kvcal.runtime.hf import KvcalCache
+        from kvcal.runtime.options import ServeOptions
+
+        if config.fastgen is not None and (self.fastgen is None or (config.fastgen.r_local, config.fastgen.r_frequent)
+                                           != (self.fastgen.r_local, self.fastgen.r_frequent)):
+            raise ValueError("this probe recorded no FastGen statistics for these r_local / r_frequent; make it with "
+                             "`fastgen=`")
+        cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer,
+                                       serve=serve or ServeOptions())
+        cache.prime(self.records, token_ids=self.prompt)
+        return cache
+

@@ -1,0 +1,181 @@
+"""CpuBackend: fused decode attention and token writes on the compressed page arena, for CPUs.
+
+    attend   one call per layer into csrc/paged_attention.cpp `kvcal_decode`: it walks the layer's page tables
+             itself, dequantizes a page at a time into a small buffer (no dequantized K/V of the layer ever exists),
+             runs an online softmax split over page chunks (OpenMP threads), merges the chunks with the new tokens,
+             and adds each stored token's probability to its score in the page in the same call.
+    write    `kvcal_write`: quantize + pack + write the new tokens (per-token formats), bit for bit what
+             CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
+    append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
+             at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
+    prefill  the torch reference (prefill attends over uncompressed K/V, where dense attention is what torch does
+             well); per-channel low pages (`write_pages`, once a page of low tokens exists) keep the torch writer.
+
+The library is compiled at first use (`build.py` here); where it cannot be built, `supports` says why and
+`select_backend("auto")` falls back to the torch reference. TorchBackend stays the oracle: tests compare the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from kvcal.runtime.backends.base import AttentionBackend
+from kvcal.runtime.backends.reference import TorchBackend
+from kvcal.runtime.storage.pages import LOW
+
+from .build import CpuBuildError, load_library
+
+# struct Desc in csrc/paged_attention.cpp, in declaration order (all int32)
+DESC_FIELDS = ("tokens", "r_k", "r_v", "k_bits", "v_bits", "k_channel", "k_group", "v_group", "k_bytes", "v_bytes",
+               "k_groups", "v_groups", "k_off", "k_meta_off", "v_off", "v_meta_off", "score_off", "pos_off",
+               "raw_bf16", "meta8")
+GRAIN = 1 << 17       # multiply-adds per thread below which a layer's decode uses fewer threads
+MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
+
+_FP16_MAX = 65504.0
+
+
+
+def _desc_row(lay, raw_bf16: bool) -> list[int]:
+    fmt = lay.fmt
+    values = dict(tokens=lay.tokens, r_k=lay.r_k, r_v=lay.r_v, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+                  k_channel=int(fmt.k_mode == "channel"), k_group=max(1, lay.r_k // max(1, lay.k_groups)),
+                  v_group=max(1, lay.r_v // max(1, lay.v_groups)), k_bytes=lay.k_bytes, v_bytes=lay.v_bytes,
+                  k_groups=lay.k_groups, v_groups=lay.v_groups, k_off=lay.k_off, k_meta_off=lay.k_meta_off,
+                  v_off=lay.v_off, v_meta_off=lay.v_meta_off, score_off=lay.score_off, pos_off=lay.pos_off,
+                  raw_bf16=int(raw_bf16), meta8=int(fmt.meta_bits == 8))
+    return [values[f] for f in DESC_FIELDS]
+
+
+class _LayerTables:
+    """Per layer, what never changes for a store: descriptor rows int32 [2 * groups, len(DESC_FIELDS)] (row
+    2 * group + side) and each KV head's group int32 [H]."""
+
+    def __init__(self, store):
+        self.descs, self.head_group = {}, {}
+        for layer, groups in store.groups.items():
+            rows = []
+            head_group = torch.empty(store.num_kv_heads, dtype=torch.int32)
+            for gi, g in enumerate(groups):
+                if max(g.r_k, g.r_v) > MAX_RANK:
+                    raise ValueError(f"stored rank ({g.r_k}, {g.r_v}) exceeds the CPU kernels' limit of {MAX_RANK}; "
+                                     "use backend `torch`")
+                head_group[g.heads.cpu()] = gi
+                rows += [_desc_row(g.layouts[side], store.raw16 == torch.bfloat16) for side in (0, 1)]
+            self.descs[layer] = torch.tensor(rows, dtype=torch.int32)
+            self.head_group[layer] = head_group
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tables(store) -> _LayerTables:
+    tables = _TABLES.get(store)
+    if tables is None:
+        tables = _TABLES[store] = _LayerTables(store)
+    return tables
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _layer_args(store, layer: int) -> tuple:
+    """The kernels' common leading arguments: arena, descriptors, page table, fill, head groups, L, B, H, P, layer,
+    page bytes. The arena and page table are read fresh: growing them replaces the tensors."""
+    arena = store.arena
+    table, fill = arena.page_table, store.fill
+    assert arena.arena.is_contiguous() and table.is_contiguous() and fill.is_contiguous()
+    t = _tables(store)
+    B, L, H, P = table.shape                                                # [slots, layers, kv_heads, P]
+    return (_ptr(arena.arena), _ptr(t.descs[layer]), _ptr(table), _ptr(fill), _ptr(t.head_group[layer]), L, B, H, P,
+            layer, store.page_bytes)
+
+
+def _check_write(rc: int, bad: ctypes.c_float) -> None:
+    """kvcal_write's return code as the torch writer's errors (quant._check_values)."""
+    if rc == 1:
+        raise ValueError("x must be finite, got NaN or inf")
+    if rc == 2:
+        raise ValueError(f"x has max abs value {bad.value:g}, beyond the float16 range (max {_FP16_MAX:g}) of "
+                         "scale/zero")
+    assert rc == 0, "slot without a page"
+
+
+class CpuBackend(AttentionBackend):
+    """Fused compressed paged attention on CPUs through a small C++/OpenMP library (see the module docstring)."""
+
+    writes_cache = True
+
+    @classmethod
+    def name(cls) -> str:
+        return "cpu"
+
+    @classmethod
+    def supports(cls, device: torch.device) -> list[str]:
+        if torch.device(device).type != "cpu":
+            return [f"device `{device}` is not the CPU"]
+        try:
+            load_library()
+        except CpuBuildError as e:
+            return [str(e)]
+        return []
+
+    @classmethod
+    def supports_formats(cls, formats: tuple, head_dim: int) -> list[str]:
+        reasons = [f"{fmt.name}: the CPU kernels read per-token or per-page key scales, not static calibrated ones"
+                   for fmt in formats if fmt.k_mode == "static"]
+        if head_dim > MAX_RANK:
+            reasons.append(f"head dim {head_dim} exceeds the CPU kernels' limit of {MAX_RANK} stored dims")
+        return reasons
+
+    prefill = staticmethod(TorchBackend.prefill)
+
+    @staticmethod
+    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
+        """As TorchBackend.attend. query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, rv]."""
+        B, H, g, n, r = query.shape
+        rv = new_values.shape[-1]
+        query, new_keys, new_values = (t.float().contiguous() for t in (query, new_keys, new_values))
+        out = torch.empty(B, H, g, n, rv)
+        new_score = torch.empty(B, H, n)
+        rc = load_library().kvcal_decode(*_layer_args(store, layer), _ptr(query), _ptr(new_keys), _ptr(new_values),
+                                         g, n, r, rv, float(scale), int(track_scores), torch.get_num_threads(),
+                                         GRAIN, _ptr(out), _ptr(new_score))
+        if rc != 0:
+            raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
+        return out, new_score
+
+    @staticmethod
+    def write(store, layer, side, b, h, slot, keys, values, pos, score) -> None:
+        """As CompressedStore.write: b, h, slot, pos [n]; keys [n, >= r_k]; values [n, >= r_v]; score [n]."""
+        if len(b) == 0:
+            return
+        assert side != LOW or store.low.k_mode != "channel", "per-channel pages are written whole (write_pages)"
+        b, h, slot, pos = (t.to(torch.int64).contiguous() for t in (b, h, slot, pos))
+        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
+        bad = ctypes.c_float(0.0)
+        rc = load_library().kvcal_write(*_layer_args(store, layer), side, len(b), _ptr(b), _ptr(h), _ptr(slot),
+                                        _ptr(keys), keys.shape[-1], _ptr(values), values.shape[-1], _ptr(pos),
+                                        _ptr(score), ctypes.byref(bad))
+        _check_write(rc, bad)
+
+    @staticmethod
+    def append_every(store, layer, side, keys, values, pos: int, score) -> None:
+        """The decode step's append (CompressedStore._append_every): one token per entry, in every_entry order, at
+        the end of its section, and fill += 1, in one call. keys [B * H, >= r_k]; values [B * H, >= r_v];
+        score [B * H]; pos: every token's position. Pages must exist; none may be shared."""
+        assert side != LOW or store.low.k_mode != "channel", "per-channel pages are written whole (write_pages)"
+        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
+        bad = ctypes.c_float(0.0)
+        rc = load_library().kvcal_append_every(*_layer_args(store, layer), side, _ptr(keys), keys.shape[-1],
+                                               _ptr(values), values.shape[-1], pos, _ptr(score), ctypes.byref(bad))
+        _check_write(rc, bad)
+
+    @staticmethod
+    def write_pages(store, layer, b, h, keys, values, pos, score) -> None:
+        """Per-channel low pages are written once per page of low tokens: the torch writer serves them."""
+        store.write_pages_torch(layer, b, h, keys, values, pos, score)

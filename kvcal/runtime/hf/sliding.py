@@ -1,0 +1,159 @@
+"""Sliding-window layers (Gemma3's local layers) held quantized: `QuantizedSlidingLayer`.
+
+A sliding layer sees at most `sliding_window` tokens, so its cache does not grow with the context, but on a model
+where most layers slide (Gemma3: 5 of 6) those windows are most of the KV bytes at the contexts a CPU serves. The
+layer keeps transformers' `DynamicSlidingWindowLayer` semantics (the last `sliding_window - 1` tokens, the same mask
+sizes, crop and batch re-indexing) and changes only what a kept token costs: each one is stored per token in one
+tier format of the settings (`CompressionConfig.sliding`, e.g. K8V4), in the bundle's rotated basis with kvcal's
+mixing (as the paged tiers store keys: `kvcal.runtime.storage.bases`), at full rank.
+
+Storage, per (sequence, KV head, kept token): one uint8 row per tensor,
+
+    keys   uint8 [B, H, n, k_bytes + pair * k_groups]   packed codes of K·R, then (scale, zero) per channel group
+    values uint8 [B, H, n, v_bytes + pair * v_groups]   the same for V·B
+
+(pair: 4 bytes, two fp16; 2 bytes for formats ending in m8, `quant.meta8_encode`)
+
+so the parent's slicing along tokens and indexing along sequences act on codes and scales together. `update`
+quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
+attends to itself unquantized, as in the paged runtime), rotated back to the model basis (R, B orthogonal).
+
+With `recent` > 0 (`CompressionConfig.sliding_recent`, KIVI's full-precision residual), the newest `recent` tokens
+stay as they came, in the model's dtype and counted at 16 bits, and a token is quantized once it leaves them:
+
+    recent_keys, recent_values   [B, H, r, d]   r <= recent, the newest tokens, oldest first
+
+A local layer's queries put most of their weight on the last few tokens, so these are where quantization error
+costs most (docs/calibration.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from kvcal.runtime.storage import quant
+from kvcal.runtime.storage.layout import TierFormat, check_sliding_format
+
+
+class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
+    """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d]; basis
+    orthogonal, rotation orthogonal unless smoothed. Keys are stored as K @ rotation and read back through
+    `query_rotation` transposed, its inverse: with channel smoothing the key rotation is R D⁻¹ M and the query
+    rotation R D M (kvcal.runtime.storage.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself."""
+
+    def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
+                 query_rotation: torch.Tensor | None = None, recent: int = 0):
+        check_sliding_format(fmt)
+        super().__init__(sliding_window)
+        self.fmt, self.rotation, self.basis, self.recent = fmt, rotation, basis, recent
+        self.key_inverse_t = rotation if query_rotation is None else query_rotation
+        d = rotation.shape[-1]
+        self.head_dim = d
+        self.k_bytes, self.v_bytes = quant.packed_size(d, fmt.k_bits), quant.packed_size(d, fmt.v_bits)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype
+        self.rotation = self.rotation.to(self.device)
+        self.key_inverse_t = self.key_inverse_t.to(self.device)
+        self.basis = self.basis.to(self.device)
+        B, H = key_states.shape[:2]
+        self.keys = torch.empty(B, H, 0, self._row(self.k_bytes, self.fmt.k_group), dtype=torch.uint8,
+                                device=self.device)
+        self.values = torch.empty(B, H, 0, self._row(self.v_bytes, self.fmt.v_group), dtype=torch.uint8,
+                                  device=self.device)
+        self.recent_keys, self.recent_values = key_states[:, :, :0], value_states[:, :, :0]
+
+    def activate_past_recording(self):
+        raise NotImplementedError("a quantized sliding layer keeps no tokens beyond its window, so it cannot be "
+                                  "rolled back (assisted decoding): serve with `sliding` unset")
+
+    def _row(self, nbytes: int, group: int | None) -> int:
+        return nbytes + self.fmt.meta_pair_bytes * self._groups(group)
+
+    def _groups(self, group: int | None) -> int:
+        return self.head_dim // group if group else 1
+
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
+        """x [B, H, n, d] (model basis) -> packed rows uint8 [B, H, n, row]."""
+        y = torch.einsum("bhnd,hde->bhne", x.float(), basis)
+        codes, scale, zero = quant.quantize_per_token(y, bits, group, self.fmt.meta_bits)
+        return torch.cat([quant.pack(codes, bits), quant.meta_to_bytes(scale, zero)], -1)
+
+    def _decode(self, rows: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None,
+                nbytes: int) -> torch.Tensor:
+        """packed rows uint8 [B, H, n, row] -> [B, H, n, d] in the model basis and dtype."""
+        codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, self.head_dim)
+        scale, zero = quant.meta_from_bytes(rows[..., nbytes:].contiguous(), self.fmt.meta_bits, bits,
+                                            (*rows.shape[:-1], self._groups(group)))
+        y = quant.dequantize_per_token(codes, scale, zero, group)
+        return torch.einsum("bhne,hde->bhnd", y, basis).to(self.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        fmt = self.fmt
+        old_k = torch.cat([self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes),
+                           self.recent_keys], -2)
+        old_v = torch.cat([self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes),
+                           self.recent_values], -2)
+        keep = self.sliding_window - 1
+        unquantized_k = torch.cat([self.recent_keys, key_states], -2)[:, :, -keep:]
+        unquantized_v = torch.cat([self.recent_values, value_states], -2)[:, :, -keep:]
+        leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now
+        new_k = self._encode(unquantized_k[:, :, :leaving], self.rotation, fmt.k_bits, fmt.k_group)
+        new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
+        self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
+        self.cumulative_length += key_states.shape[-2]
+        rows = keep - self.recent_keys.shape[-2]          # quantized tokens the window still holds
+        self.keys, self.values = (_last(torch.cat([old, new], -2), rows)
+                                  for old, new in ((self.keys, new_k), (self.values, new_v)))
+        return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
+
+    # the recent tokens follow the rows through generate's edits of the batch
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.is_initialized:
+            self.recent_keys, self.recent_values = self.recent_keys[indices], self.recent_values[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.is_initialized:
+            self.recent_keys = self.recent_keys.repeat_interleave(repeats, dim=0)
+            self.recent_values = self.recent_values.repeat_interleave(repeats, dim=0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest `-tokens_to_remove` tokens (before the window fills; transformers' rules), the recent
+        ones first."""
+        if self.recent == 0 or tokens_to_remove >= 0 or not self.is_initialized \
+                or self.get_seq_length() >= self.sliding_window:
+            super().crop(tokens_to_remove)
+            return
+        n = min(-tokens_to_remove, self.get_seq_length())
+        from_recent = min(n, self.recent_keys.shape[-2])
+        r = self.recent_keys.shape[-2] - from_recent
+        self.recent_keys, self.recent_values = self.recent_keys[:, :, :r], self.recent_values[:, :, :r]
+        rows = self.keys.shape[-2] - (n - from_recent)
+        self.keys, self.values = self.keys[:, :, :rows], self.values[:, :, :rows]
+        self.cumulative_length -= n
+
+    def held_bytes(self) -> int:
+        """Bytes of the kept tokens: codes and (scale, zero), and the recent tokens at 16 bits; nothing else."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() + self.values.numel() + 2 * (self.recent_keys.numel() + self.recent_values.numel())
+
+    def tokens_held(self) -> int:
+        """B x H x kept tokens (for the fp16 reference)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.shape[0] * self.keys.shape[1] * (self.keys.shape[2] + self.recent_keys.shape[2])
+
+
+def _last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n tokens of x [B, H, tokens, ...] (all of them if fewer, none if n = 0)."""
+    return x[:, :, max(x.shape[2] - n, 0):]

@@ -1,0 +1,146 @@
+"""Score and position words of the stored slots: what token policies read and change (cumulative significance,
+cache index), the holes a drop leaves, and crop.
+
+Each tracked page holds one float32 score and one int32 position per slot (`layout.py`); a slot below `fill` whose
+position is -1 is a hole. High-section holes are reused by new tokens; per-channel low pages are written whole and
+never rewritten, so their holes stay until the sequence ends.
+
+An untracked low tier (`low_tracked=False`) stores no score or position: its tokens never move, so it has no holes.
+Reads give its slots below the fill position `HELD` (a token is there; its cache index is not recorded) and score 0,
+and their score word is -1 (`set_scores` skips it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.runtime.storage.codec import HELD
+from kvcal.runtime.storage.layout import PageLayout
+from kvcal.runtime.storage.page_table import PageTable
+from kvcal.runtime.storage.pages import HIGH
+
+
+class Scores(PageTable):
+    """The page table plus reads and writes of its slots' score and position words (module docstring)."""
+
+    def section_meta(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
+        """(score float32 [n, S], pos int64 [n, S]) of the entries' sections; pos -1 beyond `fill` and in holes.
+        Reads only the score and position segments."""
+        return self.section_scores(layer, side, b, h)[:2]
+
+    def section_scores(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
+        """`section_meta` and where each score lives: (score float32 [n, S], pos int64 [n, S], word int64 [n, S]
+        the score's index in the arena as float32 words, for `set_scores`)."""
+        parts = []
+        groups = self.groups[layer]
+        rows = [(groups[0], None)] if len(groups) == 1 else self.group_rows(layer, h)
+        for g, sel in rows:
+            lay = g.layouts[side]
+            eb, eh = (b, h) if sel is None else (b[sel], h[sel])
+            pages = self.section_pages(layer, side, eb, eh)
+            word = self._score_words(pages, lay)
+            if lay.tracked:
+                score = self._flat(torch.float32)[word]
+                pos = self._flat(torch.int32)[self._slot_words(pages, lay) + lay.pos_off // 4].long()
+            else:
+                score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
+            fill = self.fill[layer, eb, eh, side]
+            pos = torch.where(torch.arange(word.shape[1], device=self.device) < fill[:, None], pos, -1)
+            if sel is None:
+                return score, pos, word
+            parts.append((sel, score, pos, word))
+        width = max([score.shape[1] for _, score, _, _ in parts], default=0)
+        out_s = torch.zeros(len(b), width, device=self.device)
+        out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
+        out_w = torch.zeros((len(b), width), dtype=torch.int64, device=self.device)
+        for sel, score, pos, word in parts:
+            out_s[sel, :score.shape[1]] = score
+            out_p[sel, :pos.shape[1]] = pos
+            out_w[sel, :word.shape[1]] = word
+        return out_s, out_p, out_w
+
+    def _slot_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
+        """pages int64 [n, P] (-1 = none) -> int64 [n, P * T]: each slot's index among the arena's 4-byte words,
+        counted from its page's start (add a segment's offset // 4 to address its score or position)."""
+        n, P = pages.shape
+        return ((pages.clamp(min=0) * self.page_bytes // 4)[..., None]
+                + torch.arange(lay.tokens, device=self.device)).reshape(n, P * lay.tokens)
+
+    def _score_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
+        """int64 [n, P * T]: each slot's score as an arena float32 word; -1 in an untracked tier."""
+        if not lay.tracked:
+            return torch.full((pages.shape[0], pages.shape[1] * lay.tokens), -1, dtype=torch.int64,
+                              device=self.device)
+        return self._slot_words(pages, lay) + lay.score_off // 4
+
+    def set_scores(self, layer: int, word: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """Write `score` into the slots at score words `word` where pos >= 0 and word >= 0 (all the same shape). The
+        words come from `gather` or `section_scores` of `layer` with no page change since, read after
+        `own_layer(layer)`: copy on write moves a shared page, so words read before it would write into the page the
+        other sequence keeps."""
+        valid = (pos >= 0) & (word >= 0)
+        self._flat(torch.float32)[word[valid]] = score[valid].float()
+
+    def drop(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
+        """Mark slots [n] empty (position -1): the token is pruned or has moved. Slots must hold a token, each once."""
+        self._own(layer, side, b, h, slot)
+        n = len(b)
+        self._holey.add((layer, side))
+        self.holes.index_put_((torch.full((n,), layer, device=self.device), b, h,
+                               torch.full((n,), side, device=self.device)),
+                              torch.ones(n, dtype=torch.int64, device=self.device), accumulate=True)
+        for g, sel in self.group_rows(layer, h):
+            lay = g.layouts[side]
+            if not lay.tracked:
+                raise RuntimeError("a token policy dropped a token of an untracked tier (CompressionConfig."
+                                   "low_tracked is wrong for this policy)")
+            base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
+            self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
+
+    # ------------------------------------------------------------------------------------------------- crop
+
+    def crop_check(self, layer: int, keep: int, n_pad: torch.Tensor, length: int) -> str | None:
+        """Why the tokens at cache index >= keep of `layer` cannot all be removed exactly, or None: each must
+        still sit in the high section (not moved low, not pruned). n_pad [B]: left padding of each sequence."""
+        B, H = self.batch, self.num_kv_heads
+        b = torch.arange(B, device=self.device).repeat_interleave(H)
+        h = torch.arange(H, device=self.device).repeat(B)
+        hi = self.section_meta(layer, HIGH, b, h)[1]
+        expected = (length - torch.maximum(torch.full_like(n_pad, keep), n_pad)).clamp(min=0)   # real tokens [B]
+        found = (hi >= keep).sum(-1).view(B, H)     # fewer than expected: one moved low or was pruned
+        if bool((found < expected[:, None]).any()):
+            return (f"layer {layer} holds a token at cache index >= {keep} that is no longer at the high tier (moved "
+                    f"to the low tier or pruned)")
+        return None
+
+    def crop(self, layer: int, keep: int) -> int:
+        """Remove the tokens at cache index >= keep of `layer` (all in the high sections: `crop_check`), trim the
+        sections' fill and free their emptied tail pages. Returns the number of pages freed."""
+        B, H = self.batch, self.num_kv_heads
+        b = torch.arange(B, device=self.device).repeat_interleave(H)
+        h = torch.arange(H, device=self.device).repeat(B)
+        pos = self.section_meta(layer, HIGH, b, h)[1]                                    # [B * H, S]
+        eb, slot = torch.nonzero(pos >= keep, as_tuple=True)
+        if len(eb):
+            self.drop(layer, HIGH, b[eb], h[eb], slot)
+        pos = torch.where(pos >= keep, -1, pos)
+        S = pos.shape[1]
+        live = torch.where(pos >= 0, torch.arange(S, device=self.device), -1).max(-1).values + 1 if S else \
+            torch.zeros(len(b), dtype=torch.int64, device=self.device)                     # new fill [B * H]
+        old = self.fill[layer, b, h, HIGH]
+        self.fill[layer, b, h, HIGH] = live
+        self.holes[layer, b, h, HIGH] -= old - live                                     # trimmed slots were holes
+        freed = 0
+        for g, sel in self.group_rows(layer, h):
+            T = g.layouts[HIGH].tokens
+            gb, gh = b[sel], h[sel]
+            extra = self.arena.num_pages_used[gb, layer, gh, HIGH].long() - (-(-live[sel] // T))
+            nz = extra > 0
+            if bool(nz.any()):
+                n = int(nz.sum())
+                before = self.arena.num_free
+                self.arena.free_last(gb[nz], torch.full((n,), layer, device=self.device), gh[nz],
+                                     torch.full((n,), HIGH, device=self.device), extra[nz])
+                freed += self.arena.num_free - before
+        self._room.clear()
+        return freed

@@ -1,0 +1,145 @@
+"""Every script in experiments/ runs: each one end to end at tiny sizes, on the tests' tiny random Llama (or Gemma3,
+for sliding-window layers) and a bundle calibrated for it here, so that a change to kvcal that breaks a script fails
+the suite instead of the next person who runs it.
+
+The scripts run in this process through `runpy` (as `python experiments/NAME.py ARGS` would run them: `__main__`,
+`sys.argv`, experiments/ first on `sys.path`), so torch and transformers are imported once for all of them; the few
+that start `kvcal` in a fresh process to measure it (calibrate_models, cli_capture) pay for one each.
+"""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcal.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+
+SMALL_CALIBRATE = ["--no-search", "--random-tokens", "64", "--text-tokens", "64", "--seq-len", "64"]
+
+# script -> its arguments at tiny sizes; {llama}/{gemma} are model folders, {llama_bundle}/{gemma_bundle} bundles
+# calibrated for them (statistics only: the runtime's default settings), {data} a .jsonl of word-salad documents,
+# {tmp} a fresh folder per script
+SMOKE: dict[str, list[str]] = {
+    "bases": ["--model", "{llama}", "--tokens", "128", "--eval-windows", "1", "--seq-len", "64",
+              "--json", "{tmp}/out.json"],
+    "beams_crop": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--beams", "2",
+                   "--new-tokens", "4", "--repeats", "1", "--crops", "1", "--json", "{tmp}/out.json"],
+    "calibrate_models": ["{llama}", "--results", "{tmp}", "--", *SMALL_CALIBRATE, "--dataset", "{data}"],
+    "cli_capture": ["--out", "{tmp}", "--", *SMALL_CALIBRATE],
+    "cli_flags_page": ["--check"],
+    "context_sweep": ["--bundle", "{llama_bundle}", "--model", "{llama}", "--contexts", "64,128", "--windows", "1",
+                      "--steps", "8", "--json", "{tmp}/out.json", "--png", "{tmp}/out.png"],
+    "cpu_attention": ["--contexts", "64", "--batches", "1", "--reps", "1", "--no-compile", "--json",
+                      "{tmp}/out.json"],
+    "format_swaps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--swap=-/-/-", "--swap=K8V4/K4cV2/K4V4+4",
+                     "--windows", "1", "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
+    "fp8_margin": ["--model", "{llama}", "--calib-tokens", "128", "--windows", "1", "--seq-len", "64",
+                   "--json", "{tmp}/out.json"],
+    "joint_quality": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--backend", "torch", "--windows", "1",
+                      "--prompt", "40", "--steps", "4"],
+    "key_formats": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
+                    "--steps", "8", "--rows", "0,1", "--key-range-windows", "1", "--json", "{tmp}/out.json"],
+    "meta_bits": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
+                  "--steps", "8", "--json", "{tmp}/out.json"],
+    "mixing": ["--model", "{llama}", "--windows", "1", "--prompt", "40", "--steps", "4", "--calib-tokens", "128",
+               "--calib-seq-len", "64", "--json", "{tmp}/out.json"],
+    "nuq_pages": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--bits", "4", "--windows", "1", "--prompt",
+                  "200", "--steps", "16", "--json", "{tmp}/out.json"],   # long enough that pages pay
+    "predicted_vs_measured": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
+                              "--windows", "1", "--allocations", "2", "--json", "{tmp}/out.json"],
+    "probe_cost": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
+                   "--json", "{tmp}/out.json"],
+    "probe_rss": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--steps", "8",
+                  "--windows", "1"],
+    "readme_snippet": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--new-tokens", "4", "--long", "64",
+                       "--repeats", "1", "--json", "{tmp}/out.json"],
+    "results_pages": ["--models", "{llama}", "--bundles", "{tmp}/bundles", "--out", "{tmp}/results", "--work",
+                      "{tmp}", "--", "--threads", "1",
+                      "--quick", "--methods", "dense,kvcal-joint", "--windows", "1", "--prompt", "40", "--steps",
+                      "4", "--contexts", "64", "--passkey-lengths", "64", "--speed-steps", "2"],
+    "runtime": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--contexts", "64", "--steps", "4",
+                "--speed-contexts", "64", "--batches", "1", "--speed-steps", "2", "--threads", "1",
+                "--json", "{tmp}/out.json"],
+    "sliding_recent": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--row", "K4V4+4", "--windows", "1",
+                       "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
+    "smoothing": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--steps", "8",
+                  "--windows", "1", "--json", "{tmp}/out.json"],
+    "value_groups": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
+                     "--steps", "8", "--json", "{tmp}/out.json"],
+    "with_settings": ["--bundle", "{gemma_bundle}", "--swap", "K8V4/K4cV2/K4V4+4", "--out",
+                      "{tmp}/b.kvcal.safetensors"],
+}
+
+
+def test_every_script_has_a_smoke_run():
+    scripts = {p.stem for p in EXPERIMENTS.glob("*.py")}
+    assert scripts - set(SMOKE) == set(), "add the new experiments/ scripts to SMOKE in this file"
+    assert set(SMOKE) - scripts == set(), "remove the deleted experiments/ scripts from SMOKE in this file"
+
+
+@pytest.fixture(scope="session")
+def smoke_env(tmp_path_factory, text_file):
+    """Model folders and a bundle for each, made once."""
+    from conftest import save_model
+
+    root = tmp_path_factory.mktemp("experiments")
+    env = {"data": str(text_file)}
+    for family, model_type in (("llama", "llama"), ("gemma", "gemma3_text")):
+        folder = save_model(root / family, model_type)
+        bundle = root / f"{family}.kvcal.safetensors"
+        r = CliRunner().invoke(app, ["calibrate", "--model", str(folder), "--out", str(bundle), "--dataset",
+                                     str(text_file), *SMALL_CALIBRATE, "--dtype", "float32", "--quiet",
+                                     "--threads", "1"])
+        assert r.exit_code == 0, r.output
+        env[family], env[f"{family}_bundle"] = str(folder), str(bundle)
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_script_runs_at_tiny_sizes(name, smoke_env, tmp_path, monkeypatch):
+    if name == "cli_capture" and shutil.which("tmux") is None:
+        pytest.skip("cli_capture needs tmux")
+    if name == "results_pages":                 # the bundle it looks for: BUNDLES/<model folder name>.kvcal.safetensors
+        (tmp_path / "bundles").mkdir()
+        shutil.copy(smoke_env["llama_bundle"], tmp_path / "bundles" / f"{Path(smoke_env['llama']).name}"
+                                                                        ".kvcal.safetensors")
+    script = EXPERIMENTS / f"{name}.py"
+    argv = [a.format(**smoke_env, tmp=tmp_path) for a in SMOKE[name]]
+    monkeypatch.setattr(sys, "argv", [str(script), *argv])
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"experiments/{name}.py exited with {e.code}"
+    finally:
+        torch.set_num_threads(threads)
+        for mod in [m for m, v in sys.modules.items() if str(getattr(v, "__file__", "")).startswith(str(EXPERIMENTS))]:
+            del sys.modules[mod]         # format_swaps imported by a sibling: the next script gets a fresh one
+    if name == "results_pages":                 # one flat page per model, its plot links renamed with it
+        model = Path(smoke_env["llama"]).name
+        assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(
+            f"{model}{suffix}" for suffix in (".md", ".json", "-pareto.png", "-decode_time.png"))
+        assert f"]({model}-pareto.png)" in (tmp_path / "results" / f"{model}.md").read_text()
+
+
+def test_results_pages_names_the_command_for_a_missing_bundle(tmp_path, monkeypatch, capsys):
+    """The regeneration command skips a model with no bundle, says how to make one, and exits 1."""
+    script = EXPERIMENTS / "results_pages.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--models", "qwen2.5-coder-1.5b", "--bundles", str(tmp_path),
+                                      "--out", str(tmp_path / "results")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    assert e.value.code == 1
+    assert "kvcal calibrate -m qwen2.5-coder-1.5b --out" in capsys.readouterr().out
+    assert not (tmp_path / "results").exists()
