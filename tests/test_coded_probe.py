@@ -78,3 +78,29 @@ def test_sliding_layers_are_coded_too():
     narrow[sliding] = 2
     assert probe.measure(costs, narrow).kl > probe.measure(costs, wide).kl
 
+
+def test_flash_bulk_equals_the_plain_softmax():
+    """The coded attention runs flash attention over the bulk keys (older than every query's window) and merges the
+    band in by log-sum-exp. A mask of 1e-30 on the bulk (far below float32's resolution at logits of order 1) sends
+    the same inputs through the plain softmax over all keys: both outputs agree to float order (1e-5)."""
+    from types import SimpleNamespace
+
+    from kvcal.profile.coded_probe import _STATE, _coded_attention, _Coding
+
+    model, tok, bundle, ids, base, costs, probe = _setup()
+    a = adapter_for(model.config)
+    B, n, prompt = 2, 49, probe.held[0].shape[-1]
+    S = prompt + n
+    g = a.num_q_heads // a.num_kv_heads
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
+    key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
+    causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
+    token = _STATE.set(_Coding(probe, torch.full((4, 2), 4)))
+    try:
+        module = SimpleNamespace(layer_idx=0)
+        flash, _ = _coded_attention(module, query, key, value, causal, scaling=0.125)
+        plain, _ = _coded_attention(module, query, key, value, causal + 1e-30, scaling=0.125)
+    finally:
+        _STATE.reset(token)
+    torch.testing.assert_close(flash, plain, rtol=1e-5, atol=1e-5)

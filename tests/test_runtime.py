@@ -213,7 +213,9 @@ def test_decode_policy_keeps_counts_consistent():
     res = decode_fidelity(model, ids[:, :40], ids[:, 40:], lambda: cache)
     assert abs(sum(res.tiers.values()) - 1) < 1e-6
     assert res.tiers["low"] > 0 and res.tiers["pruned"] > 0
-    assert 0 <= res.top1 <= 1 and res.kl >= 0
+    # KL is a sum over the vocabulary of p (log p - log q); near-identical logits leave float rounding of about
+    # vocab x eps x |log p|, which can fall below zero
+    assert 0 <= res.top1 <= 1 and res.kl >= -1e-6
 
 
 def test_scores_are_received_probability():

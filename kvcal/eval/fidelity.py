@@ -47,9 +47,11 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
 
 
-def dense_cache(model, records: dict):
+def dense_cache(model, records: dict, keep: bool = True):
     """A transformers `DynamicCache` holding a recorded prompt: `records` maps each layer to its K/V [B, H, n, d]
-    (and more, ignored) or, for a sliding layer, (its kept window's keys, values, the number of tokens it has seen)."""
+    (and more, ignored) or, for a sliding layer, (its kept window's keys, values, the number of tokens it has seen).
+    `keep=False`: a cache for one forward pass only, whose full-attention layers hand each forward the prompt and the
+    new tokens without keeping the new ones (no second copy of every layer's K/V while the pass runs)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -62,7 +64,21 @@ def dense_cache(model, records: dict):
             layer.cumulative_length = seen
         else:
             layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
+            if not keep:
+                layer.update = _PassThrough(layer)
     return cache
+
+
+class _PassThrough:
+    """A full-attention cache layer's `update` that returns prompt + new K/V [B, H, n + m, d] and keeps only the
+    prompt (`dense_cache(keep=False)`)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return (torch.cat([self.layer.keys, key_states], dim=-2),
+                torch.cat([self.layer.values, value_states], dim=-2))
 
 
 @torch.inference_mode()

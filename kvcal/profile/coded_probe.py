@@ -113,22 +113,36 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     # keys before `cut` are out of the window for every query: one mixed copy serves them all; only the band after
     # it (window + n keys) needs a choice per query
     cut = min(max(S - n - window + 1, 0), S)
-    k_bulk = torch.where(held[..., :cut, None], kc[:, :, :cut], key[:, :, :cut]).float()[:, :, None]
-    v_bulk = torch.where(held[..., :cut, None], vc[:, :, :cut], value[:, :, :cut]).float()[:, :, None]
+    k_bulk = torch.where(held[..., :cut, None], kc[:, :, :cut], key[:, :, :cut]).float()        # [B, H, cut, d]
+    v_bulk = torch.where(held[..., :cut, None], vc[:, :, :cut], value[:, :, :cut]).float()
     qpos = torch.arange(n) + S - n
     aged = torch.arange(cut, S)[None, :] <= qpos[:, None] - window                        # [n, S - cut]
     coded = held[:, :, None, None, cut:] & aged                                           # [B, H, 1, n, S - cut]
     k_band, kc_band = (t[:, :, None, cut:].float() for t in (key, kc))
     v_band, vc_band = (t[:, :, None, cut:].float() for t in (value, vc))
     scale = scaling if scaling is not None else d ** -0.5
-    logits = torch.cat([q @ k_bulk.transpose(-1, -2),
-                        torch.where(coded, q @ kc_band.transpose(-1, -2), q @ k_band.transpose(-1, -2))],
-                       dim=-1) * scale                                                    # [B, H, g, n, S]
-    if attention_mask is not None:
-        logits = logits + attention_mask[:, :, None, :, -S:].float()                        # [B, 1, 1, n, S]
-    probs = logits.softmax(-1)
-    band = probs[..., cut:]
-    out = probs[..., :cut] @ v_bulk + (band * coded) @ vc_band + (band * ~coded) @ v_band   # [B, H, g, n, d]
+    mask = attention_mask[:, :, None, :, -S:].float() if attention_mask is not None else None   # [B, 1, 1, n, S]
+    band = torch.where(coded, q @ kc_band.transpose(-1, -2), q @ k_band.transpose(-1, -2)) * scale
+    if mask is not None:
+        band = band + mask[..., cut:]
+    if cut and (mask is None or not bool(mask[..., :cut].any())):
+        # every query sees every bulk key: flash attention over the bulk (queries of a group stacked, no mask), then
+        # the band merged in by the two parts' log-sum-exp, so no [n, S] probability block is ever made
+        out_bulk, lse_bulk = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.reshape(B, H, g * n, d), k_bulk, v_bulk, 0.0, False, scale=scale)[:2]
+        out_bulk, lse_bulk = out_bulk.view(B, H, g, n, d), lse_bulk.view(B, H, g, n, 1)
+        lse_band = band.logsumexp(-1, keepdim=True)
+        p = (band - lse_band).exp()
+        out_band = (p * coded) @ vc_band + (p * ~coded) @ v_band
+        lse = torch.logaddexp(lse_bulk, lse_band)
+        out = out_bulk * (lse_bulk - lse).exp() + out_band * (lse_band - lse).exp()      # [B, H, g, n, d]
+    else:
+        bulk = q @ k_bulk[:, :, None].transpose(-1, -2) * scale
+        if mask is not None:
+            bulk = bulk + mask[..., :cut]
+        probs = torch.cat([bulk, band], dim=-1).softmax(-1)                                # [B, H, g, n, S]
+        p = probs[..., cut:]
+        out = probs[..., :cut] @ v_bulk[:, :, None] + (p * coded) @ vc_band + (p * ~coded) @ v_band
     return out.view(B, Hq, n, -1).transpose(1, 2).contiguous().to(query.dtype), None       # [B, n, Hq, d]
 
 
@@ -153,16 +167,22 @@ class CodedProbe:
         self.model, self.prompt, self.continuation = model, prompt, continuation
         self.served, self.base, self.head_dim, self.chunk = served, base, head_dim, chunk
         self.sliding = [t == "sliding_attention" for t in layer_types]
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        self.records = {i: (layer.keys, layer.values, getattr(layer, "cumulative_length", None))
-                        for i, layer in enumerate(cache.layers)}
         M = continuation.shape[1] - 1
-        keep = _Held(base, self.sliding)
-        with capturing(model, keep):                     # the dense reference and the held tokens, in one pass
-            self.ref = model(input_ids=continuation[:, :M], cache=cache, use_cache=True).logits.float()
-        self.held = keep.held
-        del cache
+        refs, held, records = [], [], []
+        for b in range(len(prompt)):        # a window at a time: the prefill's activations are one window's
+            cache = DynamicCache(config=model.config)
+            model(input_ids=prompt[b:b + 1], cache=cache, use_cache=True, logits_to_keep=1)
+            records.append({i: (layer.keys, layer.values, getattr(layer, "cumulative_length", None))
+                            for i, layer in enumerate(cache.layers)})
+            keep = _Held(base, self.sliding)
+            with capturing(model, keep):                 # the dense reference and the held tokens, in one pass
+                refs.append(model(input_ids=continuation[b:b + 1, :M], cache=cache, use_cache=True).logits.float())
+            held.append(keep.held)
+            del cache
+        self.ref = torch.cat(refs)
+        self.held = {i: torch.cat([h[i] for h in held]) for i in held[0]}
+        self.records = {i: (torch.cat([r[i][0] for r in records]), torch.cat([r[i][1] for r in records]),
+                            records[0][i][2]) for i in records[0]}
 
     def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
@@ -199,7 +219,7 @@ class CodedProbe:
             raise ValueError(f"bits must be entries of {BITS}")
         _register()
         previous = self.model.config._attn_implementation
-        cache, target = dense_cache(self.model, self.records), self.continuation[:, 1:]
+        cache, target = dense_cache(self.model, self.records, keep=False), self.continuation[:, 1:]
         M = target.shape[1]
         t0 = time.perf_counter()
         token = _STATE.set(_Coding(self, bits))

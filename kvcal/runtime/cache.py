@@ -352,12 +352,8 @@ class CompressedKV:
             # sealed tokens are written here, page by page; TIER_PRUNED keeps _write_prompt from appending them again
             tier[:, hs] = torch.where(sealed, torch.full_like(tier[:, hs], TIER_PRUNED), tier[:, hs])
             for p in range(int(n_pages.max())):
-                sel = sealed & (rank >= p * T) & (rank < (p + 1) * T)                   # page p of each entry
-                eb, eh = torch.nonzero(n_pages > p, as_tuple=True)
-                if len(eb) == 0:
-                    continue
-                idx = order[eb, eh, p * T:(p + 1) * T]                                 # [e, T] token indices
-                assert bool(sel[eb, eh].gather(-1, idx).all())
+                eb, eh = torch.nonzero(n_pages > p, as_tuple=True)                     # entries with a page p
+                idx = order[eb, eh, p * T:(p + 1) * T]              # [e, T] their page p: ranks p*T .. (p+1)*T - 1
                 gh = hs[eh]
                 self.store.write_pages(layer, eb, gh, k_rot[eb[:, None], gh[:, None], idx],
                                        v_proj[eb[:, None], gh[:, None], idx], pos[eb[:, None], gh[:, None], idx],

@@ -8,8 +8,10 @@
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
     append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
              at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
-    prefill  the torch reference (prefill attends over uncompressed K/V, where dense attention is what torch does
-             well); per-channel low pages (`write_pages`, once a page of low tokens exists) keep the torch writer.
+    prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets one more blocked pass
+             exponentiate the logits straight into significance (no softmax, no probability-times-V product);
+             prompts with padding take the torch reference. Per-channel low pages (`write_pages`, once a page of
+             low tokens exists) keep the torch writer.
 
 The library is compiled at first use (`build.py` here); where it cannot be built, `supports` says why and
 `select_backend("auto")` falls back to the torch reference. TorchBackend stays the oracle: tests compare the two.
@@ -21,8 +23,9 @@ import ctypes
 import weakref
 
 import torch
+import torch.nn.functional as F
 
-from kvcal.runtime.backends.base import AttentionBackend
+from kvcal.runtime.backends.base import AttentionBackend, prompt_rows
 from kvcal.runtime.backends.reference import TorchBackend
 from kvcal.runtime.storage.pages import LOW
 
@@ -37,6 +40,32 @@ MAX_RANK = 512        # per-channel key scales live in a stack buffer of this ma
 
 _FP16_MAX = 65504.0
 
+
+def flash_prefill(query, keys, values, mask, scale):
+    """As TorchBackend.prefill: query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, r_v], mask bool [B, n, n]
+    -> out [B, H, g, n, r_v], score [B, H, n] (each key's probability summed over queries, max over the group).
+
+    The same sums as the reference up to float order: the probabilities are exp(logit - logsumexp), with the
+    logsumexp of torch's flash attention instead of a softmax's own max and sum (relative error ~1e-6)."""
+    B, H, g, n, d = query.shape
+    if not bool(mask[:, -1].all()):               # padding: a masked key column the causal rule alone would allow
+        return TorchBackend.prefill(query, keys, values, mask, scale)
+    r_v = values.shape[-1]
+    D = max(d, r_v)               # flash attention wants one head size: zero columns change no dot product
+    q = F.pad(query.float(), (0, D - d)).reshape(B, H * g, n, D)
+    k = F.pad(keys.float(), (0, D - d))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
+    v = F.pad(values.float(), (0, D - r_v))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[:2]
+    lse = lse.view(B, H, g, n)
+    score = torch.zeros(B, H, n, device=query.device)
+    for rows in prompt_rows(query):
+        w = rows.stop
+        logits = torch.einsum("bhgnr,bhsr->bhgns", query[:, :, :, rows].float(), keys[:, :, :w].float())
+        logits.mul_(scale).sub_(lse[:, :, :, rows, None])
+        at = torch.arange(w, device=query.device)
+        future = at[None, :] > at[rows, None]                                          # [c, w] keys after the query
+        score[:, :, :w] += logits.masked_fill_(future, float("-inf")).exp_().amax(dim=2).sum(dim=2)
+    return out.view(B, H, g, n, D)[..., :r_v].contiguous(), score
 
 
 def _desc_row(lay, raw_bf16: bool) -> list[int]:
@@ -132,7 +161,7 @@ class CpuBackend(AttentionBackend):
             reasons.append(f"head dim {head_dim} exceeds the CPU kernels' limit of {MAX_RANK} stored dims")
         return reasons
 
-    prefill = staticmethod(TorchBackend.prefill)
+    prefill = staticmethod(flash_prefill)
 
     @staticmethod
     def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
