@@ -34,19 +34,29 @@ class DecodeProbe:
         # a window at a time, so that the prefill's activations and the float32 K/V are one window's; FastGen's
         # statistics are per batch and recorded with the whole batch at once
         parts = [slice(b, b + 1) for b in range(len(prompt))] if fastgen is None else [slice(None)]
-        recorded, refs = [], []
         config = CompressionConfig.none().with_(fastgen=fastgen)
         sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
+        self.ref, self.records = None, {}
         for part in parts:
             records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
-            refs.append(reference_logits(model, records, continuation[part]))
+            ref = reference_logits(model, records, continuation[part])
             # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more
             # than fp16 once the reference is made (4 x 4k tokens of a 30-layer model are 0.7 GB in float32).
             # Sliding layers keep their window as the model's cache held it.
-            recorded.append({i: (key.half(), value.half(), *rest) if not sliding[i] else (key, value, *rest)
-                             for i, (key, value, *rest) in records.items()})
-        self.ref = torch.cat(refs)
-        self.records = {i: _joined([r[i] for r in recorded], sliding[i]) for i in recorded[0]}
+            records = {i: (key.half(), value.half(), *rest) if not sliding[i] else (key, value, *rest)
+                       for i, (key, value, *rest) in records.items()}
+            if len(parts) == 1:
+                self.ref, self.records = ref, records
+                break
+            if self.ref is None:                 # tensors of the whole batch, filled a window at a time
+                self.ref = ref.new_empty(len(prompt), *ref.shape[1:])
+                self.records = {i: tuple(t.new_empty(len(prompt), *t.shape[1:]) if isinstance(t, torch.Tensor) else t
+                                         for t in r) for i, r in records.items()}
+            self.ref[part] = ref
+            for i, r in records.items():
+                for full, one in zip(self.records[i], r):
+                    if isinstance(one, torch.Tensor):
+                        full[part] = one
 
     @torch.inference_mode()
     def measure(self, config, bundle=None, serve=None) -> Fidelity:
@@ -82,13 +92,3 @@ class DecodeProbe:
         cache.prime(self.records, token_ids=self.prompt)
         return cache
 
-
-def _joined(parts: list[tuple], sliding: bool) -> tuple:
-    """One layer's records of several windows as one batch: compressed layers' (key, value, score, real,
-    statistics) joined along the batch (statistics only come from a single part), sliding layers' (keys, values,
-    tokens seen) likewise."""
-    if len(parts) == 1:
-        return parts[0]
-    if sliding:
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), parts[0][2]
-    return (*(torch.cat([p[k] for p in parts]) for k in range(4)), parts[0][4])

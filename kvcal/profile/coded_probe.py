@@ -167,22 +167,27 @@ class CodedProbe:
         self.model, self.prompt, self.continuation = model, prompt, continuation
         self.served, self.base, self.head_dim, self.chunk = served, base, head_dim, chunk
         self.sliding = [t == "sliding_attention" for t in layer_types]
-        M = continuation.shape[1] - 1
-        refs, held, records = [], [], []
-        for b in range(len(prompt)):        # a window at a time: the prefill's activations are one window's
+        M, B = continuation.shape[1] - 1, len(prompt)
+        self.ref, self.held, self.records = None, {}, {}
+        for b in range(B):          # a window at a time, into tensors of the whole batch: one window's activations
             cache = DynamicCache(config=model.config)
             model(input_ids=prompt[b:b + 1], cache=cache, use_cache=True, logits_to_keep=1)
-            records.append({i: (layer.keys, layer.values, getattr(layer, "cumulative_length", None))
-                            for i, layer in enumerate(cache.layers)})
+            for i, layer in enumerate(cache.layers):
+                if b == 0:
+                    self.records[i] = (layer.keys.new_empty(B, *layer.keys.shape[1:]),
+                                       layer.values.new_empty(B, *layer.values.shape[1:]),
+                                       getattr(layer, "cumulative_length", None))
+                self.records[i][0][b], self.records[i][1][b] = layer.keys[0], layer.values[0]
             keep = _Held(base, self.sliding)
             with capturing(model, keep):                 # the dense reference and the held tokens, in one pass
-                refs.append(model(input_ids=continuation[b:b + 1, :M], cache=cache, use_cache=True).logits.float())
-            held.append(keep.held)
-            del cache
-        self.ref = torch.cat(refs)
-        self.held = {i: torch.cat([h[i] for h in held]) for i in held[0]}
-        self.records = {i: (torch.cat([r[i][0] for r in records]), torch.cat([r[i][1] for r in records]),
-                            records[0][i][2]) for i in records[0]}
+                ref = model(input_ids=continuation[b:b + 1, :M], cache=cache, use_cache=True).logits.float()
+            if b == 0:
+                self.ref = ref.new_empty(B, *ref.shape[1:])
+                self.held = {i: h.new_empty(B, *h.shape[1:]) for i, h in keep.held.items()}
+            self.ref[b] = ref[0]
+            for i, h in keep.held.items():
+                self.held[i][b] = h[0]
+            del cache, ref
 
     def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
