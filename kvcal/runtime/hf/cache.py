@@ -288,7 +288,9 @@ class KvcalCache(Cache):
         recording.record = True
         with torch.inference_mode():
             logits = model(input_ids=prompt, cache=recording, use_cache=True, logits_to_keep=1).logits[:, -1]
-        records = dict(recording.kv.recorder)
+        # taken out of the compressed state, whose policies and store refer to each other: a reference cycle that
+        # only the garbage collector frees, with every layer's float32 K/V inside
+        records, recording.kv.recorder = recording.kv.recorder, None
         for i, layer in enumerate(recording.layers):
             if recording.sliding[i]:
                 records[i] = (layer.keys, layer.values, layer.cumulative_length)
