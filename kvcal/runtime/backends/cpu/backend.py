@@ -58,13 +58,14 @@ def flash_prefill(query, keys, values, mask, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[:2]
     lse = lse.view(B, H, g, n)
     score = torch.zeros(B, H, n, device=query.device)
+    q, kt = query.float() * scale, keys.float().transpose(-1, -2)                     # [B, H, g, n, d], [B, H, d, n]
+    at = torch.arange(n, device=query.device)
     for rows in prompt_rows(query):
-        w = rows.stop
-        logits = torch.einsum("bhgnr,bhsr->bhgns", query[:, :, :, rows].float(), keys[:, :, :w].float())
-        logits.mul_(scale).sub_(lse[:, :, :, rows, None])
-        at = torch.arange(w, device=query.device)
-        future = at[None, :] > at[rows, None]                                          # [c, w] keys after the query
-        score[:, :, :w] += logits.masked_fill_(future, float("-inf")).exp_().amax(dim=2).sum(dim=2)
+        w, c = rows.stop, rows.stop - rows.start
+        # one batched GEMM per block: the group's query heads stacked as rows against the KV head's keys
+        logits = torch.matmul(q[:, :, :, rows].reshape(B, H, g * c, d), kt[..., :w]).view(B, H, g, c, w)
+        logits.sub_(lse[:, :, :, rows, None]).masked_fill_(at[None, :w] > at[rows, None], float("-inf"))
+        score[:, :, :w] += logits.exp_().amax(dim=2).sum(dim=2)
     return out.view(B, H, g, n, D)[..., :r_v].contiguous(), score
 
 
