@@ -65,3 +65,18 @@ def test_long_first_windows_come_from_single_long_documents():
     assert sum(tuple(row.tolist()) in starts for row in w) == 3      # one window per long document
     plain = token_windows(tok, corpus, 4, 50, seed=0)
     assert sum(tuple(row.tolist()) in starts for row in plain) < 3
+
+
+def test_target_round_trips_and_refuses_what_it_is_not():
+    """A report's or bundle's target reads back as the same rule; unknown keys and non-numbers are refused."""
+    from kvcal.eval import QualityTarget
+
+    target = QualityTarget(top1=0.98, ppl_ratio=1.01, z=2.0)
+    assert QualityTarget.from_dict(target.to_dict()) == target
+    assert QualityTarget.from_dict({"top1": 0.9}) == QualityTarget(top1=0.9)
+    with pytest.raises(ValueError, match="unknown keys"):
+        QualityTarget.from_dict({"top1": 0.9, "margin": 0.01})
+    with pytest.raises(ValueError, match="not a number"):
+        QualityTarget.from_dict({"top1": "high"})
+    assert target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.0})
+    assert not target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.02})

@@ -93,7 +93,7 @@ def bundle_target(bundle: Bundle) -> tuple[QualityTarget, str]:
     """The quality target the bundle's search used (`QualityTarget()` when it records none) and where it came from:
     "bundle" or "default"."""
     recorded = (bundle.calibration.get("search") or {}).get("target")
-    return (QualityTarget(**recorded), "bundle") if recorded else (QualityTarget(), "default")
+    return (QualityTarget.from_dict(recorded), "bundle") if recorded else (QualityTarget(), "default")
 
 
 # --------------------------------------------------------------------------------------------- step 1: checks

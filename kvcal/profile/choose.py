@@ -148,7 +148,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     bundle.settings = chosen.to_dict()
     chosen_row = next(r for r in reversed(rows) if r["index"] == index and r["stage"] == "confirm")
     search_meta = {
-        "target": asdict(target),
+        "target": target.to_dict(),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
                   "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
                   "record_tokens": int(record.shape[1])},
