@@ -80,3 +80,25 @@ def test_target_round_trips_and_refuses_what_it_is_not():
         QualityTarget.from_dict({"top1": "high"})
     assert target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.0})
     assert not target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.02})
+
+
+def test_record_prompt_then_prime_serves_as_the_prefill_would():
+    """`KvcalCache.record_prompt` + `prime` is the public way to replay one prefill into many caches: the primed
+    cache holds the tiers and bytes of a cache that ran the prefill itself, and decodes the same next token."""
+    from kvcal.runtime.hf import KvcalCache
+
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(110, seed=5)], return_tensors="pt").input_ids[:, :60]
+    cfg = CompressionConfig()
+    with torch.inference_mode():
+        records, last = KvcalCache.record_prompt(bundle, model, ids[:, :59], tokenizer=tok)
+        primed = KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok)
+        primed.prime(records, token_ids=ids[:, :59])
+        live = KvcalCache.from_bundle(bundle, model, cfg, tokenizer=tok)
+        want = model(input_ids=ids[:, :59], cache=live, use_cache=True).logits[:, -1]
+        got = [model(input_ids=ids[:, 59:60], cache=c, use_cache=True).logits[:, -1] for c in (primed, live)]
+    assert torch.equal(last.argmax(-1), want.argmax(-1))
+    assert primed.kv.tier_counts() == live.kv.tier_counts()
+    assert primed.memory()["total_bytes"] == live.memory()["total_bytes"]
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-5)
