@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 
 import torch
 
 from kvcal.data import load_corpus, token_windows
 from kvcal.export import fp8_round_trip, fp8_scales
 from kvcal.models import load_model
-from kvcal.profile.calibrate import CalibrationConfig, calibrate
+from kvcal.profile.calibrate import statistics_bundle
 from kvcal.profile.capture import capturing
 
 
@@ -44,11 +43,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     lm = load_model(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        config = CalibrationConfig(model=args.model, out=f"{tmp}/b.safetensors", search=False,
-                                   random_tokens=args.calib_tokens, text_tokens=args.calib_tokens,
-                                   seq_len=args.seq_len)
-        bundle = calibrate(config, lm=lm).bundle
+    bundle = statistics_bundle(lm, model=args.model, random_tokens=args.calib_tokens, text_tokens=args.calib_tokens,
+                               seq_len=args.seq_len)
     keep = Keep()
     ids = token_windows(lm.tokenizer, load_corpus("default", "eval"), args.windows, args.seq_len, seed=0)
     with torch.no_grad(), capturing(lm.model, keep):

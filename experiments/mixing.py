@@ -15,7 +15,7 @@ import json
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe
 from kvcal.models import load_model
-from kvcal.profile.calibrate import CalibrationConfig, calibrate
+from kvcal.profile.calibrate import statistics_bundle
 from kvcal.runtime.cache import CompressionConfig
 from kvcal.runtime.storage.layout import TierFormat
 
@@ -31,13 +31,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     lm = load_model(args.model)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        config = CalibrationConfig(model=args.model, out=f"{tmp}/b.safetensors", search=False,
-                                   random_tokens=args.calib_tokens, text_tokens=args.calib_tokens,
-                                   seq_len=args.calib_seq_len)
-        bundle = calibrate(config, lm=lm).bundle
+    bundle = statistics_bundle(lm, model=args.model, random_tokens=args.calib_tokens, text_tokens=args.calib_tokens,
+                               seq_len=args.calib_seq_len)
     ids = token_windows(lm.tokenizer, load_corpus("default", "search"), args.windows, args.prompt + args.steps + 1, 1)
     probe = DecodeProbe(lm.model, bundle, ids[:, :args.prompt], ids[:, args.prompt:])
     rows = []

@@ -157,15 +157,10 @@ def main() -> None:
 
         bundle = load_bundle(args.bundle)
     else:
-        import tempfile
+        from kvcal.profile.calibrate import statistics_bundle
 
-        from kvcal.profile.calibrate import CalibrationConfig, calibrate
-
-        with tempfile.TemporaryDirectory() as tmp:
-            bundle = calibrate(CalibrationConfig(model=args.model, out=f"{tmp}/b.safetensors", dtype=args.dtype,
-                                                 search=False, random_tokens=args.calib_tokens,
-                                                 text_tokens=args.calib_tokens),
-                               lm=lm).bundle
+        bundle = statistics_bundle(lm, model=args.model, dtype=args.dtype, random_tokens=args.calib_tokens,
+                                   text_tokens=args.calib_tokens)
     model, tok = lm.model, lm.tokenizer
     eval_docs = load_corpus("default", "eval")
     filler = "\n\n".join(load_corpus("pydoc", "all").documents)

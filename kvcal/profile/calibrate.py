@@ -434,6 +434,17 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     return CalibrationResult(bundle, out, summary)
 
 
+def statistics_bundle(lm: LoadedModel, **options) -> Bundle:
+    """The bundle of the statistics passes alone (`--no-search`), for code that needs a loaded model's rotations and
+    bases (experiments, notebooks); its file goes to a temporary folder, removed after. `options`: CalibrationConfig
+    fields."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = CalibrationConfig(out=Path(tmp) / "b.kvcal.safetensors", search=False, **options)
+        return calibrate(cfg, lm=lm).bundle
+
+
 def _bases(cfg: CalibrationConfig, lm: LoadedModel, random_stats: GramCollector, text_stats: GramCollector):
     """((rotation, spectrum) of Q/K, (basis, spectrum) of V, token independence) from the passes' statistics, by
     `qk_source` and `v_source`."""

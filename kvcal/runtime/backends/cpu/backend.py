@@ -52,10 +52,11 @@ def flash_prefill(query, keys, values, mask, scale):
         return TorchBackend.prefill(query, keys, values, mask, scale)
     r_v = values.shape[-1]
     D = max(d, r_v)               # flash attention wants one head size: zero columns change no dot product
-    q = F.pad(query.float(), (0, D - d)).reshape(B, H * g, n, D)
-    k = F.pad(keys.float(), (0, D - d))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
-    v = F.pad(values.float(), (0, D - r_v))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[:2]
+    q_heads = F.pad(query.float(), (0, D - d)).reshape(B, H * g, n, D)                  # one row per query head
+    k_heads = F.pad(keys.float(), (0, D - d))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
+    v_heads = F.pad(values.float(), (0, D - r_v))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_heads, k_heads, v_heads, 0.0, True,
+                                                                          scale=scale)[:2]
     lse = lse.view(B, H, g, n)
     score = torch.zeros(B, H, n, device=query.device)
     q, kt = query.float() * scale, keys.float().transpose(-1, -2)                     # [B, H, g, n, d], [B, H, d, n]
