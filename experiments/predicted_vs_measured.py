@@ -1,13 +1,15 @@
-"""Does the quality model (kvcal.profile.quality_model) order allocations as the serving runtime measures them?
+"""Does the quality model (kvcal.profile.quality_model) order allocations as they measure end to end?
 
     python experiments/predicted_vs_measured.py --model smollm2-135m --bundle artifacts/smollm2-135m.kvcal.safetensors \
-        --context 1024 --allocations 20 --json docs/results/predicted-vs-measured-smollm2-135m.json
+        --allocations 20 --json docs/results/predicted-vs-measured-smollm2-135m.json
 
-Draws `--allocations` random per-layer (K bits, V bits) assignments over the catalogue (`quality_model.BITS`) on
-the allocation's base settings (`allocate.base_settings`), each with its own aggressiveness so that they spread
-from nearly all 8-bit to nearly all 2-bit, predicts each one's loss from one recording pass, measures each one's KL
-against dense with the search's batched decode probe on the search split, and prints Spearman's rank correlation
-with a Markdown table (docs/calibration.md, "Predicted against measured").
+Draws `--allocations` random per-layer (K bits, V bits) assignments over the catalogue (`quality_model.BITS`), and a
+random high-tier format (`quality_model.HIGH`), on the allocation's base settings (`allocate.base_settings`), each
+with its own aggressiveness so that they spread from nearly all 8-bit to nearly all 2-bit. It predicts each one's
+loss from the search's recording (kvcal.profile.recording) of `--windows` search windows at `--context`, measures each
+one's KL against dense on the same windows (`--measure coded`: the search's coded probe, which runs the model over
+the K/V as the allocation codes them; `--measure runtime`: the serving runtime, stepwise), and prints Spearman's
+rank correlation with a Markdown table (docs/calibration.md, "Predicted against measured").
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe
 from kvcal.models import load_model
 from kvcal.profile.allocate import base_settings, to_config
-from kvcal.profile.quality_model import BITS, record_costs, spearman
+from kvcal.profile.coded_probe import CodedProbe
+from kvcal.profile.quality_model import BITS, HIGH, spearman
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.recording import record_search
 from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.storage.bases import served_bases
 
@@ -40,10 +44,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--bundle", required=True, help="a bundle of this model (rotations and bases)")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=256, help="scored continuation tokens per window")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--allocations", type=int, default=20)
+    ap.add_argument("--measure", choices=("coded", "runtime"), default="coded",
+                    help="coded: the search's coded probe; runtime: the serving runtime, stepwise (slower)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -53,33 +59,44 @@ def main() -> None:
     windows = token_windows(lm.tokenizer, load_corpus("default", "search"), args.windows, args.context, args.seed + 1,
                             long_first=True)
     prompt = args.context - args.steps - 1
-    base = base_settings(lm.adapter.layer_types)
+    a = lm.adapter
+    base = base_settings(a.layer_types)
     t0 = time.perf_counter()
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
-    costs = record_costs(lm.model, windows, args.steps, served, base, lm.adapter.layer_types, lm.adapter.head_dim)
+    recording = record_search(lm.model, windows[:, :prompt], windows[:, prompt:], served, base, list(a.layer_types),
+                              a.head_dim)
+    costs = recording.costs
     record_seconds = time.perf_counter() - t0
-    probe = DecodeProbe(lm.model, bundle, windows[:, :prompt], windows[:, prompt:], tokenizer=lm.tokenizer)
+    if args.measure == "coded":
+        probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
+        measure = lambda bits, high: probe.measure(costs, bits, high)  # noqa: E731
+    else:
+        runtime = DecodeProbe(lm.model, bundle, windows[:, :prompt], windows[:, prompt:], tokenizer=lm.tokenizer)
+        measure = lambda bits, high: runtime.measure(to_config(base, costs, bits, high))  # noqa: E731
+    recording = None
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for i in range(args.allocations):
-        bits = random_bits(len(lm.adapter.layer_types), gen)
+        bits = random_bits(len(a.layer_types), gen)
+        high = int(torch.randint(len(HIGH), (), generator=gen))
         t = time.perf_counter()
-        fid = probe.measure(to_config(base, costs, bits))
-        rows.append({"allocation": i, "bits": bits.tolist(), "predicted": costs.predicted(bits),
-                     "measured_kl": fid.kl, "top1": fid.top1, "bytes_ratio": fid.memory["ratio_to_fp16"],
-                     "seconds": round(time.perf_counter() - t, 1)})
+        fid = measure(bits, high)
+        rows.append({"allocation": i, "bits": bits.tolist(), "high": HIGH[high],
+                     "predicted": costs.predicted(bits, high), "measured_kl": fid.kl, "top1": fid.top1,
+                     "bytes_ratio": fid.memory["ratio_to_fp16"], "seconds": round(time.perf_counter() - t, 1)})
         print(f"{i:3d}  predicted {rows[-1]['predicted']:10.4g}  measured KL {fid.kl:.5f}  top-1 {fid.top1:.3f}  "
               f"bytes {rows[-1]['bytes_ratio']:.3f}", flush=True)
     rho = spearman([r["predicted"] for r in rows], [r["measured_kl"] for r in rows])
     out = {"model": args.model, "context": args.context, "steps": args.steps, "windows": args.windows,
-           "base": base.to_dict(), "record_seconds": round(record_seconds, 1),
+           "measure": args.measure, "base": base.to_dict(), "record_seconds": round(record_seconds, 1),
            "spearman": rho, "rows": rows}
     print(f"\n{args.model} at {args.context}: Spearman {rho:.3f} over {len(rows)} allocations "
-          f"(recording {record_seconds:.0f} s)\n")
-    print("| allocation | predicted loss | measured KL | top-1 | bytes / fp16 |\n|---:|---:|---:|---:|---:|")
+          f"(recording {record_seconds:.0f} s, measured by the {args.measure} probe)\n")
+    print("| allocation | high tier | predicted loss | measured KL | top-1 | bytes / fp16 |\n"
+          "|---:|---|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["predicted"]):
-        print(f"| {r['allocation']} | {r['predicted']:.4g} | {r['measured_kl']:.5f} | {r['top1']:.3f} | "
+        print(f"| {r['allocation']} | {r['high']} | {r['predicted']:.4g} | {r['measured_kl']:.5f} | {r['top1']:.3f} | "
               f"{r['bytes_ratio']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:

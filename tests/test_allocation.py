@@ -13,8 +13,9 @@ from conftest import make_model, random_bundle, random_text
 from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
 from kvcal.profile.allocate import allocate, at_price, base_settings, frontier, to_config
-from kvcal.profile.quality_model import BITS, FormatCosts, record_costs, spearman
+from kvcal.profile.quality_model import BITS, FormatCosts, spearman
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.recording import record_costs
 from kvcal.runtime.storage.bases import served_bases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,16 +26,21 @@ def _table(L: int = 3, H: int = 2, seed: int = 0) -> FormatCosts:
     g = torch.Generator().manual_seed(seed)
     steps = torch.rand(L, H, 2, len(BITS), generator=g, dtype=torch.float64).cumsum(-1) ** 3
     nbytes = torch.tensor([b / 8 + 0.25 for b in BITS], dtype=torch.float64).expand(L, 2, -1).clone()
-    return FormatCosts(steps, nbytes, torch.full((L,), 100.0, dtype=torch.float64), [False] * L)
+    high = torch.rand(L, H, 2, 1, generator=g, dtype=torch.float64)
+    return FormatCosts(steps, nbytes, torch.full((L,), 100.0, dtype=torch.float64), [False] * L,
+                       torch.cat([torch.zeros_like(high), high], -1),
+                       torch.tensor([2.0, 1.0 + 1 / 16], dtype=torch.float64).expand(L, 2, -1).clone(),
+                       torch.full((L,), 10.0, dtype=torch.float64))
 
 
 def test_hull_points_are_pareto_optimal_and_ordered():
     costs = _table()
     everything = [torch.tensor(c).view(3, 2) for c in itertools.product(BITS, repeat=6)]
-    priced = [(costs.predicted(b), costs.held_bytes(b)) for b in everything]
+    priced = [(costs.predicted(b, high), costs.held_bytes(b, high)) for b in everything for high in range(2)]
     hull = frontier(costs)
     assert len(hull) > 3
-    assert hull[0].bits.eq(8).all() and hull[-1].bits.eq(2).all()
+    assert hull[0].bits.eq(8).all() and hull[0].high == 0 and hull[-1].bits.eq(2).all() and hull[-1].high == 1
+    assert {a.high for a in hull} == {0, 1}             # the high tier's formats are both on the frontier here
     for a, b in zip(hull, hull[1:]):
         assert a.predicted <= b.predicted and a.held_bytes > b.held_bytes
     for a in hull:          # nothing has both less loss and fewer bytes than a hull point

@@ -11,8 +11,9 @@ from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
 from kvcal.profile.allocate import base_settings, to_config
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality_model import BITS, record_costs, spearman
+from kvcal.profile.quality_model import BITS, spearman
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.recording import record_search
 from kvcal.runtime.storage.bases import served_bases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,21 +27,24 @@ def _setup(family: str = "llama", L: int = 4, window: int = 8, **model_kwargs):
     ids[1] = ids[1].roll(17)                                  # two windows that differ
     base = base_settings(a.layer_types).with_tiering(window=window)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
-    costs = record_costs(model, ids[:1], 48, served, base, a.layer_types, a.head_dim)
-    probe = CodedProbe(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
+    rec = record_search(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
+    costs, probe = rec.costs, CodedProbe(model, rec, served, base, list(a.layer_types), a.head_dim)
     return model, tok, bundle, ids, base, costs, probe
 
 
 def test_nothing_coded_is_the_dense_model():
     """A window longer than the whole sequence holds nothing coded: the probe's attention must then be the model's
-    own, so every prediction agrees with the dense reference (float order only: KL below 1e-6)."""
+    own, so every prediction agrees with the dense reference (fp16 copies of the prompt and float order only)."""
     model, tok, bundle, ids, base, costs, _ = _setup(window=8)
     a = adapter_for(model.config)
     wide = base.with_tiering(window=10_000)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, wide), wide, None)
-    probe = CodedProbe(model, ids[:, :112], ids[:, 112:], served, wide, list(a.layer_types), a.head_dim)
+    rec = record_search(model, ids[:, :112], ids[:, 112:], served, wide, list(a.layer_types), a.head_dim)
+    probe = CodedProbe(model, rec, served, wide, list(a.layer_types), a.head_dim)
     fid = probe.measure(costs, torch.full((4, 2), 2))
-    assert fid.top1 == 1.0 and fid.kl < 1e-6 and abs(fid.ppl_ratio - 1) < 1e-5, fid
+    # the recorded prompt K/V are kept in fp16, as the runtime's raw tiers hold them: KL of order 1e-6 on this model
+    # (1e-9 with float32 copies)
+    assert fid.top1 == 1.0 and fid.kl < 1e-5 and abs(fid.ppl_ratio - 1) < 1e-5, fid
 
 
 def test_fewer_bits_cost_more_and_bytes_fall():
@@ -96,7 +100,7 @@ def test_flash_bulk_equals_the_plain_softmax():
     query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
     key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
     causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
-    token = _STATE.set(_Coding(probe, torch.full((4, 2), 4)))
+    token = _STATE.set(_Coding(probe, torch.full((4, 2), 4), slice(None)))
     try:
         module = SimpleNamespace(layer_idx=0)
         flash, _ = _coded_attention(module, query, key, value, causal, scaling=0.125)
@@ -104,3 +108,25 @@ def test_flash_bulk_equals_the_plain_softmax():
     finally:
         _STATE.reset(token)
     torch.testing.assert_close(flash, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_an_8_bit_high_tier_is_priced_and_coded():
+    """With heavy hitters (a threshold of 1/N), the 8-bit high tier of the catalogue is predicted to cost loss, the
+    probe measures that loss (KL above the 16-bit high tier's) and models fewer bytes."""
+    from kvcal.profile.quality_model import HIGH
+
+    model, tok = make_model("llama", num_hidden_layers=4)
+    a = adapter_for(model.config)
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161]
+    base = base_settings(a.layer_types).with_tiering(window=8, alpha_high=1.0)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
+    rec = record_search(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
+    costs, probe = rec.costs, CodedProbe(model, rec, served, base, list(a.layer_types), a.head_dim)
+    assert HIGH[1] == "K8V8" and costs.high_tokens.min() > 0
+    assert costs.high_costs[..., 0].abs().max() == 0 and costs.high_costs[..., 1].sum() > 0
+    bits = torch.full((4, 2), 4)
+    assert costs.held_bytes(bits, 1) < costs.held_bytes(bits, 0)
+    wide, narrow = probe.measure(costs, bits, 0), probe.measure(costs, bits, 1)
+    assert narrow.kl > wide.kl and narrow.memory["ratio_to_fp16"] < wide.memory["ratio_to_fp16"]
+    assert to_config(base, costs, bits, 1).high.name == "K8V8"

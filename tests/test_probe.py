@@ -24,9 +24,26 @@ def test_reference_from_the_recorded_prompt_equals_one_dense_forward(model_type)
     probe = _probe(model_type)
     P, M = probe.prompt.shape[1], probe.continuation.shape[1] - 1
     want = dense_logits(probe.model, torch.cat([probe.prompt, probe.continuation], dim=1)[:, :P + M], start=P)
-    assert probe.ref.shape == want.shape
-    assert (probe.ref - want).abs().max().item() < 1e-4
-    assert torch.equal(probe.ref.argmax(-1), want.argmax(-1))
+    logp = torch.log_softmax(want, -1)
+    assert probe.ref.ids.shape[:2] == want.shape[:2]
+    assert (probe.ref.logp - logp.gather(-1, probe.ref.ids)).abs().max().item() < 1e-4
+    assert (probe.ref.target_logp - logp.gather(-1, probe.continuation[:, 1:, None])[..., 0]).abs().max() < 1e-4
+    assert torch.equal(probe.ref.ids[..., 0], want.argmax(-1))
+
+
+def test_top_logits_kl_is_exact_over_the_whole_vocabulary_and_a_lower_bound_over_part():
+    """Kept whole (k = vocab), the coarsened KL is the KL; over the top k it is at most the KL and close to it
+    when the rest holds little mass."""
+    from kvcal.eval.fidelity import TopLogits
+
+    g = torch.Generator().manual_seed(0)
+    ref, got = torch.randn(2, 5, 300, generator=g) * 4, torch.randn(2, 5, 300, generator=g) * 4
+    target = torch.randint(300, (2, 5), generator=g)
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    full = (lp.exp() * (lp - lq)).sum(-1)
+    assert torch.allclose(TopLogits.of(ref, target, k=300).kl(lq), full, atol=1e-4)
+    part = TopLogits.of(ref, target, k=20).kl(lq)
+    assert (part <= full + 1e-5).all() and (part > 0.5 * full).all()
 
 
 def test_target_bound_covers_variation_between_windows():

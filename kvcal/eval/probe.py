@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.eval.fidelity import Fidelity, LogitScores, reference_logits, teacher_force
+from kvcal.eval.fidelity import Fidelity, LogitScores, TopLogits, reference_top, teacher_force
 
 
 class DecodeProbe:
     """`decode_fidelity` for many compression settings on the same inputs, paying the shared work once.
 
-    The dense reference logits and the prefill attention do not depend on the settings, so both run once here; each
-    `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
+    The dense reference (`TopLogits`) and the prefill attention do not depend on the settings, so both run once
+    here; each `measure` replays the recorded prefill into a fresh cache (the runtime's own write path, `CompressedKV.
     write_prefill`) and teacher-forces the continuation through it one token per step, so results equal
     `decode_fidelity` with the same cache settings.
     """
@@ -39,7 +39,7 @@ class DecodeProbe:
         self.ref, self.records = None, {}
         for part in parts:
             records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
-            ref = reference_logits(model, records, continuation[part])
+            ref = reference_top(model, records, continuation[part])
             # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more
             # than fp16 once the reference is made (4 x 4k tokens of a 30-layer model are 0.7 GB in float32).
             # Sliding layers keep their window as the model's cache held it.
@@ -49,7 +49,7 @@ class DecodeProbe:
                 self.ref, self.records = ref, records
                 break
             if self.ref is None:                 # tensors of the whole batch, filled a window at a time
-                self.ref = ref.new_empty(len(prompt), *ref.shape[1:])
+                self.ref = TopLogits.empty(len(prompt), *ref.logp.shape[1:])
                 self.records = {i: tuple(t.new_empty(len(prompt), *t.shape[1:]) if isinstance(t, torch.Tensor) else t
                                          for t in r) for i, r in records.items()}
             self.ref[part] = ref

@@ -3,13 +3,14 @@ predicted-loss budget (a multiple-choice knapsack).
 
 Every (layer, side) is one group with one choice per entry of the catalogue (`quality_model.BITS`), each with a
 predicted loss (the quality model's table, summed over KV heads: the runtime stores one format per layer) and a
-byte cost at the recorded context. For a price λ every group takes argmin loss + λ · bytes; sweeping λ traces the
-lower convex hull of the bytes-loss frontier (`frontier`), cheapest in loss first. A budget picks the cheapest hull
+byte cost at the recorded context; the high tier's format (`quality_model.HIGH`) is one choice for every layer.
+For a price λ every group takes argmin loss + λ · bytes; sweeping λ traces the lower convex hull of the bytes-loss
+frontier (`frontier`), cheapest in loss first. A budget picks the cheapest hull
 point within it (`allocate`). The cost is linear in groups × choices, a few milliseconds for any model here.
 
     hull = frontier(costs)              # [Allocation], predicted loss ascending, bytes descending
     bits = allocate(costs, budget).bits
-    config = to_config(base, costs, bits)
+    config = to_config(base, costs, bits, high)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.profile.quality_model import BITS, FormatCosts, layer_format
+from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, layer_format
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.policies.diffkv import TieringConfig
 from kvcal.runtime.storage.layout import TierFormat
@@ -44,6 +45,7 @@ class Allocation:
     bits: torch.Tensor        # long [L, 2]: (K bits, V bits) per layer, entries of BITS
     predicted: float          # the loss it adds (FormatCosts.predicted)
     held_bytes: float         # bytes its formats hold at the recorded context (FormatCosts.held_bytes)
+    high: int = 0             # the high tier's format: HIGH[high]
 
 
 def _priced(costs: FormatCosts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,30 +53,33 @@ def _priced(costs: FormatCosts) -> tuple[torch.Tensor, torch.Tensor]:
     return costs.costs.sum(1), costs.bytes * costs.tokens[:, None, None]
 
 
-def at_price(costs: FormatCosts, price: float) -> Allocation:
-    """Every group's argmin loss + price · bytes (ties: the wider format)."""
+def at_price(costs: FormatCosts, price: float, high: int = 0) -> Allocation:
+    """Every group's argmin loss + price · bytes (ties: the wider format), with the high tier in HIGH[high]."""
     loss, nbytes = _priced(costs)
     choice = (loss + price * nbytes).argmin(-1)
     bits = torch.tensor(BITS)[choice]
-    return Allocation(bits, costs.predicted(bits), costs.held_bytes(bits))
+    return Allocation(bits, costs.predicted(bits, high), costs.held_bytes(bits, high), high)
 
 
 def frontier(costs: FormatCosts, steps: int = 400) -> list[Allocation]:
     """The distinct allocations along λ from 0 (every group at its least loss) to a price where every group takes
-    its fewest bytes, predicted loss ascending. λ runs over a log grid spanning the ratios of loss to bytes that
-    occur in the table, so every breakpoint of the hull lies between two grid points (up to ties)."""
+    its fewest bytes, predicted loss ascending. λ runs over a log grid spanning the ratios of loss to bytes that occur
+    in the table, so every breakpoint of the hull lies between two grid points (up to ties). The high tier is one
+    choice for all layers (the runtime has one high tier): at each λ, the high-tier format whose allocation costs
+    least at that price."""
     loss, nbytes = _priced(costs)
     d_loss = (loss[..., 1:] - loss[..., :1]).abs()
     d_bytes = (nbytes[..., :1] - nbytes[..., 1:]).abs().clamp(min=1e-12)
     ratios = (d_loss / d_bytes)[d_loss > 0]
-    if ratios.numel() == 0:
-        return [at_price(costs, 0.0)]
-    low, high = ratios.min().log10().item() - 1, ratios.max().log10().item() + 1
-    hull, seen = [at_price(costs, 0.0)], set()
-    seen.add(tuple(hull[0].bits.flatten().tolist()))
-    for price in torch.logspace(low, high, steps, dtype=torch.float64).tolist():
-        a = at_price(costs, price)
-        key = tuple(a.bits.flatten().tolist())
+    prices = [0.0]
+    if ratios.numel():
+        low, high = ratios.min().log10().item() - 1, ratios.max().log10().item() + 1
+        prices += torch.logspace(low, high, steps, dtype=torch.float64).tolist()
+    hull, seen = [], set()
+    for price in prices:
+        a = min((at_price(costs, price, tier) for tier in range(len(HIGH))),
+                key=lambda a: a.predicted + price * a.held_bytes)
+        key = (a.high, *a.bits.flatten().tolist())
         if key not in seen:
             seen.add(key)
             hull.append(a)
@@ -88,13 +93,13 @@ def allocate(costs: FormatCosts, budget: float) -> Allocation:
     return min(within, key=lambda a: a.held_bytes) if within else hull[0]
 
 
-def to_config(base: CompressionConfig, costs: FormatCosts, bits: torch.Tensor) -> CompressionConfig:
+def to_config(base: CompressionConfig, costs: FormatCosts, bits: torch.Tensor, high: int = 0) -> CompressionConfig:
     """`base` with each layer's low tier (a paged layer: `low_layers`) or sliding format (`sliding_layers`) at
-    bits [L, 2]; layers whose bits equal the base format's are left to it."""
+    bits [L, 2] and the high tier in HIGH[high]; layers whose bits equal the base format's are left to it."""
     low, sliding = [], []
     for layer, (k, v) in enumerate(bits.tolist()):
         is_sliding = costs.sliding[layer]
         fmt = layer_format(base, is_sliding, k, v)
         if fmt != (base.sliding if is_sliding else base.low):
             (sliding if is_sliding else low).append((layer, fmt))
-    return base.with_(low_layers=tuple(low), sliding_layers=tuple(sliding))
+    return base.with_(high=TierFormat.parse(HIGH[high]), low_layers=tuple(low), sliding_layers=tuple(sliding))

@@ -1,7 +1,8 @@
 """Choosing the settings: quality model -> allocation -> budget -> confirmation (after the statistics passes).
 
-1. `record_costs` (kvcal.profile.quality_model): one forward and backward pass per search window gives the
-   predicted loss of every catalogue format per (layer, KV head, K|V);
+1. `record_search` (kvcal.profile.recording): per search window, the dense prefill and the continuation's forward
+   and backward pass through it give the quality model's predicted loss of every catalogue format per (layer, KV
+   head, K|V) (kvcal.profile.quality_model) and the coded probe's inputs;
 2. `frontier` (kvcal.profile.allocate): the per-layer allocations that are cheapest for their predicted loss;
 3. `bisect` (kvcal.profile.budget): at most `max_probes` coded probes on the search windows (kvcal.profile.
    coded_probe: the model over the K/V as the allocation codes them, without the runtime's per-token policy steps)
@@ -22,21 +23,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-import torch
-
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
 from kvcal.profile.budget import bisect, confirm, meets
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality_model import record_costs
+from kvcal.profile.quality_model import HIGH
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.recording import record_search
 from kvcal.runtime.storage.bases import served_bases
 
-# The recording pass's backward holds every layer's activations: at most this many tokens per window (the last
-# ones, which hold the scored continuation), so its memory does not grow with the deployment context.
-RECORD_TOKENS = 1024
 # The stages of choosing, in order, and what each measures (the progress bar's names for them)
 STAGES = {"record": "quality model", "probe": "budget probes", "confirm": "evaluation text"}
 # (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row)
@@ -56,20 +53,6 @@ def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, p
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
 
-def _record(lm, served, base, record: torch.Tensor, scored: int, step: Progress):
-    """The quality model's table over the windows `record` [n, S], one window per progress step."""
-    a, t = lm.adapter, time.perf_counter()
-    costs = None
-    for i in range(len(record)):
-        step("record", f"recording window {i + 1}/{len(record)} ({record.shape[1]} tokens, forward and backward)",
-             None)
-        one = record_costs(lm.model, record[i:i + 1], scored, served, base, list(a.layer_types), a.head_dim)
-        costs = one if costs is None else costs.add(one)
-        step("record", f"window {i + 1}", {"seconds": time.perf_counter() - t})
-    release_memory()
-    return costs
-
-
 def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
                     prompt: int) -> dict:
     """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
@@ -87,23 +70,33 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     seconds = {}
 
     t = time.perf_counter()
-    record = windows[:, -min(P + M + 1, RECORD_TOKENS):]
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
-    costs = _record(lm, served, base, record, M, step)
+
+    def recorded(b: int, done: bool) -> None:
+        if done:
+            step("record", f"window {b + 1}", {"seconds": time.perf_counter() - t})
+        else:
+            step("record", f"recording window {b + 1}/{len(windows)} ({P} + {M} tokens: prefill, continuation "
+                 "forward and backward)", None)
+
+    recording = record_search(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types),
+                              a.head_dim, on_window=recorded)
+    costs = recording.costs
+    release_memory()
     seconds["recording"] = time.perf_counter() - t
     t = time.perf_counter()
     hull = frontier(costs)
     seconds["allocation"] = time.perf_counter() - t
     say(f"quality model: {len(hull)} allocations on the frontier, from {hull[0].held_bytes / 1e6:.1f} MB to "
-        f"{hull[-1].held_bytes / 1e6:.1f} MB at the recorded context")
+        f"{hull[-1].held_bytes / 1e6:.1f} MB at the deployment context")
 
     memo = checkpoint.load_probes()
     rows: list[dict] = []
 
     def measured(stage: str, run: Callable[[int, object], object]) -> Callable[[int], dict]:
         def measure(i: int) -> dict:
-            config = to_config(base, costs, hull[i].bits)
+            config = to_config(base, costs, hull[i].bits, hull[i].high)
             key = json.dumps([stage, config.to_dict()], sort_keys=True)
             step(stage, f"hull point {i} of {len(hull)} ({'search' if stage == 'probe' else 'evaluation'} text)",
                  None)
@@ -123,11 +116,11 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
         return measure
 
     t = time.perf_counter()
-    say(f"probes: recording the dense prefill of {cfg.search_windows} x {P} tokens ({cfg.search_dtype})")
-    probe = CodedProbe(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types), a.head_dim)
-    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i].bits)), target,
-                             cfg.max_probes)
-    probe = None                    # its recorded prompts and reference logits: hundreds of MB
+    probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
+    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i].bits,
+                                                                                          hull[i].high)),
+                             target, cfg.max_probes)
+    probe = recording = None        # the recorded prompts: hundreds of MB
     release_memory()
     seconds["probes"] = time.perf_counter() - t
 
@@ -141,7 +134,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     eval_probe = None
     seconds["confirmation"] = time.perf_counter() - t
 
-    chosen = to_config(base, costs, hull[index].bits)
+    chosen = to_config(base, costs, hull[index].bits, hull[index].high)
     held_out = next(p.fidelity for p in reversed(checks) if p.index == index)
     met = any(p.met and p.index == index for p in checks)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen)
@@ -150,10 +143,9 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     search_meta = {
         "target": target.to_dict(),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
-                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
-                  "record_tokens": int(record.shape[1])},
+                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype},
         "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,
-                                    "bits": h.bits.tolist()} for h in hull],
+                                    "bits": h.bits.tolist(), "high": HIGH[h.high]} for h in hull],
                           "base": base.to_dict()},
         "chosen": chosen_row,
         "path": rows,

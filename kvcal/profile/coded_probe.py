@@ -5,9 +5,9 @@ The runtime's own decode answers it too, but it steps Algorithm 1 and the page w
 window, which costs minutes per point at 4k on two cores. This probe runs the model instead over the tokens as the
 allocation would hold them, the way the quality model itself reasons (kvcal.profile.quality_model):
 
-- the prompt's K/V are recorded once, densely, with the dense reference logits of the continuation, and with them
-  which prompt tokens each layer holds in its allocated format (`held_mask`'s rule: out of the window and below
-  the heavy-hitter threshold, seen by the continuation's queries);
+- the prompt's K/V, the dense reference of the continuation and which prompt tokens each layer holds in its
+  allocated format (`held_mask`'s rule: out of the window and below the heavy-hitter threshold, seen by the
+  continuation's queries) come from the search's recording (kvcal.profile.recording);
 - for each allocation, the continuation is teacher-forced in one forward pass (`chunk` tokens at a time) with an
   attention in which query i meets key j coded in layer l's format (the runtime's coding in the served bases:
   `coded_keys`, `coded_values`) when j is held and left the window before i, and exactly otherwise; a continuation
@@ -17,7 +17,7 @@ What it leaves out is what the runtime decides on the fly: heavy hitters found d
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
 decode on evaluation text, so the chosen point is always measured as served.
 
-    probe = CodedProbe(model, prompt, continuation, served, base, layer_types, head_dim)
+    probe = CodedProbe(model, recording, served, base, layer_types, head_dim)
     fid = probe.measure(costs, bits)          # a Fidelity, memory["ratio_to_fp16"] modelled (see `modelled_ratio`)
 """
 
@@ -29,43 +29,28 @@ from contextvars import ContextVar
 import torch
 
 from kvcal.eval.fidelity import LogitScores, dense_cache
-from kvcal.profile.quality_model import BITS, FormatCosts, coded_keys, coded_values, held_mask, layer_format
+from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, layer_format
+from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage.bases import ServedBases
-from kvcal.runtime.storage.layout import PageLayout
+from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 CODED_IMPL = "kvcal_coded_probe"
 _STATE: ContextVar[_Coding | None] = ContextVar("kvcal_coded_probe", default=None)
 
 
-class _Held:
-    """A capture collector that keeps, per layer, which prompt tokens the layer holds coded: bool [B, H, P]."""
-
-    def __init__(self, base: CompressionConfig, sliding: list[bool]):
-        self.base, self.sliding = base, sliding
-        self.held: dict[int, torch.Tensor] = {}
-
-    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """query [B, Hq, M, d] of the continuation, key [B, H, S, d] (the cache's tokens, then the M new ones)."""
-        M, prompt = query.shape[2], key.shape[2] - query.shape[2]
-        # every prompt token leaves the window during a continuation longer than it; what stays is the heavy hitters
-        # by the continuation's attention (quality_model.held_mask, which reads the scored queries as the last M of
-        # a full-length query), one window at a time
-        full = torch.cat([query.new_zeros(*query.shape[:2], prompt, query.shape[3]), query], dim=2)
-        self.held[layer] = torch.stack([held_mask(full[b:b + 1], key[b:b + 1], self.base, M,
-                                                   self.sliding[layer])[:, :prompt] for b in range(key.shape[0])])
-
-
 class _Coding:
     """One allocation's coding, applied by `_coded_attention` layer by layer."""
 
-    def __init__(self, probe: CodedProbe, bits: torch.Tensor):
-        self.probe, self.bits = probe, bits
+    def __init__(self, probe: CodedProbe, bits: torch.Tensor, rows: slice, high: int = 0):
+        self.probe, self.bits, self.rows = probe, bits, rows          # rows: the windows of this forward
+        self.high = TierFormat.parse(HIGH[high])
 
-    def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, held: torch.Tensor):
-        """key, value [B, H, S, d] (what the layer's cache shows this forward) -> the same coded as layer `layer`'s
-        format holds them, every token in `held` [B, H, S] (`held_tokens`; the caller masks which query sees which);
-        keys per channel over pages of held tokens in position order, as the low tier fills its pages."""
+    def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
+        """key, value [B, H, S, d] (what the layer's cache shows this forward) -> the same coded as layer `layer`
+        holds them: every token in `low` [B, H, S] in its low-tier (or sliding) format, keys per channel over pages of
+        low tokens in position order as the low tier fills its pages; every token in `high` [B, H, S] in the high
+        tier's format, per token (`held_tokens`; the caller masks which query sees which)."""
         p, sliding = self.probe, self.probe.sliding[layer]
         fmt = layer_format(p.base, sliding, int(self.bits[layer, 0]), int(self.bits[layer, 1]))
         rot, qrot = p.served.rotation[layer], p.served.query_rotation[layer]           # [H, d, d]
@@ -75,25 +60,29 @@ class _Coding:
         k_out, v_out = key.float().clone(), value.float().clone()
         for b in range(B):
             for h in range(H):
-                sel = held[b, h]
-                if not bool(sel.any()):
-                    continue
-                ks = key[b, h, sel].float() @ rot[h]
-                vs = value[b, h, sel].float() @ basis[h]
-                k_out[b, h, sel] = coded_keys(ks[None], fmt, page)[0] @ qrot[h].T
-                v_out[b, h, sel] = coded_values(vs[None], fmt)[0] @ basis[h].T
+                for sel, tier, tokens in ((low[b, h], fmt, page), (high[b, h], self.high, 1)):
+                    if not bool(sel.any()):
+                        continue
+                    ks = key[b, h, sel].float() @ rot[h]
+                    vs = value[b, h, sel].float() @ basis[h]
+                    k_out[b, h, sel] = coded_keys(ks[None], tier, tokens)[0] @ qrot[h].T
+                    v_out[b, h, sel] = coded_values(vs[None], tier)[0] @ basis[h].T
         return k_out.to(key.dtype), v_out.to(value.dtype)
 
-    def held_tokens(self, layer: int, B: int, H: int, S: int, window: int) -> torch.Tensor:
-        """bool [B, H, S]: a sliding layer's every token; a paged layer's held prompt tokens (recorded) and the
-        continuation tokens out of the window at the last query."""
+    def held_tokens(self, layer: int, B: int, H: int, S: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(low, high) bool [B, H, S]: a sliding layer's every token in low; a paged layer's held prompt tokens
+        (recorded) and the continuation tokens out of the window at the last query in low, its other prompt tokens in
+        high when the high tier is coded (not raw)."""
         p = self.probe
         if p.sliding[layer]:
-            return torch.ones(B, H, S, dtype=torch.bool)
-        prompt = p.held[layer]
+            return torch.ones(B, H, S, dtype=torch.bool), torch.zeros(B, H, S, dtype=torch.bool)
+        prompt = p.held[layer][self.rows]
         rest = torch.zeros(B, H, S - prompt.shape[-1], dtype=torch.bool)
         rest[..., :max(S - prompt.shape[-1] - window, 0)] = True
-        return torch.cat([prompt, rest], dim=-1)
+        high = torch.zeros(B, H, S, dtype=torch.bool)
+        if self.high.k_bits not in RAW_BITS:
+            high[..., :prompt.shape[-1]] = ~prompt
+        return torch.cat([prompt, rest], dim=-1), high
 
 
 def _coded_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -106,8 +95,9 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     H, S = key.shape[1], key.shape[2]
     sliding = state.probe.sliding[layer]
     window = 1 if sliding else state.probe.base.tiering.window
-    held = state.held_tokens(layer, B, H, S, window)                                      # [B, H, S]
-    kc, vc = state.coded_kv(layer, key, value, held)
+    low, high = state.held_tokens(layer, B, H, S, window)                                 # [B, H, S]
+    kc, vc = state.coded_kv(layer, key, value, low, high)
+    held = low | high                                                                       # coded once aged
     g = Hq // H
     q = query.float().view(B, H, g, n, d)
     # keys before `cut` are out of the window for every query: one mixed copy serves them all; only the band after
@@ -155,52 +145,32 @@ def _register() -> None:
 
 
 class CodedProbe:
-    """Quality of allocations (module docstring) on fixed windows: prompt [B, P], continuation [B, M + 1]."""
+    """Quality of allocations (module docstring) on the windows of a search recording (prompt [B, P], continuation
+    [B, M + 1])."""
 
-    @torch.inference_mode()
-    def __init__(self, model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
-                 base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int = 64):
-        from transformers import DynamicCache
-
-        from kvcal.profile.capture import capturing
-
-        self.model, self.prompt, self.continuation = model, prompt, continuation
+    def __init__(self, model, recording: Recording, served: ServedBases, base: CompressionConfig,
+                 layer_types: list[str], head_dim: int, chunk: int = 64):
+        self.model, self.recording = model, recording
+        self.prompt, self.continuation = recording.prompt, recording.continuation
+        self.records, self.ref, self.held = recording.records, recording.ref, recording.held
         self.served, self.base, self.head_dim, self.chunk = served, base, head_dim, chunk
         self.sliding = [t == "sliding_attention" for t in layer_types]
-        M, B = continuation.shape[1] - 1, len(prompt)
-        self.ref, self.held, self.records = None, {}, {}
-        for b in range(B):          # a window at a time, into tensors of the whole batch: one window's activations
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prompt[b:b + 1], cache=cache, use_cache=True, logits_to_keep=1)
-            for i, layer in enumerate(cache.layers):
-                if b == 0:
-                    self.records[i] = (layer.keys.new_empty(B, *layer.keys.shape[1:]),
-                                       layer.values.new_empty(B, *layer.values.shape[1:]),
-                                       getattr(layer, "cumulative_length", None))
-                self.records[i][0][b], self.records[i][1][b] = layer.keys[0], layer.values[0]
-            keep = _Held(base, self.sliding)
-            with capturing(model, keep):                 # the dense reference and the held tokens, in one pass
-                ref = model(input_ids=continuation[b:b + 1, :M], cache=cache, use_cache=True).logits.float()
-            if b == 0:
-                self.ref = ref.new_empty(B, *ref.shape[1:])
-                self.held = {i: h.new_empty(B, *h.shape[1:]) for i, h in keep.held.items()}
-            self.ref[b] = ref[0]
-            for i, h in keep.held.items():
-                self.held[i][b] = h[0]
-            del cache, ref
 
-    def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor) -> float:
+    def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor, high: int = 0) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
-        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), every other
-        token at 16 bits. Pages' slack and the runtime's fixed allowance are not in it: the confirmation measures
-        those."""
-        S = self.prompt.shape[1] + self.continuation.shape[1] - 1
+        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), a paged
+        layer's other prompt tokens at the high tier's (`FormatCosts.high_bytes`), every other token at 16 bits.
+        Pages' slack and the runtime's fixed allowance are not in it: the confirmation measures those."""
+        S, P = self.prompt.shape[1] + self.continuation.shape[1] - 1, self.prompt.shape[1]
         H, d = self.served.rotation.shape[1], self.head_dim
-        per_token = costs.bytes.gather(-1, FormatCosts.index(bits)[..., None])[..., 0]          # [L, 2]
+        per_token = costs.bytes.gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum(-1)   # [L]
+        per_high = costs.high_bytes[..., high].sum(-1)                                             # [L]
         held = torch.tensor([self._held_at_end(layer, S) for layer in range(len(self.sliding))],
                             dtype=torch.float64)                                               # [L] per KV head
+        in_high = torch.tensor([0.0 if s else float(P - self.held[i].double().sum(-1).mean())
+                                for i, s in enumerate(self.sliding)], dtype=torch.float64)
         dense_token = 2 * 2 * H * d                                                            # K and V, fp16
-        total = (per_token.sum(-1) * held + (S - held) * dense_token).sum()
+        total = (per_token * held + per_high * in_high + (S - held - in_high) * dense_token).sum()
         return float(total / (len(self.sliding) * S * dense_token))
 
     def _held_at_end(self, layer: int, S: int) -> float:
@@ -217,30 +187,37 @@ class CodedProbe:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     @torch.inference_mode()
-    def measure(self, costs: FormatCosts, bits: torch.Tensor):
-        """bits long [L, 2] (K, V bits per layer, entries of BITS) -> a Fidelity of the continuation through the
-        coded K/V; memory["ratio_to_fp16"] from `modelled_ratio`."""
+    def measure(self, costs: FormatCosts, bits: torch.Tensor, high: int = 0):
+        """bits long [L, 2] (K, V bits per layer, entries of BITS), the high tier in HIGH[high] -> a Fidelity of the
+        continuation through the coded K/V; memory["ratio_to_fp16"] from `modelled_ratio`. A window at a time: one
+        window's float32 K/V and coded copies are alive at once."""
         if not set(bits.unique().tolist()) <= set(BITS):
             raise ValueError(f"bits must be entries of {BITS}")
         _register()
         previous = self.model.config._attn_implementation
-        cache, target = dense_cache(self.model, self.records, keep=False), self.continuation[:, 1:]
+        target = self.continuation[:, 1:]
         M = target.shape[1]
-        t0 = time.perf_counter()
-        token = _STATE.set(_Coding(self, bits))
-        self.model.set_attn_implementation(CODED_IMPL)
-        try:
-            # the whole continuation in one forward: a query sees each key coded or exact by its age, so splitting
-            # it would change nothing but the work (each forward would code the layer again)
-            hidden = self.model.model(input_ids=self.continuation[:, :M], cache=cache,
-                                      use_cache=True).last_hidden_state
-        finally:
-            self.model.set_attn_implementation(previous)
-            _STATE.reset(token)
         scores = LogitScores(target.shape[0])
-        for t in range(0, M, self.chunk):          # the head a few positions at a time: no [B, M, vocab] copy
-            scores.add(self.ref[:, t:t + self.chunk], self._logits(hidden[:, t:t + self.chunk]),
-                       target[:, t:t + self.chunk])
+        t0 = time.perf_counter()
+        for b in range(len(self.prompt)):
+            rows = slice(b, b + 1)
+            records = {i: tuple(t[rows] if isinstance(t, torch.Tensor) else t for t in r)
+                       for i, r in self.records.items()}
+            cache = dense_cache(self.model, records, keep=False)
+            token = _STATE.set(_Coding(self, bits, rows, high))
+            self.model.set_attn_implementation(CODED_IMPL)
+            try:
+                # the whole continuation in one forward: a query sees each key coded or exact by its age, so
+                # splitting it would change nothing but the work (each forward would code the layer again)
+                hidden = self.model.model(input_ids=self.continuation[rows, :M], cache=cache,
+                                          use_cache=True).last_hidden_state
+            finally:
+                self.model.set_attn_implementation(previous)
+                _STATE.reset(token)
+            for t in range(0, M, self.chunk):          # the head a few positions at a time: no [M, vocab] copy
+                scores.add(self.ref[rows, t:t + self.chunk], self._logits(hidden[:, t:t + self.chunk]),
+                           target[rows, t:t + self.chunk], rows)
+            del cache, hidden
         fid = scores.fidelity(self.prompt.shape[1], time.perf_counter() - t0)
-        fid.memory = {"ratio_to_fp16": self.modelled_ratio(costs, bits), "modelled": True}
+        fid.memory = {"ratio_to_fp16": self.modelled_ratio(costs, bits, high), "modelled": True}
         return fid

@@ -1,18 +1,18 @@
-"""Predicted quality: the loss any choice of formats adds, per (layer, KV head, K or V), from one recording pass.
+"""Predicted quality: the loss any choice of formats adds, per (layer, KV head, K or V), from one recording.
 
-One forward and backward pass over the search windows gives, for every layer, the post-RoPE keys and values the
-cache would hold and their gradients g = dL/dK, dL/dV, where L is the next-token loss summed over the scored
-positions only (the continuation a probe scores: the logits of earlier positions are never made). Coding x as
-x + δ adds about ½ Σ g² δ² to L (second order, diagonal empirical Fisher, as KVQuant weights its codebooks). For
-every format of the catalogue, δ is the runtime's own coding error in the served bases (g and x rotate with them),
-applied to the tokens that format would hold under the base settings:
+The search's recording (kvcal.profile.recording) gives, for every layer, the post-RoPE keys and values the cache
+holds at the deployment context and their gradients g = dL/dK, dL/dV, where L is the next-token loss summed over the
+scored continuation, read through the dense prompt as the runtime's decode reads it. Coding x as x + δ adds about
+½ Σ g² δ² to L (second order, diagonal empirical Fisher, as KVQuant weights its codebooks). For every format of the
+catalogue, δ is the runtime's own coding error in the served bases (g and x rotate with them), applied to the tokens
+that format would hold under the base settings:
 
 - a paged layer holds in its low tier every token that leaves the window before the last scored query and is not a
   heavy hitter (mean attention of the scored queries below alpha_high / N, DiffKV's rule at prefill); the others
   stay in the high tier, the same for every choice, so they add nothing that differs between choices. A token's
   gradient sums only the queries after it, so a token that ages into the low tier during the scored continuation is
   weighted by the queries that read it there, plus its first `window` ones (a small overcount);
-- a sliding-window layer holds every token in its sliding format.
+- a sliding-window layer holds every token in its sliding format (the tokens no query reads have g = 0).
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
 them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
@@ -20,8 +20,6 @@ them. The predicted loss of an assignment is a sum of table entries, computed wi
     costs[l, h, s, b]   float64 [L, H, 2, len(BITS)]   ½ Σ g² δ² with side s (0: K, 1: V) of layer l's
                                                        format at BITS[b] bits, summed over windows, tokens, coordinates
     predicted(bits)     = Σ_l,s costs[l, :, s, index of bits[l, s]].sum()
-
-    costs = record_costs(model, adapter, windows, scored, served, base, layer_types)
 """
 
 from __future__ import annotations
@@ -31,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.profile.capture import capturing
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.bases import ServedBases
 from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
+HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
 SIDES = ("k", "v")
 
 
@@ -66,19 +64,20 @@ class FormatCosts:
     bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads
     tokens: torch.Tensor         # float64 [L]: tokens each layer holds in the allocated format (per KV head, mean)
     sliding: list[bool]          # per layer
+    high_costs: torch.Tensor     # float64 [L, H, 2, len(HIGH)]: ½ Σ g² δ² of the high tier's tokens in each format
+    high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
+    high_tokens: torch.Tensor    # float64 [L]: tokens each layer holds in its high tier (per KV head, mean)
 
-    def predicted(self, bits: torch.Tensor) -> float:
-        """bits long [L, 2] (entries of BITS) -> the loss the assignment adds (½ Σ g² δ²)."""
-        return float(self.costs.sum(1).gather(-1, self.index(bits)[..., None]).sum())
+    def predicted(self, bits: torch.Tensor, high: int = 0) -> float:
+        """bits long [L, 2] (entries of BITS), high tier HIGH[high] -> the loss the assignment adds (½ Σ g² δ²)."""
+        low = self.costs.sum(1).gather(-1, self.index(bits)[..., None]).sum()
+        return float(low + self.high_costs[..., high].sum())
 
-    def held_bytes(self, bits: torch.Tensor) -> float:
-        """bits long [L, 2] -> bytes the allocated formats hold at the recorded context."""
+    def held_bytes(self, bits: torch.Tensor, high: int = 0) -> float:
+        """bits long [L, 2], high tier HIGH[high] -> bytes the allocated formats hold at the recorded context."""
         per_token = self.bytes.gather(-1, self.index(bits)[..., None])[..., 0]
-        return float((per_token * self.tokens[:, None]).sum())
-
-    def add(self, other: FormatCosts) -> FormatCosts:
-        """The table over both recordings' windows (tokens held: their mean)."""
-        return FormatCosts(self.costs + other.costs, self.bytes, (self.tokens + other.tokens) / 2, self.sliding)
+        high_part = self.high_bytes[..., high] * self.high_tokens[:, None]
+        return float((per_token * self.tokens[:, None]).sum() + high_part.sum())
 
     @staticmethod
     def index(bits: torch.Tensor) -> torch.Tensor:
@@ -111,74 +110,20 @@ def coded_values(v: torch.Tensor, fmt: TierFormat) -> torch.Tensor:
     return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits)
 
 
-class _KeepQKV:
-    """A capture collector that keeps each layer's query, key and value (with their autograd history)."""
-
-    def __init__(self):
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.seen[layer] = (query, key, value)
-
-
-def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases, base: CompressionConfig,
-                 layer_types: list[str], head_dim: int) -> FormatCosts:
-    """windows long [B, S] token ids, the last `scored` positions of each scored (their next tokens are the
-    targets); served: the bases the runtime applies under `base` (kvcal.runtime.storage.bases.served_bases); base: the
-    settings the allocation changes bits of (window, heavy-hitter threshold, high tier, low / sliding formats).
-    One forward and backward pass per window, in the model's dtype. The model's parameters get no gradient (their
-    requires_grad is restored)."""
-    if base.tiering.alpha_low > 0 or base.fastgen is not None:
-        raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
-                         "with alpha_low = 0 and no FastGen")
-    L = len(layer_types)
-    sliding = [t == "sliding_attention" for t in layer_types]
-    H = served.rotation.shape[1]
-    costs = torch.zeros(L, H, 2, len(BITS), dtype=torch.float64)
-    tokens = torch.zeros(L, dtype=torch.float64)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    keep = _KeepQKV()
-    try:
-        for ids in windows:
-            targets = ids[None, -scored:]
-            with torch.inference_mode(False), torch.enable_grad(), capturing(model, keep):
-                embeds = model.get_input_embeddings()(ids[None, :-1]).detach().requires_grad_(True)
-                logits = model(inputs_embeds=embeds, logits_to_keep=scored, use_cache=False).logits
-                loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
-                grads = torch.autograd.grad(loss, [t for layer in range(L) for t in keep.seen[layer][1:]])
-            for layer in range(L):
-                query, key, value = (t.detach() for t in keep.seen[layer])
-                held = held_mask(query, key, base, scored, sliding[layer])
-                tokens[layer] += held.double().mean(0).sum() / len(windows)
-                _add_layer(costs[layer], layer, (key, value), grads[2 * layer:2 * layer + 2], held, served, base,
-                           sliding[layer], head_dim)
-            keep.seen.clear()
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-    page_bytes, tracked = base.page_size(head_dim), base.low_tracked
-    nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, page_bytes,
-                                            tracked, sliding[layer]) for b in BITS] for side in SIDES]
-                           for layer in range(L)], dtype=torch.float64)
-    return FormatCosts(costs, nbytes, tokens, sliding)
-
-
 @torch.no_grad()
-def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, scored: int,
-               sliding: bool) -> torch.Tensor:
-    """query [1, Hq, S, d], key [1, H, S, d] -> bool [H, S]: the tokens a layer holds in the allocated format. A
-    sliding layer: all. A paged one: those that leave the window before the last query, below the heavy-hitter
-    threshold (mean over the scored queries of the max over a KV head's query heads, under alpha_high / N)."""
+def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, sliding: bool) -> torch.Tensor:
+    """query [1, Hq, M, d] of the M scored positions (the last M of the key's), key [1, H, S, d] -> bool [H, S]: the
+    tokens a layer holds in the allocated format. A sliding layer: all. A paged one: those that leave the window
+    before the last query, below the heavy-hitter threshold (mean over the scored queries of the max over a KV head's
+    query heads, under alpha_high / S)."""
     H, S = key.shape[1], key.shape[2]
     if sliding:
         return torch.ones(H, S, dtype=torch.bool)
-    start = S - scored                                    # the first scored query
+    start = S - query.shape[2]                            # the first scored query
     held = torch.zeros(H, S, dtype=torch.bool)
     held[:, :max(S - base.tiering.window, 0)] = True
     if base.tiering.tiered and base.tiering.alpha_high < 1e8:
-        q = query[0, :, start:].float()                                               # [Hq, scored, d]
+        q = query[0].float()                                                          # [Hq, M, d]
         k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                  # [Hq, S, d]
         logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         causal = torch.arange(S)[None, :] > torch.arange(start, S)[:, None]
@@ -190,10 +135,12 @@ def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, s
 
 
 @torch.no_grad()
-def _add_layer(costs: torch.Tensor, layer: int, kv: tuple, grads: tuple, held: torch.Tensor, served: ServedBases,
-               base: CompressionConfig, sliding: bool, head_dim: int) -> None:
-    """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS)] for every catalogue entry. kv, grads: key
-    and value [1, H, S, d] and their gradients; held bool [H, S]."""
+def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, kv: tuple, grads: tuple,
+                    held: torch.Tensor, high: torch.Tensor, served: ServedBases, base: CompressionConfig, sliding: bool,
+                    head_dim: int) -> None:
+    """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS)] for every catalogue entry of the held tokens
+    (held bool [H, S]) and into high_costs [H, 2, len(HIGH)] for every high-tier format of the high tier's tokens
+    (high bool [H, S]). kv, grads: key and value [1, H, S, d] and their gradients."""
     # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
     # query rotation; values' basis is orthogonal
     bases = ((served.rotation[layer], served.query_rotation[layer]), (served.basis[layer], served.basis[layer]))
@@ -211,6 +158,11 @@ def _add_layer(costs: torch.Tensor, layer: int, kv: tuple, grads: tuple, held: t
                 else:
                     coded = coded_values(xs, fmt)
                 costs[h, s, b] += 0.5 * float((g2s * (coded - xs).double() ** 2).sum())
+            xs, g2s = x[h, high[h]][None], g2[h, high[h]][None]
+            for b, spec in enumerate(HIGH):
+                fmt = TierFormat.parse(spec)
+                coded = coded_keys(xs, fmt, 1) if s == 0 else coded_values(xs, fmt)       # per token: no pages
+                high_costs[h, s, b] += 0.5 * float((g2s * (coded - xs).double() ** 2).sum())
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -160,10 +160,11 @@ def _markdown(r: dict, png: str) -> str:
         ]
     q = s["quality_model"]
     lines += ["## How it was chosen", "",
-              f"One forward and backward pass per search window ({s['probe']['record_tokens']} tokens) predicted the "
-              f"loss of every format per layer, keys and values apart; the {len(q['hull'])} allocations on the "
-              f"bytes-loss frontier run from {q['hull'][0]['held_bytes'] / 1e6:.2f} to "
-              f"{q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the recorded context. Coded probes bisected that "
+              f"One dense prefill per search window and the continuation's forward and backward pass through it "
+              f"({s['probe']['prompt']} + {s['probe']['steps']} tokens) predicted the loss of every format per "
+              f"layer, keys and values apart; the {len(q['hull'])} allocations on the bytes-loss frontier run from "
+              f"{q['hull'][0]['held_bytes'] / 1e6:.2f} to {q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the "
+              "deployment context. Coded probes bisected that "
               "frontier for the cheapest point meeting the target at its bounds; the runtime's stepwise decode on "
               "evaluation text confirmed it (docs/calibration.md). Seconds: "
               + ", ".join(f"{k} {v:g}" for k, v in s["seconds"].items()) + ".", ""]

@@ -1,0 +1,196 @@
+"""The search's one recording: per search window, the dense prefill of its prompt and the continuation's forward and
+backward pass through it. The quality model, the allocation and the coded probe all read it.
+
+A window is a prompt of P tokens and a continuation of M + 1 (M scored predictions), as the runtime serves it:
+
+1. the prompt is prefilled densely without gradients. The runtime's prefill attends exactly too: only decode
+   queries read coded K/V;
+2. the continuation runs through that cache `chunk` tokens at a time, with gradients, scoring each next token. This
+   gives the dense reference (`TopLogits`), each layer's continuation queries (which tokens are heavy hitters), and
+   g = dL/dK, dL/dV for every cached token at the deployment context, where L is the continuation's summed next-token
+   loss. These are the gradients of the K/V that decode queries read, which is what coding them perturbs.
+
+The cache is detached between chunks. A chunk's gradient reaches every token that chunk's queries read, but not the
+path from an earlier chunk's token through that chunk's hidden states into a later chunk. That path is a second-order
+effect (one token's share of one attention read), and leaving it out keeps one chunk's graph in memory, not M tokens'
+attention over the whole context.
+
+    rec = record_search(model, prompt, continuation, served, base, layer_types, head_dim)   # [B, P], [B, M + 1]
+    rec.costs                     # the quality model's table (FormatCosts)
+    rec.records, rec.ref, rec.held  # the coded probe's inputs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.eval.fidelity import TopLogits
+from kvcal.profile.capture import capturing
+from kvcal.profile.quality_model import (
+    BITS,
+    HIGH,
+    SIDES,
+    FormatCosts,
+    add_layer_costs,
+    held_mask,
+    layer_format,
+    side_bytes,
+)
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.storage.bases import ServedBases
+from kvcal.runtime.storage.layout import TierFormat
+
+
+@dataclass
+class Recording:
+    prompt: torch.Tensor          # long [B, P]
+    continuation: torch.Tensor    # long [B, M + 1]
+    records: dict                 # layer -> (key, value [B, H, P, d] fp16, None); a sliding layer: its kept window
+                                  # (key, value [B, H, w, d] in the model dtype, tokens seen)
+    ref: TopLogits                # the dense reference [B, M, k]
+    held: dict                    # layer -> bool [B, H, P]: prompt tokens the layer holds in its allocated format
+    costs: FormatCosts            # summed over the windows
+
+
+class _Seen:
+    """A capture collector that keeps each layer's query, key and value of the last forward (with their graph)."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.seen[layer] = (query, key, value)
+
+
+def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
+                  base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int = 64,
+                  on_window: Callable[[int, bool], None] | None = None) -> Recording:
+    """Record every window (module docstring), one at a time so that one window's activations and float32 K/V are
+    alive at once; `on_window(b, done)` as window b starts and ends. `base`: the settings the allocation changes bits
+    of (window, heavy-hitter threshold; no pruning, no FastGen: `quality_model`). The model's parameters get no
+    gradient (their requires_grad is restored)."""
+    if base.tiering.alpha_low > 0 or base.fastgen is not None:
+        raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
+                         "with alpha_low = 0 and no FastGen")
+    B, L = len(prompt), len(layer_types)
+    sliding = [t == "sliding_attention" for t in layer_types]
+    H = served.rotation.shape[1]
+    costs = torch.zeros(L, H, 2, len(BITS), dtype=torch.float64)
+    high_costs = torch.zeros(L, H, 2, len(HIGH), dtype=torch.float64)
+    tokens, high_tokens = torch.zeros(L, dtype=torch.float64), torch.zeros(L, dtype=torch.float64)
+    records: dict = {}
+    held_prompt: dict = {}
+    ref = None
+    window_size = getattr(model.config, "sliding_window", None) or prompt.shape[1] + continuation.shape[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        for b in range(B):
+            if on_window:
+                on_window(b, False)
+            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], L, chunk)
+            S = window["S"]
+            for layer in range(L):
+                key, value, g_key, g_value = window["kv"][layer]
+                held = held_mask(window["queries"][layer], key, base, sliding[layer])          # [H, S]
+                high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
+                if not sliding[layer]:
+                    high[:, :max(S - base.tiering.window, 0)] = True
+                    high &= ~held
+                # what the layer's format holds at the end: a sliding layer its window, a paged one its held tokens
+                tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(0).sum()) / B
+                high_tokens[layer] += high.double().mean(0).sum() / B
+                add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held, high,
+                                served, base, sliding[layer], head_dim)
+                if not sliding[layer]:
+                    held_prompt.setdefault(layer, torch.zeros(B, H, prompt.shape[1], dtype=torch.bool))
+                    held_prompt[layer][b] = held[:, :prompt.shape[1]]
+                kept = window["prompt"][layer]
+                if b == 0:
+                    records[layer] = tuple(t.new_empty(B, *t.shape[1:]) if isinstance(t, torch.Tensor) else t
+                                           for t in kept)
+                for full, one in zip(records[layer], kept):
+                    if isinstance(one, torch.Tensor):
+                        full[b] = one[0]
+            if ref is None:
+                ref = TopLogits.empty(B, *window["ref"].logp.shape[1:])
+            ref[b:b + 1] = window["ref"]
+            del window
+            if on_window:
+                on_window(b, True)
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    page_bytes, tracked = base.page_size(head_dim), base.low_tracked
+    nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, page_bytes,
+                                            tracked, sliding[layer]) for b in BITS] for side in SIDES]
+                           for layer in range(L)], dtype=torch.float64)
+    high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, page_bytes, False, False)
+                                 for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
+    return Recording(prompt, continuation, records, ref, held_prompt,
+                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens))
+
+
+def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases, base: CompressionConfig,
+                 layer_types: list[str], head_dim: int) -> FormatCosts:
+    """The quality model's table of windows [B, S] token ids whose last `scored` positions are scored (prompt: the
+    first S - scored - 1 tokens)."""
+    cut = windows.shape[1] - scored - 1
+    return record_search(model, windows[:, :cut], windows[:, cut:], served, base, layer_types, head_dim).costs
+
+
+def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: int, chunk: int) -> dict:
+    """One window: prompt [1, P], continuation [1, M + 1]. Returns S = P + M; per layer the K/V of every token it
+    reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding layer's tokens that
+    no continuation query reads are zero in both), the continuation's queries ("queries": [1, Hq, M, d]), the
+    prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():                 # not inference_mode: the continuation's graph reads these tensors
+        model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    kept = {i: (layer.keys.half(), layer.values.half(), None) if not hasattr(layer, "cumulative_length")
+            else (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
+            for i, layer in enumerate(cache.layers)}
+    P, M = prompt.shape[1], continuation.shape[1] - 1
+    S = P + M
+    grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
+    queries: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
+    refs = []
+    seen = _Seen()
+    embed = model.get_input_embeddings()
+    for t in range(0, M, chunk):
+        end = min(t + chunk, M)
+        with torch.enable_grad(), capturing(model, seen):
+            embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
+            logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
+            targets = continuation[:, t + 1:end + 1]
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
+            g = torch.autograd.grad(loss, [x for i in range(L) for x in seen.seen[i][1:]])
+        refs.append(TopLogits.of(logits.detach(), targets))
+        for i in range(L):
+            query, key, value = (x.detach() for x in seen.seen[i])
+            n = key.shape[2]                                     # the tokens this chunk's queries read: the last n
+            sliding = kept[i][2] is not None
+            if i not in grads:
+                grads[i] = [key.new_zeros(*key.shape[:2], S, key.shape[3], dtype=torch.float32)
+                            for _ in range(4 if sliding else 2)]
+            lo, hi = P + end - n, P + end
+            grads[i][0][:, :, lo:hi] += g[2 * i].float()
+            grads[i][1][:, :, lo:hi] += g[2 * i + 1].float()
+            if sliding:                  # its cache keeps a window: the tokens it read are kept here
+                grads[i][2][:, :, lo:hi], grads[i][3][:, :, lo:hi] = key.float(), value.float()
+            queries[i].append(query)
+        seen.seen.clear()
+        for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
+            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+        del g, loss, logits
+    ref = TopLogits(*(torch.cat([getattr(r, f) for r in refs], dim=1) for f in ("logp", "ids", "target_logp")))
+    kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
+          else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}
+    return {"S": S, "kv": kv,
+            "queries": {i: torch.cat(q, dim=2) for i, q in queries.items()}, "prompt": kept, "ref": ref}
