@@ -22,13 +22,14 @@ attention over the whole context.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from kvcal.eval.fidelity import TopLogits
-from kvcal.profile.capture import capturing
 from kvcal.profile.quality_model import (
     BITS,
     HIGH,
@@ -55,14 +56,46 @@ class Recording:
     costs: FormatCosts            # summed over the windows
 
 
-class _Seen:
-    """A capture collector that keeps each layer's query, key and value of the last forward (with their graph)."""
+RECORDING_IMPL = "kvcal_recording"
+_SEEN: ContextVar[dict | None] = ContextVar("kvcal_recording", default=None)
 
-    def __init__(self):
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.seen[layer] = (query, key, value)
+def _recording_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
+    """transformers' attention-function signature (eager masks: a float mask [B, 1, n, S] added to the logits).
+    query [B, Hq, n, d]; key, value [B, H, S, d]. Keeps each layer's query, key and value (with their graph) for the
+    recording, and attends with a KV head's query heads stacked against its keys: no repeated copy of K/V, so the
+    backward keeps one [g·n, S] probability block per layer and nothing of size [Hq, S, d]."""
+    _SEEN.get()[module.layer_idx] = (query, key, value)
+    B, Hq, n, d = query.shape
+    H, S = key.shape[1], key.shape[2]
+    g = Hq // H
+    scale = scaling if scaling is not None else d ** -0.5
+    logits = (query.reshape(B, H, g * n, d) @ key.transpose(-1, -2) * scale).view(B, H, g, n, S)
+    cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if attention_mask is not None:
+        logits = logits + attention_mask[:, :, None, :, -S:]
+    p = logits.softmax(-1).view(B, H, g * n, S)
+    return (p @ value).view(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
+
+
+@contextlib.contextmanager
+def _recording(model, seen: dict):
+    """Within the block, `model` attends by `_recording_attention`, which fills `seen` (layer -> q, k, v)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(RECORDING_IMPL, _recording_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDING_IMPL, eager_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(RECORDING_IMPL)
+    token = _SEEN.set(seen)
+    try:
+        yield
+    finally:
+        _SEEN.reset(token)
+        model.set_attn_implementation(previous)
 
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
@@ -161,19 +194,19 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: i
     grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
     queries: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
     refs = []
-    seen = _Seen()
+    seen: dict = {}
     embed = model.get_input_embeddings()
     for t in range(0, M, chunk):
         end = min(t + chunk, M)
-        with torch.enable_grad(), capturing(model, seen):
+        with torch.enable_grad(), _recording(model, seen):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
             logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
             targets = continuation[:, t + 1:end + 1]
             loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
-            g = torch.autograd.grad(loss, [x for i in range(L) for x in seen.seen[i][1:]])
+            g = torch.autograd.grad(loss, [x for i in range(L) for x in seen[i][1:]])
         refs.append(TopLogits.of(logits.detach(), targets))
         for i in range(L):
-            query, key, value = (x.detach() for x in seen.seen[i])
+            query, key, value = (x.detach() for x in seen[i])
             n = key.shape[2]                                     # the tokens this chunk's queries read: the last n
             sliding = kept[i][2] is not None
             if i not in grads:
@@ -185,7 +218,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: i
             if sliding:                  # its cache keeps a window: the tokens it read are kept here
                 grads[i][2][:, :, lo:hi], grads[i][3][:, :, lo:hi] = key.float(), value.float()
             queries[i].append(query)
-        seen.seen.clear()
+        seen.clear()
         for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
             layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
         del g, loss, logits

@@ -1,0 +1,60 @@
+"""The search's recording (kvcal.profile.recording): its reference is the model's own, and its gradients are those of
+the prompt's K/V as decode queries read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_text
+
+from kvcal.eval import dense_logits
+from kvcal.profile.recording import _record_window
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(tok, n: int = 90):
+    return tok([random_text(300, seed=3)], return_tensors="pt").input_ids[:, :n]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_reference_is_the_dense_forward(model_type):
+    """The recording's own attention (query heads stacked per KV head, eager masks; Gemma3's sliding layers read their
+    kept window) gives the logits of one dense forward over prompt + continuation, to float order."""
+    model, tok = make_model(model_type)
+    ids = _ids(tok)
+    P = 60
+    window = _record_window(model, ids[:, :P], ids[:, P:], model.config.num_hidden_layers, chunk=8)
+    want = torch.log_softmax(dense_logits(model, ids[:, :-1], start=P), -1)
+    ref = window["ref"]
+    assert torch.equal(ref.ids[..., 0], want.argmax(-1))
+    assert (ref.logp - want.gather(-1, ref.ids)).abs().max() < 1e-4
+    assert (ref.target_logp - want.gather(-1, ids[:, P + 1:, None])[..., 0]).abs().max() < 1e-4
+
+
+def test_gradients_are_those_of_the_cached_prompt():
+    """In one chunk, the recorded gradient of every prompt key and value is autograd's through transformers' own
+    attention over a cache whose prompt K/V are leaves: dL/dK of what decode queries read, nothing else."""
+    from transformers import DynamicCache
+
+    model, tok = make_model("llama")
+    ids = _ids(tok)
+    P, L = 60, model.config.num_hidden_layers
+    window = _record_window(model, ids[:, :P], ids[:, P:], L, chunk=64)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :P], cache=cache, use_cache=True)
+    leaves = []
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.clone().requires_grad_(True), layer.values.clone().requires_grad_(True)
+        leaves += [layer.keys, layer.values]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    logits = model(input_ids=ids[:, P:-1], cache=cache, use_cache=True).logits
+    loss = torch.nn.functional.cross_entropy(logits[0], ids[0, P + 1:], reduction="sum")
+    grads = torch.autograd.grad(loss, leaves)
+    for i in range(L):
+        key, value, g_key, g_value = window["kv"][i]
+        assert g_key.abs().max() > 0
+        torch.testing.assert_close(g_key[:, :, :P], grads[2 * i], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g_value[:, :, :P], grads[2 * i + 1], rtol=1e-4, atol=1e-6)
