@@ -17,7 +17,6 @@ Every measurement is checkpointed by its settings, so an interrupted run resumes
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
 from kvcal.profile.budget import bisect, confirm, meets
 from kvcal.profile.coded_probe import CodedProbe
+from kvcal.profile.heap import release_memory
 from kvcal.profile.quality_model import HIGH
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_search
@@ -164,36 +164,3 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 def _brief(fid: dict) -> dict:
     return {"bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"], "ppl_ratio": fid["ppl_ratio"],
             "kl": fid["kl"], "predictions": fid["predictions"], "top1_windows": fid.get("top1_windows", [])}
-
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS between search points. Each point allocates and frees hundreds of MB of
-    short-lived tensors; glibc keeps them, so without this the resident set climbs with every point."""
-    import gc
-    import signal
-    import threading
-
-    # a Ctrl-C handled inside a finalizer that gc runs is printed and dropped ("Exception ignored in __del__"), so
-    # hold it for the duration and raise it after
-    held: list[int] = []
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
-    try:
-        gc.collect()
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim from the symbols already loaded, or None (not glibc). Not ctypes.util.find_library: it
-    runs ldconfig in a subprocess, and a Ctrl-C that lands during that subprocess is lost."""
-    import ctypes
-
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)

@@ -60,24 +60,59 @@ RECORDING_IMPL = "kvcal_recording"
 _SEEN: ContextVar[dict | None] = ContextVar("kvcal_recording", default=None)
 
 
+class _GroupedAttention(torch.autograd.Function):
+    """Softmax attention of a KV head's query heads stacked as rows against its keys, whose backward recomputes the
+    probabilities from the saved log-sum-exp (as flash attention's does): the graph keeps q, k, v, the output and the
+    log-sum-exp of every layer, never a [g·n, S] probability block nor a repeated copy of K/V.
+
+    q [B, H, g, n, d]; k, v [B, H, S, d]; mask [B, 1, 1, n, S] float, added to the logits (or None) -> [B, H, g, n, d]
+    """
+
+    @staticmethod
+    def _probs(q, k, mask, scale, lse=None):
+        B, H, g, n, d = q.shape
+        logits = (q.reshape(B, H, g * n, d) @ k.transpose(-1, -2)).view(B, H, g, n, -1) * scale
+        if mask is not None:
+            logits = logits + mask
+        if lse is None:
+            lse = logits.logsumexp(-1, keepdim=True)
+        return (logits - lse).exp_(), lse
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        p, lse = _GroupedAttention._probs(q, k, mask, scale)
+        B, H, g, n, S = p.shape
+        out = (p.view(B, H, g * n, S) @ v).view(B, H, g, n, -1)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        p, _ = _GroupedAttention._probs(q, k, mask, ctx.scale, lse)
+        B, H, g, n, S = p.shape
+        d_v = p.view(B, H, g * n, S).transpose(-1, -2) @ d_out.reshape(B, H, g * n, -1)
+        d_p = (d_out.reshape(B, H, g * n, -1) @ v.transpose(-1, -2)).view(B, H, g, n, S)
+        d_s = p.mul_(d_p - (d_out * out).sum(-1, keepdim=True)).mul_(ctx.scale).view(B, H, g * n, S)
+        d_q = (d_s @ k).view(q.shape)
+        d_k = d_s.transpose(-1, -2) @ q.reshape(B, H, g * n, -1)
+        return d_q, d_k, d_v, None, None
+
+
 def _recording_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
     """transformers' attention-function signature (eager masks: a float mask [B, 1, n, S] added to the logits).
     query [B, Hq, n, d]; key, value [B, H, S, d]. Keeps each layer's query, key and value (with their graph) for the
-    recording, and attends with a KV head's query heads stacked against its keys: no repeated copy of K/V, so the
-    backward keeps one [g·n, S] probability block per layer and nothing of size [Hq, S, d]."""
+    recording, and attends by `_GroupedAttention`, whose graph holds no [n, S] block."""
     _SEEN.get()[module.layer_idx] = (query, key, value)
+    if getattr(getattr(module, "config", None), "attn_logit_softcapping", None):
+        raise ValueError("the search's recording does not model attention logit soft-capping")
     B, Hq, n, d = query.shape
     H, S = key.shape[1], key.shape[2]
-    g = Hq // H
     scale = scaling if scaling is not None else d ** -0.5
-    logits = (query.reshape(B, H, g * n, d) @ key.transpose(-1, -2) * scale).view(B, H, g, n, S)
-    cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    if attention_mask is not None:
-        logits = logits + attention_mask[:, :, None, :, -S:]
-    p = logits.softmax(-1).view(B, H, g * n, S)
-    return (p @ value).view(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
+    mask = attention_mask[:, :, None, :, -S:] if attention_mask is not None else None
+    out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale)
+    return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
 
 
 @contextlib.contextmanager
