@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+import torch
+
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
@@ -53,6 +55,24 @@ def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, p
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
 
+def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
+    """The search's recording of windows [n, P + M + 1] (kvcal.profile.recording), one progress step per window."""
+    t, M = time.perf_counter(), windows.shape[1] - P - 1
+
+    def recorded(b: int, done: bool) -> None:
+        if done:
+            step("record", f"window {b + 1}", {"seconds": time.perf_counter() - t})
+        else:
+            step("record", f"recording window {b + 1}/{len(windows)} ({P} + {M} tokens: prefill, continuation "
+                 "forward and backward)", None)
+
+    a = lm.adapter
+    recording = record_search(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types),
+                              a.head_dim, on_window=recorded)
+    release_memory()
+    return recording
+
+
 def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
                     prompt: int) -> dict:
     """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
@@ -72,18 +92,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     t = time.perf_counter()
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
-
-    def recorded(b: int, done: bool) -> None:
-        if done:
-            step("record", f"window {b + 1}", {"seconds": time.perf_counter() - t})
-        else:
-            step("record", f"recording window {b + 1}/{len(windows)} ({P} + {M} tokens: prefill, continuation "
-                 "forward and backward)", None)
-
-    recording = record_search(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types),
-                              a.head_dim, on_window=recorded)
+    recording = _record(lm, windows, P, served, base, step)
     costs = recording.costs
-    release_memory()
     seconds["recording"] = time.perf_counter() - t
     t = time.perf_counter()
     hull = frontier(costs)
