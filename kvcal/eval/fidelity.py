@@ -153,10 +153,13 @@ class TopLogits:
     def kl(self, logp: torch.Tensor) -> torch.Tensor:
         """KL(reference || q) per position [B, c] for q's log-probabilities logp [B, c, vocab] (class docstring)."""
         p, lq = self.logp.exp(), logp.gather(-1, self.ids)
-        rest_p = (1 - p.sum(-1)).clamp(min=0)
-        rest_q = (1 - lq.exp().sum(-1)).clamp(min=torch.finfo(torch.float32).tiny)
-        rest = torch.where(rest_p > 0, rest_p * (rest_p.clamp(min=1e-38).log() - rest_q.log()), 0.0)
-        return (p * (self.logp - lq)).sum(-1) + rest
+        kept = (p * (self.logp - lq)).sum(-1)
+        if self.ids.shape[-1] == logp.shape[-1]:        # the whole vocabulary: no rest (1 - sum p is rounding)
+            return kept
+        # the rest's masses from 1 - the kept ones: float32 resolves them to about 1e-7, so below that they count 0
+        rest_p, rest_q = 1 - p.sum(-1), 1 - lq.exp().sum(-1)
+        rest = rest_p * (rest_p.clamp(min=1e-7).log() - rest_q.clamp(min=1e-7).log())
+        return kept + torch.where(rest_p > 1e-7, rest, 0.0)
 
 
 class LogitScores:
