@@ -190,6 +190,50 @@ def test_decode_append_equals_the_torch_append(high, low):
     assert torch.equal(store.arena.arena, ref.arena.arena)
 
 
+@pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K4cV4m8"), ("K4V2", "K2cV2"),
+                                      ("K16V16", "K2cV2m8")])
+def test_decode_insert_into_holes_equals_the_torch_insert(high, low):
+    """The decode step's fused insert once a layer has holes (kvcal_insert_every: first hole, else the end; pages
+    for the appending entries reserved in Python) writes the bytes, counts and pages the store's torch path does."""
+    ref = random_store(high, low, seed=13, holes=0.3)
+    store = copy.deepcopy(ref)
+    store.writer = CpuBackend
+    gen = torch.Generator().manual_seed(14)
+    b, h = ref.every_entry()
+    assert int(ref.holes[0, :, :, HIGH].sum()) > 0
+    for step in range(40):                                      # fills every hole, then appends over new pages
+        keys, values = torch.randn(len(b), 16, generator=gen) * 2, torch.randn(len(b), 16, generator=gen)
+        score = torch.rand(len(b), generator=gen)
+        for s in (ref, store):
+            s.insert(0, HIGH, b, h, keys, values, 500 + step, score, every_entry=True)
+    assert int(ref.holes[0, :, :, HIGH].sum()) == 0
+    assert torch.equal(store.fill, ref.fill) and torch.equal(store.holes, ref.holes)
+    assert torch.equal(store.arena.page_table, ref.arena.page_table)
+    assert torch.equal(store.arena.arena, ref.arena.arena)
+
+
+@pytest.mark.parametrize("low", ["K4cV2", "K2cV2", "K4cV4m8", "K2cV2m8", "K8cV4g4"])
+def test_write_pages_bytes_equal_the_torch_writer(low):
+    """kvcal_write_pages: per-channel key scales over the page, per-token values, score and position, in the same
+    pages with the same bytes as CompressedStore.write_pages_torch."""
+    ref = random_store("K8V4", low, seed=15, holes=0.0)
+    store = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(16)
+    b, h = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 2, 1, 1])           # two rank groups, one page each
+    T = max(g.layouts[LOW].tokens for g in ref.groups[0])
+    keys, values = torch.randn(4, T, 16, generator=gen) * 3, torch.randn(4, T, 16, generator=gen)
+    keys[0, :, 2] = 1.5                                          # a constant channel: scale 0, codes 0
+    pos, score = torch.arange(4 * T).view(4, T) + 900, torch.rand(4, T, generator=gen)
+    for g in ref.groups[0]:                                      # a page of each group's own capacity
+        rows = torch.isin(h, g.heads)
+        Tg = g.layouts[LOW].tokens
+        args = (b[rows], h[rows], keys[rows, :Tg], values[rows, :Tg], pos[rows, :Tg], score[rows, :Tg])
+        ref.write_pages_torch(0, *args)
+        CpuBackend.write_pages(store, 0, *args)
+    assert torch.equal(store.fill, ref.fill) and torch.equal(store.arena.page_table, ref.arena.page_table)
+    assert torch.equal(store.arena.arena, ref.arena.arena)
+
+
 @pytest.mark.parametrize("bad,message", [(float("nan"), "must be finite"), (1e6, "beyond the float16 range")])
 def test_write_refuses_what_the_quantizer_refuses_and_writes_nothing(bad, message):
     store = random_store("K8V4", "K4V2", seed=3, holes=0.0)

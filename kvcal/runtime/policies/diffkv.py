@@ -157,12 +157,13 @@ def decode_actions(tiering: TieringConfig, hi_score, hi_pos, lo_score, lo_pos, n
     return actions
 
 
-def pending_low(tiering: TieringConfig, hi_score, hi_pos, n_pad, length) -> torch.Tensor:
-    """Per-channel low tier: bool [B, H, S_high], eligible high tokens that belong in the low tier."""
+def pending_low(tiering: TieringConfig, hi_score, hi_pos, n_pad, length, mean=None, taus=None) -> torch.Tensor:
+    """Per-channel low tier: bool [B, H, S_high], eligible high tokens that belong in the low tier. mean: their
+    `mean_score` and taus: `tiering.thresholds` of them, when the caller has them already."""
     if not tiering.tiered:
         return torch.zeros_like(hi_pos, dtype=torch.bool)
-    m = mean_score(hi_score, hi_pos, length)
-    tau_h, tau_l = tiering.thresholds(hi_pos, n_pad, length)
+    m = mean_score(hi_score, hi_pos, length) if mean is None else mean
+    tau_h, tau_l = tiering.thresholds(hi_pos, n_pad, length) if taus is None else taus
     eligible = (hi_pos >= 0) & (hi_pos < length[:, None, None] - tiering.window)
     return eligible & (m < tau_h) & (m >= tau_l)
 
@@ -175,9 +176,21 @@ class DiffKVTiers(CachePolicy):
     """DiffKV's tiers as a cache policy: the prompt is tiered by `classify_prompt`; each decode token runs one step
     of Algorithm 1 (`decode_actions`), and with per-channel low keys, seals a whole low page once one is pending."""
 
+    _step: tuple | None = None    # (cache length, n_pad, length [B], thresholds): the same for every layer of a step
+
     @property
     def reads_scores(self) -> bool:
         return self.kv.config.tiering.tiered
+
+    def _step_constants(self, n: int) -> tuple[torch.Tensor, tuple | None]:
+        """(length [B] filled with the cache length n, the "length"-based thresholds or None): made once per decode
+        step, not once per layer (every layer has the same length and padding)."""
+        kv, tiering = self.kv, self.kv.config.tiering
+        if self._step is None or self._step[0] != n or self._step[1] is not kv.n_pad:
+            length = torch.full((kv.batch,), n, device=kv.device)
+            taus = tiering.thresholds(None, kv.n_pad, length) if tiering.threshold_base == "length" else None
+            self._step = (n, kv.n_pad, length, taus)
+        return self._step[2], self._step[3]
 
     def prefill(self, layer: int, tier: torch.Tensor, prompt: Prompt) -> torch.Tensor:
         return classify_prompt(self.kv.config.tiering, prompt.score, prompt.pos, self.kv.n_pad, prompt.length)
@@ -189,13 +202,13 @@ class DiffKVTiers(CachePolicy):
         B, H = kv.batch, kv.store.num_kv_heads
         store = kv.store
         b, h = kv.every_entry()
-        length = torch.full((B,), kv.length[layer], device=kv.device)
+        length, taus = self._step_constants(kv.length[layer])
         hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
         channel = kv.config.low.k_mode == "channel"
         if channel and tiering.alpha_low == 0:
             # nothing is ever pruned and per-channel low pages are written whole: Algorithm 1's actions are all
             # empty (`decode_actions`), only the pending low page matters
-            self._seal_pending(layer, b, h, length, hi_s, hi_p)
+            self._seal_pending(layer, b, h, length, hi_s, hi_p, taus)
             return
         if kv.config.low_tracked:
             lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
@@ -216,20 +229,24 @@ class DiffKVTiers(CachePolicy):
         if channel:
             if changed:
                 hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
-            self._seal_pending(layer, b, h, length, hi_s, hi_p)
+            self._seal_pending(layer, b, h, length, hi_s, hi_p, taus)
 
-    def _seal_pending(self, layer, b, h, length, hi_s, hi_p) -> None:
+    def _seal_pending(self, layer, b, h, length, hi_s, hi_p, taus=None) -> None:
         """Per-channel low tier in decode: once an entry has a page worth of high tokens that belong low, move the
         least significant page of them into one new low page. hi_s, hi_p [B, H, S]: the high section's scores and
-        positions as they are now."""
+        positions as they are now; taus: their thresholds when the caller has them (`_step_constants`)."""
         kv, store = self.kv, self.kv.store
-        pending = pending_low(kv.config.tiering, hi_s, hi_p, kv.n_pad, length)
-        m = torch.where(pending, mean_score(hi_s, hi_p, length), torch.full_like(hi_s, float("inf")))
+        mean = mean_score(hi_s, hi_p, length)
+        pending = pending_low(kv.config.tiering, hi_s, hi_p, kv.n_pad, length, mean, taus)
+        m = None
         for g in store.groups[layer]:
             T = g.layouts[LOW].tokens
-            ready = pending[:, g.heads].sum(-1) >= T                                     # [B, Hg]
+            mine = pending if len(g.heads) == pending.shape[1] else pending[:, g.heads]  # one group: all the heads
+            ready = mine.sum(-1) >= T                                                    # [B, Hg]
             if not bool(ready.any()):
                 continue
+            if m is None:           # most steps seal nothing: the ranking key is made only when a page is due
+                m = torch.where(pending, mean, torch.full_like(hi_s, float("inf")))
             eb, eh = torch.nonzero(ready, as_tuple=True)
             gh = g.heads[eh]
             slots = m[eb, gh].argsort(-1)[:, :T]                                        # [e, T] least significant

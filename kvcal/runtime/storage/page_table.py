@@ -87,6 +87,10 @@ class PageTable:
         # reuse only there, so the common decode step (no tiers, no eviction) never reads `holes`
         self._holey: set[tuple[int, int]] = set()
         self._every: tuple[torch.Tensor, torch.Tensor] | None = None       # every_entry, until the batch changes
+        # (layer, side) -> arena word indices of every entry's slots (`Scores.every_section`): the decode step reads
+        # each layer's scores and positions twice per token, and the indices change only when pages are reserved,
+        # copied or freed (`_forget_words` at each of those)
+        self._words: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def rank_k_of(self, layer: int) -> torch.Tensor:
         """int64 [H]: stored key rank of each KV head of `layer`."""
@@ -120,6 +124,11 @@ class PageTable:
 
     def _flat(self, dtype: torch.dtype) -> torch.Tensor:
         return self.arena.arena.view(-1).view(dtype)
+
+    def _read_words(self, dtype: torch.dtype, index: torch.Tensor) -> torch.Tensor:
+        """`_flat(dtype)[index]` (index int64, any shape) through index_select: advanced indexing sets up over the
+        whole arena and costs several times more on the small reads of a decode step."""
+        return self._flat(dtype).index_select(0, index.reshape(-1)).view(index.shape)
 
     def page_of(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
                  lay: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,12 +166,14 @@ class PageTable:
             width = int((self.arena.num_pages_used[b[nz], layer, h[nz]].sum(-1) + count[nz]).max())
             if width > self.arena.max_pages_per_entry:
                 self.arena.grow_table(max(width, 2 * self.arena.max_pages_per_entry))
+                self._forget_words()                  # every low page moved to the new right end of its row
             if need > self.arena.num_free:
                 # geometric growth by an eighth: a growth copies the whole arena (tens of ms at 1k x 8 on 2 cores), so
                 # it should be rare, but free pages are bytes the cache holds (`held_bytes`): doubling would let
                 # them reach the bytes in use, and a fixed floor would be most of a short sequence's bytes
                 self.arena.grow(max(need - self.arena.num_free, self.arena.num_pages // 8))
             self.arena.extend(b[nz], layer, h[nz], side, count[nz], need)     # checked above: no validation
+            self._forget_words(layer, side)
         self.page_seconds += time.perf_counter() - t0
 
     def reserve_low_page(self, layer: int, b: torch.Tensor, h: torch.Tensor, lay: PageLayout) -> torch.Tensor:
@@ -191,6 +202,15 @@ class PageTable:
         for i in range(len(self.groups[layer])):
             self._room.pop((layer, side, i), None)
 
+    def _forget_words(self, layer: int | None = None, side: int | None = None) -> None:
+        """Drop the cached slot words (`Scores.every_section`) of (layer, side), of both sides of `layer`, or of
+        everything (None): their pages changed."""
+        if layer is None:
+            self._words.clear()
+            return
+        for s in (HIGH, LOW) if side is None else (side,):
+            self._words.pop((layer, s), None)
+
     # ------------------------------------------------------------------------------------------------- beams
 
     def _own(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor) -> None:
@@ -199,6 +219,7 @@ class PageTable:
         if not self.arena.shared:
             return
         t0 = time.perf_counter()
+        self._forget_words(layer)                     # copied pages get new ids
         for g, sel in self.group_rows(layer, h):
             n = int(sel.sum())
             self.arena.unshare(b[sel], torch.full((n,), layer, device=self.device), h[sel],
@@ -210,6 +231,7 @@ class PageTable:
         (score tracking of the tiered policies)."""
         if not self.arena.shared:
             return
+        self._forget_words(layer)                     # copied pages get new ids
         for side in (HIGH, LOW):
             used = self.arena.num_pages_used[:, layer, :, side].reshape(-1).long()         # [B * H]
             if int(used.sum()) == 0:
@@ -230,6 +252,7 @@ class PageTable:
         self.fill, self.holes = self.fill[:, index].contiguous(), self.holes[:, index].contiguous()
         self.batch = len(index)
         self._room.clear()
+        self._forget_words()
         return freed
 
     def release(self) -> int:
@@ -239,6 +262,7 @@ class PageTable:
         self.holes.zero_()
         self._holey.clear()
         self._room.clear()
+        self._forget_words()
         return freed
 
     # ------------------------------------------------------------------------------------------------- accounting

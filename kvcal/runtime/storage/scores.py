@@ -31,8 +31,10 @@ class Scores(PageTable):
     def section_scores(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """`section_meta` and where each score lives: (score float32 [n, S], pos int64 [n, S], word int64 [n, S]
         the score's index in the arena as float32 words, for `set_scores`)."""
-        parts = []
         groups = self.groups[layer]
+        if len(groups) == 1 and self._every is not None and b is self._every[0] and h is self._every[1]:
+            return self.every_section(layer, side, groups[0].layouts[side])
+        parts = []
         rows = [(groups[0], None)] if len(groups) == 1 else self.group_rows(layer, h)
         for g, sel in rows:
             lay = g.layouts[side]
@@ -40,8 +42,8 @@ class Scores(PageTable):
             pages = self.section_pages(layer, side, eb, eh)
             word = self._score_words(pages, lay)
             if lay.tracked:
-                score = self._flat(torch.float32)[word]
-                pos = self._flat(torch.int32)[self._slot_words(pages, lay) + lay.pos_off // 4].long()
+                score = self._read_words(torch.float32, word)
+                pos = self._read_words(torch.int32, self._slot_words(pages, lay) + lay.pos_off // 4).long()
             else:
                 score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
             fill = self.fill[layer, eb, eh, side]
@@ -58,6 +60,23 @@ class Scores(PageTable):
             out_p[sel, :pos.shape[1]] = pos
             out_w[sel, :word.shape[1]] = word
         return out_s, out_p, out_w
+
+    def every_section(self, layer: int, side: int, lay: PageLayout):
+        """`section_scores` of every entry (`every_entry` order) of a layer whose heads share one layout `lay`: the
+        decode step's read. The slots' word indices are made once per page change (`_words`), not on every read."""
+        words = self._words.get((layer, side))
+        if words is None:
+            b, h = self.every_entry()
+            slots = self._slot_words(self.section_pages(layer, side, b, h), lay)
+            words = self._words[layer, side] = ((slots + lay.score_off // 4, slots + lay.pos_off // 4) if lay.tracked
+                                                else (torch.full_like(slots, -1), None))
+        word, pos_word = words
+        if pos_word is not None:
+            score, pos = self._read_words(torch.float32, word), self._read_words(torch.int32, pos_word).long()
+        else:
+            score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
+        fill = self.fill[layer, :, :, side].reshape(-1, 1)
+        return score, torch.where(torch.arange(word.shape[1], device=self.device) < fill, pos, -1), word
 
     def _slot_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
         """pages int64 [n, P] (-1 = none) -> int64 [n, P * T]: each slot's index among the arena's 4-byte words,
@@ -95,7 +114,7 @@ class Scores(PageTable):
                 raise RuntimeError("a token policy dropped a token of an untracked tier (CompressionConfig."
                                    "low_tracked is wrong for this policy)")
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
-            self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = -1
+            self._flat(torch.int32).index_fill_(0, (base + lay.pos_off) // 4 + idx, -1)
 
     # ------------------------------------------------------------------------------------------------- crop
 
@@ -143,4 +162,5 @@ class Scores(PageTable):
                                      torch.full((n,), HIGH, device=self.device), extra[nz])
                 freed += self.arena.num_free - before
         self._room.clear()
+        self._forget_words()
         return freed

@@ -16,7 +16,7 @@ import torch
 
 from kvcal.runtime.storage import codec, quant
 from kvcal.runtime.storage.codec import HELD
-from kvcal.runtime.storage.layout import TierFormat
+from kvcal.runtime.storage.layout import RAW_BITS, TierFormat
 from kvcal.runtime.storage.page_table import HeadGroup
 from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.scores import Scores
@@ -209,13 +209,7 @@ class CompressedStore(Scores):
         entry = b * H + h
         if distinct or len(torch.unique(entry)) == len(entry):    # one token per entry (decode): no ordering needed
             start = self.fill[layer, b, h, side]
-            for i, g in enumerate(self.groups[layer]):
-                if self._room.get((layer, side, i), 0) < 1:
-                    sel = torch.isin(h, g.heads)
-                    if bool(sel.any()):
-                        self.reserve_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
-                    self._room[layer, side, i] = self._free_slots(layer, side, g)
-                self._room[layer, side, i] -= 1
+            self._reserve_next(layer, side, b, h, start)
             self.fill[layer, b, h, side] = start + 1
             self.write(layer, side, b, h, start, keys, values, pos, score)
             return
@@ -234,6 +228,17 @@ class CompressedStore(Scores):
         slot = torch.repeat_interleave(start, counts) + rank
         self.write(layer, side, b, h, slot, keys, values, pos, score)
 
+    def _reserve_next(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, start: torch.Tensor) -> None:
+        """Pages for one more slot at `start` [n] of each distinct entry (b, h) [n] on `side` (the `_room` bound
+        spares the page tables most steps); the caller counts the slots (`fill`)."""
+        for i, g in enumerate(self.groups[layer]):
+            if self._room.get((layer, side, i), 0) < 1:
+                sel = torch.isin(h, g.heads)
+                if bool(sel.any()):
+                    self.reserve_pages(layer, side, b[sel], h[sel], start[sel] + 1, g.layouts[side])
+                self._room[layer, side, i] = self._free_slots(layer, side, g)
+            self._room[layer, side, i] -= 1
+
     def insert(self, layer: int, side: int, b, h, keys, values, pos, score, every_entry: bool = False) -> None:
         """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append. pos
         [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the fused
@@ -246,21 +251,49 @@ class CompressedStore(Scores):
                 self.append(layer, side, b, h, keys, values, _positions(pos, len(b), self.device), score,
                             distinct=True)
             return
-        pos = _positions(pos, len(b), self.device)
-        if not bool((self.holes[layer, b, h, side] > 0).any()):
-            self.append(layer, side, b, h, keys, values, pos, score, distinct=True)
+        # every entry: plain slices of the counts, no gathers
+        at = (layer, slice(None), slice(None), side) if every_entry else (layer, b, h, side)
+        if not bool((self.holes[at] > 0).any()):
+            self.append(layer, side, b, h, keys, values, _positions(pos, len(b), self.device), score, distinct=True)
             return
+        fused = getattr(self.writer, "insert_every", None)
+        if every_entry and fused is not None and not self.arena.shared and isinstance(pos, int):
+            self._insert_every(layer, side, fused, keys, values, pos, score)
+            return
+        pos = _positions(pos, len(b), self.device)
         sec_pos = self.section_meta(layer, side, b, h)[1]                               # [n, S]
-        fill = self.fill[layer, b, h, side]
+        fill = self.fill[at].reshape(-1).clone()            # a copy: `fill` is updated below
         holes = (sec_pos < 0) & (torch.arange(sec_pos.shape[1], device=self.device) < fill[:, None])
         has = holes.any(-1)
-        if bool(has.any()):
+        if not self.arena.shared:
+            # one write for both kinds of entry: hole fillers at their first hole, the others appended at `fill`
+            new = ~has
+            if bool(new.any()):
+                self._reserve_next(layer, side, b[new], h[new], fill[new])
+            self.fill[at] = (fill + new).view(self.fill[at].shape)
+            self.holes[at] -= has.long().view(self.holes[at].shape)
+            slot = torch.where(has, holes.to(torch.int8).argmax(-1), fill)
+            self.write(layer, side, b, h, slot, keys, values, pos, score)
+            return
+        if bool(has.any()):       # shared pages: in two writes, so that copy on write picks as it always did
             slot = holes.to(torch.int8).argmax(-1)
             self.write(layer, side, b[has], h[has], slot[has], keys[has], values[has], pos[has], score[has])
             self.holes[layer, b[has], h[has], side] -= 1
         new = ~has
         if bool(new.any()):
             self.append(layer, side, b[new], h[new], keys[new], values[new], pos[new], score[new], distinct=True)
+
+    def _insert_every(self, layer: int, side: int, fused, keys, values, pos: int, score) -> None:
+        """`insert` of every entry through the writer's `insert_every` (the cpu backend): the writer finds each
+        entry's slot and writes; the entries that append where no page is yet get their pages here first, in entry
+        order as `append` reserves them, so the pages are the ones the torch path takes."""
+        while (need := fused(self, layer, side, keys, values, pos, score)) is not None:
+            b, h = self.every_entry()
+            nb, nh = b[need], h[need]
+            for g, sel in self.group_rows(layer, nh):
+                self.reserve_pages(layer, side, nb[sel], nh[sel], self.fill[layer, nb[sel], nh[sel], side] + 1,
+                                   g.layouts[side])
+        self._forget_room(layer, side)        # the `_room` bound was not kept: `_append_every` measures it again
 
     def _append_every(self, layer: int, side: int, keys, values, pos: int | torch.Tensor, score) -> None:
         """One token at the end of every entry's section (the decode step without holes): keys [B * H, >= r_k],
@@ -297,8 +330,12 @@ class CompressedStore(Scores):
         for g, sel in self.group_rows(layer, h):
             lay = g.layouts[side]
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
-            pages = (base // self.page_bytes)[:, None]
             scales = self._key_scales(layer, side, h[sel], g)
+            if lay.fmt.k_mode != "channel":                   # per-token formats: only the slots' own bytes
+                keys[sel, :g.r_k], values[sel, :g.r_v], score[sel], pos[sel] = self._read_slots(base, idx, lay,
+                                                                                                scales)
+                continue
+            pages = (base // self.page_bytes)[:, None]
             k, v, sc, ps = codec.decode_pages(self.arena.arena[pages], lay, self.raw16, scales)   # [m, 1 * T, ...]
             pick = idx[:, None]
             keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
@@ -306,6 +343,30 @@ class CompressedStore(Scores):
             score[sel] = sc.gather(1, pick).squeeze(1)
             pos[sel] = ps.gather(1, pick).squeeze(1)
         return keys, values, score, pos
+
+    def _read_slots(self, base: torch.Tensor, idx: torch.Tensor, lay, key_scales):
+        """`read` of per-token formats: slot idx [m] of the pages at byte offsets base [m] -> keys [m, r_k], values
+        [m, r_v] float32, score [m], pos [m] int64 (decoded as `codec.decode_pages` decodes them, from those slots'
+        bytes alone rather than their whole pages)."""
+        fmt, pair = lay.fmt, lay.fmt.meta_pair_bytes
+
+        def seg(off: int, nbytes: int) -> torch.Tensor:                             # uint8 [m, nbytes]
+            return self._read_words(torch.uint8, (base + off + idx * nbytes)[:, None]
+                                    + torch.arange(nbytes, device=self.device))
+
+        def vectors(off, meta_off, nbytes, ngroups, bits, group, r):
+            meta = None if bits in RAW_BITS else seg(meta_off, ngroups * pair)
+            return codec.decode_tokens(seg(off, nbytes), meta, bits, group, r, ngroups, fmt.meta_bits, self.raw16)
+
+        if fmt.k_mode == "static":
+            keys = codec.decode_static_keys(seg(lay.k_off, lay.k_bytes), *key_scales, fmt.k_bits, lay.r_k)
+        else:
+            keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k)
+        values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v)
+        if not lay.tracked:
+            return keys, values, torch.zeros(len(idx), device=self.device), torch.full_like(idx, HELD)
+        return (keys, values, self._read_words(torch.float32, (base + lay.score_off) // 4 + idx),
+                self._read_words(torch.int32, (base + lay.pos_off) // 4 + idx).long())
 
     def gather(self, layer: int) -> Gathered:
         """Every stored token of `layer`, dequantized, high section first (see `Gathered`)."""

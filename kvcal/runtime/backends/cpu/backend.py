@@ -8,10 +8,13 @@
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
     append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
              at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
+    insert   `kvcal_insert_every`: the decode step once the layer has holes (tiers moved tokens out of the high
+             pages): each entry's first hole, else its end, found and written in one call.
     prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets one more blocked pass
              exponentiate the logits straight into significance (no softmax, no probability-times-V product);
-             prompts with padding take the torch reference. Per-channel low pages (`write_pages`, once a page of
-             low tokens exists) keep the torch writer.
+             prompts with padding take the torch reference.
+    pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
+             page's tokens), as the torch writer writes them.
 
 The library is compiled at first use (`build.py` here); where it cannot be built, `supports` says why and
 `select_backend("auto")` falls back to the torch reference. TorchBackend stays the oracle: tests compare the two.
@@ -207,6 +210,40 @@ class CpuBackend(AttentionBackend):
         _check_write(rc, bad)
 
     @staticmethod
+    def insert_every(store, layer, side, keys, values, pos: int, score) -> torch.Tensor | None:
+        """The decode step's insert in a layer with holes (CompressedStore.insert): one token per entry, in
+        every_entry order, into the entry's first hole on `side` (holes -= 1), else at its end (fill += 1), in one
+        call. keys [B * H, >= r_k]; values [B * H, >= r_v]; score [B * H]; pos: every token's position. Writes
+        nothing and returns the entries (int64 [m], every_entry indices, ascending) that would append to a slot
+        without a page: the caller reserves those pages and calls again. None once written. No page may be shared."""
+        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
+        W = keys.shape[0]
+        need, n_need = torch.empty(W, dtype=torch.int64), ctypes.c_int64(0)
+        holes, used = store.holes, store.arena.num_pages_used
+        assert holes.is_contiguous() and used.is_contiguous()
+        bad = ctypes.c_float(0.0)
+        rc = load_library().kvcal_insert_every(*_layer_args(store, layer), side, _ptr(holes), _ptr(used), _ptr(keys),
+                                               keys.shape[-1], _ptr(values), values.shape[-1], pos, _ptr(score),
+                                               ctypes.byref(bad), _ptr(need), ctypes.byref(n_need))
+        if rc == 3:
+            return need[:n_need.value]
+        _check_write(rc, bad)
+        return None
+
+    @staticmethod
     def write_pages(store, layer, b, h, keys, values, pos, score) -> None:
-        """Per-channel low pages are written once per page of low tokens: the torch writer serves them."""
-        store.write_pages_torch(layer, b, h, keys, values, pos, score)
+        """As CompressedStore.write_pages (one whole new low page per entry), bit for bit what
+        `write_pages_torch` writes: the store reserves the pages, `kvcal_write_pages` encodes and writes them. b, h
+        [n]; keys [n, T, >= r_k]; values [n, T, >= r_v]; pos, score [n, T]."""
+        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
+        pos = pos.to(torch.int64).contiguous()
+        descs, head_group = _tables(store).descs[layer], _tables(store).head_group[layer]
+        for g, sel in store.group_rows(layer, h):
+            base = store.reserve_low_page(layer, b[sel], h[sel], g.layouts[LOW]).to(torch.int64).contiguous()
+            hs = h[sel].to(torch.int64).contiguous()
+            k, v, p, s = (t[sel].contiguous() for t in (keys, values, pos, score))
+            bad = ctypes.c_float(0.0)
+            rc = load_library().kvcal_write_pages(_ptr(store.arena.arena), _ptr(descs), _ptr(head_group), len(hs),
+                                                  _ptr(base), _ptr(hs), _ptr(k), k.shape[-1], _ptr(v), v.shape[-1],
+                                                  _ptr(p), _ptr(s), ctypes.byref(bad))
+            _check_write(rc, bad)

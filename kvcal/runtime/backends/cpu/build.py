@@ -122,3 +122,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_append_every.restype = i32
     lib.kvcal_append_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                        i32, p, i64, p, i64, i64, p, p]               # side .. bad_value
+    lib.kvcal_write_pages.restype = i32
+    lib.kvcal_write_pages.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, p]   # arena .. bad_value
+    lib.kvcal_insert_every.restype = i32
+    lib.kvcal_insert_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
+                                       i32, p, p, p, i64, p, i64, i64, p, p, p, p]   # side .. n_need

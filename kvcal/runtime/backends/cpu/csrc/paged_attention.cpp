@@ -248,6 +248,70 @@ struct Layer {        // where the layer's pages are: page_table [slots, L, H, P
     int64_t filled(int64_t b, int64_t h, int side) const { return fill[((layer * batch + b) * H + h) * 2 + side]; }
 };
 
+// (scale, zero) of one group from its min and max, stored at `pair` (8-bit codes or two fp16): quant._scale_zero_meta.
+inline void put_meta(float mn, float mx, int bits, bool meta8, uint8_t* pair, float* s, float* z) {
+    if (meta8) {
+        meta8_encode(mn, mx, bits, pair, s, z);
+        return;
+    }
+    const uint16_t s16 = float_to_half((mx - mn) / (float)((1 << bits) - 1)), z16 = float_to_half(mn);
+    std::memcpy(pair, &s16, 2);
+    std::memcpy(pair + 2, &z16, 2);
+    *s = half_to_float(s16);
+    *z = half_to_float(z16);
+}
+
+// quant._encode of one element: its code, 0 where the scale is 0.
+inline int encode(float x, float s, float z, int top) {
+    if (s == 0.f) return 0;
+    return (int)std::min((float)top, std::max(0.f, std::nearbyint((x - z) / s)));
+}
+
+// Vector x of token t (segment k: which = 0, v: which = 1) into its slot of a page, per-token formats: raw, or
+// quantized per group with the group's (scale, zero) next to it (CompressedStore.write).
+void write_token(uint8_t* page, const Desc& D, int which, int64_t t, const float* x) {
+    const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits;
+    const int nbytes = which ? D.v_bytes : D.k_bytes;
+    uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
+    if (bits == 32) {
+        std::memcpy(data, x, sizeof(float) * r);
+        return;
+    }
+    if (bits == 16) {
+        for (int c = 0; c < r; ++c) {
+            const uint16_t v = D.raw_bf16 ? float_to_bf16(x[c]) : float_to_half(x[c]);
+            std::memcpy(data + 2 * c, &v, 2);
+        }
+        return;
+    }
+    const int groups = which ? D.v_groups : D.k_groups, group = r / groups, top = (1 << bits) - 1;
+    const int pair = D.meta8 ? 2 : 4;
+    uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + t * groups * pair;
+    std::memset(data, 0, nbytes);
+    for (int gi = 0; gi < groups; ++gi) {
+        const float* xg = x + gi * group;
+        float mn = xg[0], mx = xg[0];
+        for (int c = 1; c < group; ++c) { mn = std::min(mn, xg[c]); mx = std::max(mx, xg[c]); }
+        float s, z;
+        put_meta(mn, mx, bits, D.meta8, meta + pair * gi, &s, &z);
+        for (int c = 0; c < group; ++c) {
+            const int e = gi * group + c;
+            data[(e * bits) >> 3] |= (uint8_t)(encode(xg[c], s, z, top) << ((e * bits) & 7));
+        }
+    }
+}
+
+// quant._check_values of a vector the page quantizes (raw tiers are not checked): 0, 1 (not finite) or 2 (beyond the
+// float16 range of scale / zero), with the bad value.
+inline int check_vector(const float* x, int r, int bits, float* bad_value) {
+    if (bits >= 16) return 0;
+    for (int c = 0; c < r; ++c) {
+        if (!std::isfinite(x[c])) { *bad_value = x[c]; return 1; }
+        if (std::fabs(x[c]) > 65504.f) { *bad_value = std::fabs(x[c]); return 2; }
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -299,7 +363,14 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
     }
     const int64_t NT = (int64_t)task_item.size();
     std::vector<float> part_m(NT * qn, NEG_INF), part_l(NT * qn, 0.f), part_acc(NT * qn * rv, 0.f);
-    std::vector<float> logits(track_scores ? total * t_max * qn : 0);
+    // logits are kept only for the pages whose scores the merge updates (tracked tiers): an untracked low tier is
+    // most of a long context, and its logits would be zeroed and copied for nothing
+    std::vector<int64_t> kept(total, -1);
+    int64_t n_kept = 0;
+    if (track_scores)
+        for (int64_t p = 0; p < total; ++p)
+            if (descs[pages[p].desc].score_off >= 0) kept[p] = n_kept++;
+    std::vector<float> logits(n_kept * t_max * qn);
 
     // ---- split: online softmax over each task's pages
 #pragma omp parallel num_threads(threads)
@@ -334,7 +405,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                     for (int t = 0; t < cnt; ++t)
                         xr[t] = valid[t] ? dot(q + row * r, &kbuf[t * D.r_k], D.r_k) * scale : NEG_INF;
                 }
-                if (track_scores) std::memcpy(&logits[p * t_max * qn], x.data(), sizeof(float) * t_max * qn);
+                if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
                 dequantize(page, D, 1, cnt, vbuf.data());
                 for (int64_t row = 0; row < qn; ++row) {
@@ -420,7 +491,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 if (D.score_off < 0) continue;                            // untracked tier: no scores to keep
                 const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                 float* score = reinterpret_cast<float*>(page + D.score_off);
-                const float* x = &logits[p * t_max * qn];                // [qn, t_max]
+                const float* x = &logits[kept[p] * t_max * qn];          // [qn, t_max]
                 for (int64_t row = 0; row < qn; ++row)                    // probabilities, vectorized over tokens
                     for (int t = 0; t < ref.count; ++t)
                         pr[row * t_max + t] = exp_le0(x[row * t_max + t] - M[row]) * Linv[row];
@@ -469,51 +540,8 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
         const Desc& D = descs[2 * head_group[h[i]] + side];
         const int64_t t = slot[i] % D.tokens;
         uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], side, slot[i] / D.tokens) * page_bytes;
-        for (int which = 0; which < 2; ++which) {
-            const float* x = which ? values + i * v_stride : keys + i * k_stride;
-            const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits;
-            const int nbytes = which ? D.v_bytes : D.k_bytes;
-            uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
-            if (bits == 32) {
-                std::memcpy(data, x, sizeof(float) * r);
-                continue;
-            }
-            if (bits == 16) {
-                for (int c = 0; c < r; ++c) {
-                    const uint16_t v = D.raw_bf16 ? float_to_bf16(x[c]) : float_to_half(x[c]);
-                    std::memcpy(data + 2 * c, &v, 2);
-                }
-                continue;
-            }
-            const int groups = which ? D.v_groups : D.k_groups, group = r / groups, top = (1 << bits) - 1;
-            const int pair = D.meta8 ? 2 : 4;
-            uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + t * groups * pair;
-            std::memset(data, 0, nbytes);
-            for (int gi = 0; gi < groups; ++gi) {
-                const float* xg = x + gi * group;
-                float mn = xg[0], mx = xg[0];
-                for (int c = 1; c < group; ++c) { mn = std::min(mn, xg[c]); mx = std::max(mx, xg[c]); }
-                float s, z;
-                if (D.meta8) {
-                    meta8_encode(mn, mx, bits, meta + pair * gi, &s, &z);
-                } else {
-                    const uint16_t s16 = float_to_half((mx - mn) / (float)top), z16 = float_to_half(mn);
-                    std::memcpy(meta + pair * gi, &s16, 2);
-                    std::memcpy(meta + pair * gi + 2, &z16, 2);
-                    s = half_to_float(s16);
-                    z = half_to_float(z16);
-                }
-                for (int c = 0; c < group; ++c) {
-                    int code = 0;
-                    if (s != 0.f) {
-                        const float q = std::nearbyint((xg[c] - z) / s);
-                        code = (int)std::min((float)top, std::max(0.f, q));
-                    }
-                    const int e = gi * group + c;
-                    data[(e * bits) >> 3] |= (uint8_t)(code << ((e * bits) & 7));
-                }
-            }
-        }
+        for (int which = 0; which < 2; ++which)
+            write_token(page, D, which, t, which ? values + i * v_stride : keys + i * k_stride);
         if (D.pos_off >= 0) {                                         // tracked tiers keep score and position
             std::memcpy(page + D.score_off + 4 * t, &score[i], 4);
             const int32_t p32 = (int32_t)pos[i];
@@ -545,6 +573,103 @@ int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
     if (rc == 0)
         for (int64_t w = 0; w < W; ++w) f[2 * w] += 1;
     return rc;
+}
+
+// The decode step's insert once the layer has holes (CompressedStore.insert): one token for every entry w = b * H + h
+// of `layer`, into its first hole on `side` (the lowest slot below fill whose position is -1; holes -= 1), else at
+// fill (fill += 1). holes, fill [L, B, H, 2] int64; used: num_pages_used [B, L, H, 2] int32. Plan first: an appending
+// entry whose slot has no page yet is listed in need[] (w, ascending; *n_need of them) and nothing is written: the
+// return value is then 3, and the caller reserves their pages and calls again. Otherwise returns as kvcal_write.
+int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
+                       const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                       int64_t page_bytes, int side, int64_t* holes, const int32_t* used, const float* keys,
+                       int64_t k_stride, const float* values, int64_t v_stride, int64_t pos, const float* score,
+                       float* bad_value, int64_t* need, int64_t* n_need) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    const int64_t W = B * H;
+    std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
+    std::vector<char> hole(W, 0);
+    *n_need = 0;
+    for (int64_t w = 0; w < W; ++w) {
+        b[w] = w / H;
+        h[w] = w % H;
+        const Desc& D = descs[2 * head_group[h[w]] + side];
+        const int64_t filled = lay.filled(b[w], h[w], side);
+        slot[w] = filled;
+        for (int64_t k = 0; D.pos_off >= 0 && k * D.tokens < filled && !hole[w]; ++k) {
+            const int32_t id = lay.page(b[w], h[w], side, k);
+            if (id < 0) return -1;
+            const int32_t* p = reinterpret_cast<const int32_t*>(arena + (int64_t)id * page_bytes + D.pos_off);
+            for (int64_t t = 0; t < D.tokens && k * D.tokens + t < filled; ++t)
+                if (p[t] < 0) {
+                    slot[w] = k * D.tokens + t;
+                    hole[w] = 1;
+                    break;
+                }
+        }
+        const int64_t pages = used[((b[w] * L + layer) * H + h[w]) * 2 + side];
+        if (!hole[w] && filled >= pages * D.tokens) need[(*n_need)++] = w;
+    }
+    if (*n_need) return 3;
+    const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
+                               b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
+                               score, bad_value);
+    if (rc == 0)
+        for (int64_t w = 0; w < W; ++w) {
+            const int64_t at = ((layer * B + b[w]) * H + h[w]) * 2 + side;
+            if (hole[w]) holes[at] -= 1; else fill[at] += 1;
+        }
+    return rc;
+}
+
+// Per-channel low pages, one whole new page per entry i < n (CompressedStore.write_pages_torch): the page at byte
+// offset base[i] (reserved by the caller), head h[i]; keys [n, T, k_stride], values [n, T, v_stride] float32, pos
+// int64 and score float32 [n, T]. Keys per channel over the page's T tokens, values per token. Returns as kvcal_write
+// (the checks run first: a refused batch writes nothing).
+int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* head_group, int64_t n,
+                      const int64_t* base, const int64_t* h, const float* keys, int64_t k_stride, const float* values,
+                      int64_t v_stride, const int64_t* pos, const float* score, float* bad_value) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    for (int which = 0; which < 2; ++which)         // keys first, then values, as the torch writer checks them
+        for (int64_t i = 0; i < n; ++i) {
+            const Desc& D = descs[2 * head_group[h[i]] + 1];
+            for (int64_t t = 0; t < D.tokens; ++t) {
+                const int64_t row = i * D.tokens + t;
+                const float* x = which ? values + row * v_stride : keys + row * k_stride;
+                const int rc = check_vector(x, which ? D.r_v : D.r_k, which ? D.v_bits : D.k_bits, bad_value);
+                if (rc) return rc;
+            }
+        }
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& D = descs[2 * head_group[h[i]] + 1];
+        const int64_t T = D.tokens;
+        uint8_t* page = arena + base[i];
+        const float* k = keys + i * T * k_stride;
+        const int bits = D.k_bits, top = (1 << bits) - 1, pair = D.meta8 ? 2 : 4;
+        uint8_t* meta = page + D.k_meta_off;
+        for (int64_t t = 0; t < T; ++t) std::memset(page + D.k_off + t * D.k_bytes, 0, D.k_bytes);
+        for (int c = 0; c < D.r_k; ++c) {                    // one (scale, zero) per channel over the page's tokens
+            float mn = k[c], mx = k[c];
+            for (int64_t t = 1; t < T; ++t) {
+                mn = std::min(mn, k[t * k_stride + c]);
+                mx = std::max(mx, k[t * k_stride + c]);
+            }
+            float s, z;
+            put_meta(mn, mx, bits, D.meta8, meta + pair * c, &s, &z);
+            for (int64_t t = 0; t < T; ++t)
+                page[D.k_off + t * D.k_bytes + ((c * bits) >> 3)] |=
+                    (uint8_t)(encode(k[t * k_stride + c], s, z, top) << ((c * bits) & 7));
+        }
+        for (int64_t t = 0; t < T; ++t) write_token(page, D, 1, t, values + (i * T + t) * v_stride);
+        if (D.pos_off >= 0)
+            for (int64_t t = 0; t < T; ++t) {
+                std::memcpy(page + D.score_off + 4 * t, &score[i * T + t], 4);
+                const int32_t p32 = (int32_t)pos[i * T + t];
+                std::memcpy(page + D.pos_off + 4 * t, &p32, 4);
+            }
+    }
+    return 0;
 }
 
 }  // extern "C"
