@@ -34,7 +34,6 @@ from kvcal.cli._threads import use_threads
 from kvcal.eval import QualityTarget
 from kvcal.profile.calibrate import QK_SOURCES, V_SOURCES, CalibrationConfig
 from kvcal.profile.choose import planned_steps
-from kvcal.profile.heap import return_large_frees
 from kvcal.profile.report import held_out_met
 from kvcal.profile.rotation import QK_WEIGHTINGS
 
@@ -113,7 +112,6 @@ def calibrate(
     and its report."""
     options = dict(locals())           # the parsed options by name, as typer converted them
     chosen_threads = use_threads(threads)
-    return_large_frees()              # freed tensors leave the resident set (kvcal.profile.heap)
     output = from_options(Output, options)
     try:
         cfg = from_options(CalibrationConfig, options, device_map=check_device_map(device_map),

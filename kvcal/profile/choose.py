@@ -61,6 +61,7 @@ def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
 
     def recorded(b: int, done: bool) -> None:
         if done:
+            release_memory()                # one window's float32 K/V and gradients, freed
             step("record", f"window {b + 1}", {"seconds": time.perf_counter() - t})
         else:
             step("record", f"recording window {b + 1}/{len(windows)} ({P} + {M} tokens: prefill, continuation "

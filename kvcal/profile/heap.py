@@ -1,28 +1,12 @@
-"""The process heap while calibrating: freed tensor memory goes back to the OS instead of inflating the peak RSS.
+"""The process heap while calibrating: hand freed memory back to the OS between search points and windows.
 
-glibc serves an allocation above its mmap threshold with mmap and returns it with munmap when freed. The threshold
-starts at 128 KiB and rises to the size of any mmapped block that is freed, up to 32 MiB, so after the first
-few-MB tensor is freed, tensors of that size come from the heap and their memory stays resident after they are
-freed. A search window allocates and frees hundreds of MB of such tensors (the recording's attention blocks, each
-layer's K/V), so the resident set then climbs by hundreds of MB above what is alive. `return_large_frees` pins the
-threshold at 1 MiB for the process (the `kvcal calibrate` command calls it once); `release_memory` trims the heap
-between search points.
+Pinning glibc's mmap threshold low (so that every freed tensor leaves the resident set at once) was tried and
+measured: it made the forward passes 20-30% slower (page faults on every fresh mapping), so only trimming remains.
 """
 
 from __future__ import annotations
 
 import functools
-
-MMAP_THRESHOLD = 1 << 20     # bytes: larger allocations are mmapped and unmapped when freed
-_M_MMAP_THRESHOLD = -3       # mallopt's parameter number (glibc malloc.h)
-
-
-def return_large_frees() -> bool:
-    """Pin glibc's mmap threshold at MMAP_THRESHOLD for this process (module docstring). False where the C library
-    is not glibc (nothing changed)."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-    return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def release_memory() -> None:

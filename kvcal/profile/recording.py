@@ -5,10 +5,10 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
 
 1. the prompt is prefilled densely without gradients. The runtime's prefill attends exactly too: only decode
    queries read coded K/V;
-2. the continuation runs through that cache `chunk` tokens at a time, with gradients, scoring each next token. This
-   gives the dense reference (`TopLogits`), each layer's continuation queries (which tokens are heavy hitters), and
-   g = dL/dK, dL/dV for every cached token at the deployment context, where L is the continuation's summed next-token
-   loss. These are the gradients of the K/V that decode queries read, which is what coding them perturbs.
+2. the continuation runs through that cache `chunk` (32) tokens at a time, with gradients, scoring each next token.
+   This gives the dense reference (`TopLogits`), each layer's continuation queries (which tokens are heavy hitters),
+   and g = dL/dK, dL/dV for every cached token at the deployment context, where L is the continuation's summed
+   next-token loss. These are the gradients of the K/V that decode queries read, which is what coding them perturbs.
 
 The cache is detached between chunks. A chunk's gradient reaches every token that chunk's queries read, but not the
 path from an earlier chunk's token through that chunk's hidden states into a later chunk. That path is a second-order
@@ -134,7 +134,7 @@ def _recording(model, seen: dict):
 
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
-                  base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int = 64,
+                  base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int = 32,
                   on_window: Callable[[int, bool], None] | None = None) -> Recording:
     """Record every window (module docstring), one at a time so that one window's activations and float32 K/V are
     alive at once; `on_window(b, done)` as window b starts and ends. `base`: the settings the allocation changes bits
