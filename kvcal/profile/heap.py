@@ -1,7 +1,6 @@
 """The process heap while calibrating: hand freed memory back to the OS between search points and windows.
 
-Pinning glibc's mmap threshold low (so that every freed tensor leaves the resident set at once) was tried and
-measured: it made the forward passes 20-30% slower (page faults on every fresh mapping), so only trimming remains.
+Trimming, not a low mmap threshold: mapping every large tensor afresh would make each forward pass pay page faults.
 """
 
 from __future__ import annotations
