@@ -92,7 +92,7 @@ def reference_top(model, records: dict, continuation: torch.Tensor, chunk: int =
     M = continuation.shape[1] - 1
     parts = [TopLogits.of(model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits,
                           continuation[:, t + 1:min(t + chunk, M) + 1]) for t in range(0, M, chunk)]
-    return TopLogits(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("logp", "ids", "target_logp")))
+    return TopLogits.cat(parts)
 
 
 def teacher_force(model, cache, continuation: torch.Tensor,
@@ -141,6 +141,11 @@ class TopLogits:
     def empty(cls, batch: int, positions: int, k: int) -> TopLogits:
         return cls(torch.empty(batch, positions, k), torch.empty(batch, positions, k, dtype=torch.long),
                    torch.empty(batch, positions))
+
+    @classmethod
+    def cat(cls, parts: list[TopLogits]) -> TopLogits:
+        """Consecutive positions' parts [B, c_i, k] -> one [B, sum c_i, k]."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("logp", "ids", "target_logp")))
 
     def __getitem__(self, index) -> TopLogits:
         """Rows and positions, e.g. top[:, t:t + c] or top[b:b + 1]."""

@@ -37,26 +37,28 @@ def _capture_attention(module, query, key, value, attention_mask, *args, **kwarg
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, sdpa_mask)
-
-
 @contextlib.contextmanager
-def capturing(model, *collectors: Collector):
-    """Within the block, every forward pass of `model` feeds `collectors`."""
-    _register()
+def attending_by(model, name: str, attention, mask: str, state: ContextVar, value):
+    """Within the block, `model` attends by `attention` (transformers' attention-function signature), registered as
+    `name` with transformers' `mask` mask function ("sdpa" or "eager"), and `state` holds `value` for it to read."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, {"sdpa": sdpa_mask, "eager": eager_mask}[mask])
     previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_IMPL)
-    token = _ACTIVE.set(collectors)
+    model.set_attn_implementation(name)
+    token = state.set(value)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        state.reset(token)
         model.set_attn_implementation(previous)
+
+
+def capturing(model, *collectors: Collector):
+    """Within the block, every forward pass of `model` feeds `collectors`."""
+    return attending_by(model, CAPTURE_IMPL, _capture_attention, "sdpa", _ACTIVE, collectors)
 
 
 class CollectorSet:

@@ -29,6 +29,7 @@ from contextvars import ContextVar
 import torch
 
 from kvcal.eval.fidelity import LogitScores, dense_cache
+from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, layer_format
 from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
@@ -136,14 +137,6 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     return out.view(B, Hq, n, -1).transpose(1, 2).contiguous().to(query.dtype), None       # [B, n, Hq, d]
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(CODED_IMPL, _coded_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(CODED_IMPL, eager_mask)
-
-
 class CodedProbe:
     """Quality of allocations (module docstring) on the windows of a search recording (prompt [B, P], continuation
     [B, M + 1])."""
@@ -193,8 +186,6 @@ class CodedProbe:
         window's float32 K/V and coded copies are alive at once."""
         if not set(bits.unique().tolist()) <= set(BITS):
             raise ValueError(f"bits must be entries of {BITS}")
-        _register()
-        previous = self.model.config._attn_implementation
         target = self.continuation[:, 1:]
         M = target.shape[1]
         scores = LogitScores(target.shape[0])
@@ -204,16 +195,12 @@ class CodedProbe:
             records = {i: tuple(t[rows] if isinstance(t, torch.Tensor) else t for t in r)
                        for i, r in self.records.items()}
             cache = dense_cache(self.model, records, keep=False)
-            token = _STATE.set(_Coding(self, bits, rows, high))
-            self.model.set_attn_implementation(CODED_IMPL)
-            try:
-                # the whole continuation in one forward: a query sees each key coded or exact by its age, so
-                # splitting it would change nothing but the work (each forward would code the layer again)
+            # the whole continuation in one forward: a query sees each key coded or exact by its age, so splitting
+            # it would change nothing but the work (each forward would code the layer again)
+            with attending_by(self.model, CODED_IMPL, _coded_attention, "eager", _STATE,
+                              _Coding(self, bits, rows, high)):
                 hidden = self.model.model(input_ids=self.continuation[rows, :M], cache=cache,
                                           use_cache=True).last_hidden_state
-            finally:
-                self.model.set_attn_implementation(previous)
-                _STATE.reset(token)
             for t in range(0, M, self.chunk):          # the head a few positions at a time: no [M, vocab] copy
                 scores.add(self.ref[rows, t:t + self.chunk], self._logits(hidden[:, t:t + self.chunk]),
                            target[rows, t:t + self.chunk], rows)

@@ -22,7 +22,6 @@ attention over the whole context.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcal.eval.fidelity import TopLogits
+from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import (
     BITS,
     HIGH,
@@ -115,22 +115,9 @@ def _recording_attention(module, query, key, value, attention_mask, *args, scali
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
 
 
-@contextlib.contextmanager
 def _recording(model, seen: dict):
     """Within the block, `model` attends by `_recording_attention`, which fills `seen` (layer -> q, k, v)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(RECORDING_IMPL, _recording_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDING_IMPL, eager_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(RECORDING_IMPL)
-    token = _SEEN.set(seen)
-    try:
-        yield
-    finally:
-        _SEEN.reset(token)
-        model.set_attn_implementation(previous)
+    return attending_by(model, RECORDING_IMPL, _recording_attention, "eager", _SEEN, seen)
 
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
@@ -257,7 +244,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: i
         for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
             layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
         del g, loss, logits
-    ref = TopLogits(*(torch.cat([getattr(r, f) for r in refs], dim=1) for f in ("logp", "ids", "target_logp")))
+    ref = TopLogits.cat(refs)
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
           else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}
     return {"S": S, "kv": kv,
