@@ -48,8 +48,8 @@ def per_channel_codes(bits: int, book: torch.Tensor | None, seen: list):
     (book None) or code them through `book` [2^bits] (sorted levels in 0..2^bits-1)."""
     quantize, dequantize = quant.quantize_per_channel, quant.dequantize_per_channel
 
-    def q(x, b, valid=None, meta_bits=16):
-        codes, scale, zero = quantize(x, b, valid, meta_bits)
+    def q(x, b, valid=None, meta_bits=16, levels=None):
+        codes, scale, zero = quantize(x, b, valid, meta_bits, levels=levels)
         if b != bits:
             return codes, scale, zero
         u = (x.float() - zero.float().unsqueeze(-2)) / scale.float().unsqueeze(-2).clamp(min=1e-30)
@@ -60,9 +60,9 @@ def per_channel_codes(bits: int, book: torch.Tensor | None, seen: list):
         codes = nearest(u, book)
         return (codes.masked_fill(~valid.unsqueeze(-1), 0) if valid is not None else codes), scale, zero
 
-    def dq(codes, scale, zero, dtype=torch.float32):
+    def dq(codes, scale, zero, dtype=torch.float32, levels=None):
         if book is None:
-            return dequantize(codes, scale, zero, dtype)
+            return dequantize(codes, scale, zero, dtype, levels=levels)
         return (book[codes.long()] * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(dtype)
 
     quant.quantize_per_channel, quant.dequantize_per_channel = q, dq

@@ -373,6 +373,10 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     if cfg.static_keys:
         raise ValueError(f"the manifest format has no field for static key scales (tiers {cfg.high.name} / "
                          f"{cfg.low.name}); export settings without `s` key tiers")
+    calibrated = [fmt.name for fmt in cfg.formats if fmt.calibrated]
+    if calibrated:
+        raise ValueError(f"the manifest format has no field for calibrated levels (tiers {', '.join(calibrated)}); "
+                         "export settings without `n` tiers")
     if cfg.smooth:
         raise ValueError("the manifest format has no field for the query rotation that channel smoothing needs "
                          "(`smooth`); export with `kvcal.export.export_manifest(bundle, out, config)` and a config "

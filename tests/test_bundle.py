@@ -10,7 +10,7 @@ from conftest import save_model
 
 from kvcal.models import adapter_for, fingerprint, load_model
 from kvcal.profile.calibrate import CalibrationConfig, calibrate
-from kvcal.runtime.bundle import BundleError, BundleMismatchError, load_bundle, save_bundle
+from kvcal.runtime.bundle import SCHEMA_VERSION, BundleError, BundleMismatchError, load_bundle, save_bundle
 
 
 def _cfg(model_dir, text_file, out, **kw):
@@ -80,7 +80,7 @@ def _rewrite_header(src, dst, edit):
 
 def test_wrong_schema_and_format_refused(bundle_path, tmp_path):
     p = tmp_path / "schema.safetensors"
-    _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(schema_version="3"))
+    _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(schema_version=str(SCHEMA_VERSION + 1)))
     with pytest.raises(BundleError, match="upgrade kvcal"):
         load_bundle(p)
     _rewrite_header(bundle_path, p, lambda h: h["__metadata__"].update(format="other"))

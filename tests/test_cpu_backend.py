@@ -34,12 +34,14 @@ pytestmark = pytest.mark.float_order      # fused kernels against torch: rerun p
 
 
 def random_store(high: str, low: str, *, seed: int = 0, B: int = 2, H: int = 3, d: int = 16, max_high: int = 40,
-                 max_low_pages: int = 2, holes: float = 0.15, raw16: torch.dtype = torch.float16) -> CompressedStore:
-    """Ragged lengths per (sequence, head), three rank groups, both tiers, several pages, and holes (pos -1)."""
+                 max_low_pages: int = 2, holes: float = 0.15, raw16: torch.dtype = torch.float16,
+                 levels: dict | None = None) -> CompressedStore:
+    """Ragged lengths per (sequence, head), three rank groups, both tiers, several pages, and holes (pos -1).
+    levels: calibrated levels by bundle name, for formats with calibrated sides (tests/test_levels.py)."""
     gen = torch.Generator().manual_seed(seed)
     rank_k, rank_v = torch.tensor([[16, 8, 12][:H]]), torch.tensor([[12, 16, 8][:H]])
     store = CompressedStore(rank_k, rank_v, [0], high=TierFormat.parse(high), low=TierFormat.parse(low), head_dim=d,
-                            batch=B, page_bytes=512, initial_pages=4, raw16=raw16)
+                            batch=B, page_bytes=512, initial_pages=4, raw16=raw16, levels=levels)
     pos = 0
     for side, fmt in ((LOW, store.low), (HIGH, store.high)):
         for bi in range(B):

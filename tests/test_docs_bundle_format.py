@@ -61,7 +61,7 @@ def test_page_names_every_key_of_the_shipped_bundle(named):
 
 
 def test_page_names_every_key_of_a_freshly_saved_bundle(named, tmp_path):
-    """A tiny bundle with every optional tensor (so schema 2), saved by this kvcal."""
+    """A tiny bundle with every optional tensor (so the newest schema), saved by this kvcal."""
     torch.manual_seed(0)
     model, tok = make_model("llama", seed=0)
     bundle = random_bundle(model, tok)
@@ -71,6 +71,11 @@ def test_page_names_every_key_of_a_freshly_saved_bundle(named, tmp_path):
                      "fastgen.recovery": torch.rand(L, H, 4), "fastgen.kept_fraction": torch.rand(L, H, 4),
                      "k.range_low": low, "k.range_high": low + torch.rand(L, H, d),
                      "qk.smoothing": 0.5 + torch.rand(L, H, d)}
+    for name in OPTIONAL_TENSORS:
+        if name.startswith("levels."):                 # sorted, endpoints pinned at 0 and 2**bits - 1
+            top = (1 << int(name.rsplit(".", 1)[1])) - 1
+            inner = torch.rand(L, H, top - 1).sort(-1).values * top
+            bundle.extras[name] = torch.cat([torch.zeros(L, H, 1), inner, torch.full((L, H, 1), float(top))], -1)
     bundle.settings = {"window": 8}
     assert set(bundle.extras) == set(OPTIONAL_TENSORS), "extend this test's extras to the new optional tensor"
     path = save_bundle(bundle, tmp_path / "tiny.kvcal.safetensors")

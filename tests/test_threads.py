@@ -75,11 +75,12 @@ def test_use_threads_applies_the_count_to_torch_and_the_cpu_decode(monkeypatch):
 
     class FakeLibrary:
         def kvcal_decode(self, *args):
-            seen.append(args[-4])             # ... track_scores, threads, GRAIN, out, new_score
+            seen.append(args[-5])             # ... track_scores, threads, GRAIN, out, new_score, levels
             return 0
 
     monkeypatch.setattr(cpu_backend, "load_library", lambda: FakeLibrary())
     monkeypatch.setattr(cpu_backend, "_layer_args", lambda store, layer: ())
+    monkeypatch.setattr(cpu_backend, "_levels_ptr", lambda store, layer: None)
     q, kv = torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 4)
     for n in ("1", "3"):
         use_threads(n)

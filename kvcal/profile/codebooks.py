@@ -13,7 +13,11 @@ Guarantees the tests check:
   the nearest centroid, then each centroid to its cluster's weighted mean, are each optimal given the other);
 * data with at most 2**b distinct values is coded exactly: the codebook is those values.
 
-Not wired into the runtime yet: the pages hold uniform codes only (docs/runtime.md).
+`fit_levels` fits the runtime's served form of a codebook: levels on the normalised scale u = (x - zero) / scale of a
+min-max quantizer, in [0, 2**b - 1] with both endpoints pinned (so the group's min and max stay exact), which the
+runtime serves as `zero + scale * levels[code]` (tier formats with an `n` after a side's bits, bundle
+`levels.{k,v}.{bits}`; kvcal.runtime.storage.levels). Started from the uniform grid, its weighted distortion is never
+above the uniform grid's on the same samples.
 """
 
 from __future__ import annotations
@@ -44,15 +48,19 @@ def distortion(x: torch.Tensor, centroids: torch.Tensor, weight: torch.Tensor | 
     return (w * err).sum(-1) / w.sum(-1).clamp(min=1e-30)
 
 
-def _lloyd(x: torch.Tensor, w: torch.Tensor, centroids: torch.Tensor, iters: int) -> torch.Tensor:
+def _lloyd(x: torch.Tensor, w: torch.Tensor, centroids: torch.Tensor, iters: int,
+           pinned: bool = False) -> torch.Tensor:
     """Weighted Lloyd iterations; x, w [M, N], centroids [M, K] sorted -> [M, K] sorted. A centroid whose cluster is
-    empty (or has zero weight) stays where it is."""
+    empty (or has zero weight) stays where it is; pinned: the first and last centroids stay where they are (each step
+    is then optimal given the pins, so distortion still never increases)."""
     K = centroids.shape[-1]
+    keep = torch.zeros(K, dtype=torch.bool, device=centroids.device)
+    keep[[0, -1]] = pinned
     for _ in range(iters):
         idx = _assign(x, centroids)                                                  # [M, N]
         mass = torch.zeros_like(centroids).scatter_add_(-1, idx, w)
         total = torch.zeros_like(centroids).scatter_add_(-1, idx, w * x)
-        new = torch.where(mass > 0, total / mass.clamp(min=1e-30), centroids)
+        new = torch.where((mass > 0) & ~keep, total / mass.clamp(min=1e-30), centroids)
         new = new.sort(-1).values                                                    # means of ordered cells stay
         if torch.equal(new, centroids):                                              # ordered; sort is a no-op guard
             break
@@ -105,3 +113,26 @@ def fit_codebooks(x: torch.Tensor, bits: tuple[int, ...] = (2, 3, 4), weight: to
         centroids = torch.stack([e if e is not None else c for e, c in zip(exact, centroids)])
         out[b] = centroids.reshape(*lead, K).clone()
     return out
+
+
+def fit_levels(u: torch.Tensor, bits: int, weight: torch.Tensor | None = None, iters: int = 40) -> torch.Tensor:
+    """Calibrated levels for the runtime's `n` formats: u float [..., N] normalised samples (u = (x - zero) / scale
+    of the format's own min-max quantizer, so in [0, 2**bits - 1]; values outside are clipped to it, as the
+    quantizer saturates them), weight [..., N] >= 0 or None -> float32 [..., 2**bits] sorted, first exactly 0 and
+    last exactly 2**bits - 1 (what bundle `levels.{k,v}.{bits}` holds per (layer, KV head)).
+
+    Weighted 1-D k-means (`_lloyd`) with the endpoints pinned, started from the uniform grid 0..2**bits - 1: the
+    result codes the samples with no more weighted distortion than the uniform grid."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"level bits {bits} must be in 1..8")
+    if u.shape[-1] == 0:
+        raise ValueError("no calibration samples to fit levels on")
+    top = (1 << bits) - 1
+    lead = u.shape[:-1]
+    us = u.float().reshape(-1, u.shape[-1])                                          # [M, N]
+    ws = torch.ones_like(us) if weight is None else weight.float().reshape(us.shape)
+    if bool((ws < 0).any()) or not bool(torch.isfinite(us).all()):
+        raise ValueError("level samples must be finite and weights non-negative")
+    grid = torch.arange(top + 1, dtype=torch.float32).expand(len(us), -1).contiguous()
+    levels = _lloyd(us.clamp(0, top), ws, grid, iters, pinned=True)
+    return levels.reshape(*lead, top + 1).clone()

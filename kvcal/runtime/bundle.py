@@ -16,10 +16,13 @@ Tensors (L layers, H KV heads, d head dim):
                                        for the static key tiers (`K4sV4`; kvcal.profile.key_ranges). Both or neither.
     qk.smoothing [L, H, d]    float32  optional (schema 2): channel smoothing factor D > 0 per column of qk.rotation
                                        (keys stored / D, queries * D; kvcal.profile.smoothing), for `smooth` settings
+    levels.k.{b}, levels.v.{b}  [L, H, 2**b] float32  optional (schema 3), b in 2, 4, 8: calibrated levels of the
+                                       formats with an `n` after that side's bits (`K4cnV2n`): sorted, first 0, last
+                                       2**b - 1 (kvcal.runtime.storage.levels)
 
-Schema versions: 1 (the tensors above but the key ranges and smoothing), 2 (with either). A bundle is written with the
-lowest version that describes it, so a bundle without them stays readable by kvcal versions that read only 1; this kvcal
-reads both.
+Schema versions: 1 (the tensors above but the key ranges, smoothing and levels), 2 (with the key ranges or smoothing),
+3 (with levels). A bundle is written with the lowest version that describes it, so a bundle without them stays
+readable by kvcal versions that read only 1; this kvcal reads all three.
 
 `__metadata__` holds strings (JSON where structured): `format`, `schema_version`, `model` (name, fingerprint, weights
 and tokenizer hashes, shape), `qk.source`, `qk.weighting`, `v.source`, `calibration` (provenance and results),
@@ -55,6 +58,7 @@ from kvcal.runtime.bundle_checks import (  # noqa: F401  (ORTHONORMAL_TOL, KEY_R
     ORTHONORMAL_TOL,
     REQUIRED_TENSORS,
     SCHEMA_2_TENSORS,
+    SCHEMA_3_TENSORS,
     _dims,
     _metadata_hash,
     _short,
@@ -70,8 +74,8 @@ from kvcal.runtime.files import safetensors_header, write_file
 from kvcal.runtime.version import __version__
 
 FORMAT = "kvcal-bundle"
-SCHEMA_VERSION = 2                  # the newest version this kvcal writes
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3                  # the newest version this kvcal writes
+READABLE_VERSIONS = (1, 2, 3)
 _FIELDS = {name: name.replace(".", "_") for name in REQUIRED_TENSORS}
 
 
@@ -158,7 +162,7 @@ class Bundle:
 def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     meta = {
         "format": FORMAT,
-        "schema_version": str(2 if any(name in tensors for name in SCHEMA_2_TENSORS) else 1),
+        "schema_version": str(_schema_version(tensors)),
         "kvcal.version": bundle.kvcal_version or _kvcal_version(),
         "created": bundle.created or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": json.dumps(bundle.model.__dict__),
@@ -171,6 +175,13 @@ def _metadata(bundle: Bundle, tensors: dict[str, torch.Tensor]) -> dict[str, str
     }
     meta[METADATA_HASH] = _metadata_hash(meta)
     return meta
+
+
+def _schema_version(tensors: dict[str, torch.Tensor]) -> int:
+    """The lowest schema version that describes a bundle holding `tensors`."""
+    if any(name in tensors for name in SCHEMA_3_TENSORS):
+        return 3
+    return 2 if any(name in tensors for name in SCHEMA_2_TENSORS) else 1
 
 
 def _json_default(o):

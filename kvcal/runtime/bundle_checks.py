@@ -13,6 +13,9 @@ import json
 
 import torch
 
+from kvcal.runtime.storage.levels import LEVEL_BITS, SIDES, tensor_name
+from kvcal.runtime.storage.quant import levels_problems
+
 ORTHONORMAL_TOL = 1e-4   # max |R^T R - I| accepted on load (float32 storage of a float64 eigendecomposition)
 METADATA_HASH = "metadata.sha256"
 _HEADER_DTYPES = {"F32": torch.float32, "I32": torch.int32}   # the only dtypes a bundle tensor has
@@ -48,9 +51,14 @@ OPTIONAL_TENSORS: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     "k.range_high": (("L", "H", "d"), torch.float32),
     # channel smoothing: keys / D and queries * D per column of qk.rotation (schema 2)
     "qk.smoothing": (("L", "H", "d"), torch.float32),
+    # calibrated levels of the `n` formats per (layer, KV head), side and bits: sorted in [0, 2**b - 1], endpoints
+    # pinned (schema 3; kvcal.runtime.storage.levels)
+    **{tensor_name(side, bits): (("L", "H", str(1 << bits)), torch.float32) for side in SIDES for bits in LEVEL_BITS},
 }
 KEY_RANGES = ("k.range_low", "k.range_high")
-SCHEMA_2_TENSORS = (*KEY_RANGES, "qk.smoothing")      # a bundle holding any of these is written as schema 2
+SCHEMA_2_TENSORS = (*KEY_RANGES, "qk.smoothing")      # a bundle holding any of these is written as schema 2 (or 3)
+LEVEL_TENSORS = tuple(tensor_name(side, bits) for side in SIDES for bits in LEVEL_BITS)
+SCHEMA_3_TENSORS = LEVEL_TENSORS                      # a bundle holding any of these is written as schema 3
 
 
 def content_hash(tensors: dict[str, torch.Tensor]) -> str:
@@ -174,6 +182,9 @@ def _validate_versioned(names: set[str], meta: dict[str, str]) -> list[str]:
     if any(n in names for n in SCHEMA_2_TENSORS) and meta.get("schema_version") == "1":
         problems.append("schema version 1 cannot hold static key ranges or smoothing (`k.range_low/high`, "
                         "`qk.smoothing`)")
+    if any(n in names for n in SCHEMA_3_TENSORS) and meta.get("schema_version") in ("1", "2"):
+        problems.append(f"schema version {meta['schema_version']} cannot hold calibrated levels (`levels.k.*`, "
+                        "`levels.v.*`)")
     return problems
 
 
@@ -202,6 +213,8 @@ def _validate_tensor(name: str, t: torch.Tensor) -> list[str]:
         if err > ORTHONORMAL_TOL:
             prefix = name.split(".")[0]
             problems.append(f"`{prefix}` basis is not orthonormal (max |R^T R - I| = {err:.2e} > {ORTHONORMAL_TOL})")
+    if name in LEVEL_TENSORS:
+        problems += [f"tensor `{name}` {p}" for p in levels_problems(t, int(name.rsplit(".", 1)[1]))]
     if name in ("qk.spectrum", "v.spectrum"):
         if (t < 0).any() or (t[..., 1:] > t[..., :-1] * (1 + 1e-5) + 1e-12).any():
             problems.append(f"tensor `{name}` is not non-negative and descending")

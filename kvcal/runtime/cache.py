@@ -82,13 +82,14 @@ class CompressedKV:
                  raw16: torch.dtype = torch.float16, token_classes: tuple | None = None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
                  smoothing: torch.Tensor | None = None, raw_tokens: int | None = 0,
-                 serve: ServeOptions = ServeOptions()):
+                 serve: ServeOptions = ServeOptions(), levels: dict[str, torch.Tensor] | None = None):
         """rotation, basis: [L, H, d, d]; rank_k, rank_v: [L, H] int. token_classes: (special_ids, punct_ids) of the
         tokenizer (fastgen.token_classes), for FastGen; None: no token is special or punctuation. key_ranges: (low,
         high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
         keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`. raw_tokens: the raw phase
         (module docstring): 0 = none, None = `auto_raw_tokens()`. serve: how this process serves the cache (attention
-        backend, page size, threads), resolved here once."""
+        backend, page size, threads), resolved here once. levels: calibrated levels by bundle name
+        (`levels.k.{bits}`, `levels.v.{bits}`, float32 [L, H, 2**bits]), for formats with calibrated sides."""
         L, H, d, _ = rotation.shape
         if config.static_keys and not config.rotate:
             raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
@@ -114,7 +115,7 @@ class CompressedKV:
                                      low_layers=dict(config.low_layers), batch=batch, device=self.device,
                                      page_bytes=config.page_size(d, serve.page_bytes), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
-                                     key_ranges=key_ranges, low_tracked=config.low_tracked)
+                                     key_ranges=key_ranges, low_tracked=config.low_tracked, levels=levels)
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs instead of storing them
@@ -139,7 +140,7 @@ class CompressedKV:
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
                    sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
                    smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens,
-                   serve=serve)
+                   serve=serve, levels={k: v for k, v in bundle.extras.items() if k.startswith("levels.")})
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""
@@ -227,10 +228,11 @@ class CompressedKV:
         """The fixed amount by which the bytes this cache holds may exceed an fp16 cache of the same tokens
         (docs/runtime.md): per (sequence, compressed layer, KV head) one page (partly filled pages and heavy hitters
         beyond `pages_estimate`) and the raw phase's significance buffer (4 bytes per raw token), plus the page tables
-        and counters as made (`CompressedStore.bookkeeping_bytes`) and the static key scales."""
+        and counters as made (`CompressedStore.bookkeeping_bytes`) and the bundle's constants (static key scales,
+        calibrated levels: `CompressedStore.fixed_bytes`)."""
         entries = self.batch * len(self.layers) * self.store.num_kv_heads
         return (entries * (self.store.page_bytes + 4 * self.raw_tokens) + self.store.bookkeeping_bytes()
-                + self.store.static_key_bytes())
+                + self.store.fixed_bytes())
 
     def raw_bytes(self) -> int:
         """K/V bytes of the raw phase, at 16 bits per element (as an fp16 cache holds them, whatever the model's

@@ -354,8 +354,9 @@ class KvcalCache(Cache):
         codes and scales when quantized, else their K/V at 16 bits as served, `dense_bytes`, as kvcal's own raw tiers
         do). ratio_to_fp16 = total_bytes / fp16_bytes: what is held now.
         held_bytes: every byte the cache holds now: total_bytes, plus the arena's free pages, the page tables and
-        counters, the raw phase's significance buffers and the static key scales (`fixed_bytes`, per-model, not in
-        total_bytes or the ratio). held_bytes <= fp16_bytes + allowance_bytes at every length (docs/runtime.md).
+        counters, the raw phase's significance buffers and the bundle's constants (`fixed_bytes`: static key scales
+        and calibrated levels, per-model, not in total_bytes or the ratio). held_bytes <= fp16_bytes + allowance_bytes
+        at every length (docs/runtime.md).
         steady_state_ratio: page bytes per token once tokens settle at their tier, against fp16 per token
         (`CompressedKV.steady_state_ratio`): what ratio_to_fp16 approaches on a long sequence."""
         kv = self.kv
@@ -378,7 +379,7 @@ class KvcalCache(Cache):
         total = paged + raw + window
         return {"paged_bytes": paged, "raw_bytes": raw, "sliding_bytes": window, "total_bytes": total,
                 "fp16_bytes": dense_fp16, "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
-                "fixed_bytes": kv.store.static_key_bytes() if kv else 0, "held_bytes": total + extra,
+                "fixed_bytes": kv.store.fixed_bytes() if kv else 0, "held_bytes": total + extra,
                 "held_ratio_to_fp16": (total + extra) / dense_fp16 if dense_fp16 else float("nan"),
                 "allowance_bytes": self.allowance_bytes(),
                 "steady_state_ratio": kv.steady_state_ratio() if kv else float("nan"),

@@ -35,6 +35,8 @@ QUANT_BITS = (2, 4, 8)
 META_BITS = (16, 8)
 K_MODES = ("token", "channel", "static")
 _MODE_LETTER = {"token": "", "channel": "c", "static": "s"}
+LEVELS = ("uniform", "calibrated")      # a side's codes index 0..2**b-1 (uniform) or the bundle's levels (calibrated)
+_LEVELS_LETTER = {"uniform": "", "calibrated": "n"}
 
 
 def _align(n: int) -> int:
@@ -45,7 +47,10 @@ def _align(n: int) -> int:
 class TierFormat:
     """How one tier stores a token. `k_mode` "channel" = KIVI-style per-channel key scales over the page's tokens;
     "static" = per-channel key scales calibrated offline (KVQuant-style), the same for every token of a (layer, KV
-    head), so a key is written on its own (any tier, no page grouping) and the page holds its codes only."""
+    head), so a key is written on its own (any tier, no page grouping) and the page holds its codes only.
+    `k_levels` / `v_levels` "calibrated" (an `n` after that side's bits, "non-uniform": `K4cnV2n`): a code indexes
+    the bundle's levels of its (layer, KV head, side, bits), x = zero + scale * levels[code], instead of the uniform
+    x = zero + scale * code; the pages hold the same bytes either way."""
 
     k_bits: int = 8                  # 2, 4, 8, or 16/32 for raw floats
     v_bits: int = 4
@@ -53,6 +58,8 @@ class TierFormat:
     k_group: int | None = None       # channels per (scale, zero) for per-token keys; None = the whole vector
     v_group: int | None = None       # channels per (scale, zero) for values; None = the whole vector
     meta_bits: int = 16              # bits per scale and per zero in the pages: 16 (fp16) or 8 (`quant.meta8_encode`)
+    k_levels: str = "uniform"        # "uniform" or "calibrated" (bundle `levels.k.{bits}`)
+    v_levels: str = "uniform"        # "uniform" or "calibrated" (bundle `levels.v.{bits}`)
 
     def __post_init__(self):
         for name, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
@@ -68,31 +75,45 @@ class TierFormat:
             raise ValueError("raw (16/32-bit) tiers have no scales or zeros; drop the `m8` suffix")
         if self.k_mode != "token" and self.k_group is not None:
             raise ValueError(f"`k_group` groups per-token key scales; {self.k_mode} keys have one scale per channel")
+        for side, bits, levels in (("K", self.k_bits, self.k_levels), ("V", self.v_bits, self.v_levels)):
+            if levels not in LEVELS:
+                raise ValueError(f"`{side.lower()}_levels={levels}` must be one of {', '.join(LEVELS)}")
+            if levels == "calibrated" and bits in RAW_BITS:
+                raise ValueError(f"{side}{bits} stores raw floats, which have no levels; drop the `n` after "
+                                 f"`{side}{bits}` or quantize that side (2, 4 or 8 bits)")
 
     @property
     def name(self) -> str:
-        k = f"K{self.k_bits}{_MODE_LETTER[self.k_mode]}"
+        k = f"K{self.k_bits}{_MODE_LETTER[self.k_mode]}{_LEVELS_LETTER[self.k_levels]}"
+        v = f"V{self.v_bits}{_LEVELS_LETTER[self.v_levels]}"
         group = f"g{self.v_group}" if self.v_group else ""
         kgroup = f"kg{self.k_group}" if self.k_group else ""
         meta = "m8" if self.meta_bits == 8 else ""
-        return f"{k}V{self.v_bits}{group}{kgroup}{meta}"
+        return f"{k}{v}{group}{kgroup}{meta}"
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether either side's codes index the bundle's calibrated levels."""
+        return "calibrated" in (self.k_levels, self.v_levels)
 
     @classmethod
     def parse(cls, spec: str) -> TierFormat:
         """'K8V4' -> per-token keys; 'K4cV2' -> per-channel keys over a page; 'K4sV4' -> static (calibrated)
         per-channel keys; 'K16V16' / 'K32V32' -> raw; a suffix 'g32' quantizes values in groups of 32 channels (one
-        scale and zero each), 'kg32' the same for per-token keys."""
+        scale and zero each), 'kg32' the same for per-token keys; an 'n' after a side's bits (and key mode) makes
+        its codes index calibrated levels ('K4cnV2n', 'K8V4n')."""
         import re
 
-        m = re.fullmatch(r"[Kk](\d+)([cs]?)[Vv](\d+)(?:g(\d+))?(?:kg(\d+))?(m8)?", spec.strip())
+        m = re.fullmatch(r"[Kk](\d+)([cs]?)(n?)[Vv](\d+)(n?)(?:g(\d+))?(?:kg(\d+))?(m8)?", spec.strip())
         if not m:
             raise ValueError(f"tier `{spec}` must look like K8V4, K4cV2 (c = per-channel keys), K4sV4 (s = static "
                              "calibrated per-channel keys), K8V4g32 (values in groups of 32 channels), K4cV4m8 (8-bit "
-                             "scales and zeros) or K16V16")
+                             "scales and zeros), K4cnV2n (n = calibrated levels) or K16V16")
         group = lambda i: int(m.group(i)) if m.group(i) else None      # noqa: E731
         mode = {v: k for k, v in _MODE_LETTER.items()}[m.group(2)]
-        return cls(int(m.group(1)), int(m.group(3)), mode, k_group=group(5), v_group=group(4),
-                   meta_bits=8 if m.group(6) else 16)
+        levels = lambda i: "calibrated" if m.group(i) else "uniform"   # noqa: E731
+        return cls(int(m.group(1)), int(m.group(4)), mode, k_group=group(7), v_group=group(6),
+                   meta_bits=8 if m.group(8) else 16, k_levels=levels(3), v_levels=levels(5))
 
     @property
     def meta_pair_bytes(self) -> int:
@@ -184,7 +205,10 @@ def default_page_bytes(head_dim: int, fmt: TierFormat, tokens: int = 32, tracked
 
 
 def check_sliding_format(fmt: TierFormat) -> None:
-    """A sliding format stores each token on its own: per-token keys, quantized K and V."""
+    """A sliding format stores each token on its own: per-token keys, quantized K and V, uniform levels."""
+    if fmt.calibrated:
+        raise ValueError(f"sliding-layer format `{fmt.name}` has calibrated levels, which only paged layers serve; "
+                         "drop the `n` suffixes from the sliding format")
     if fmt.k_mode != "token" or fmt.k_bits not in QUANT_BITS or fmt.v_bits not in QUANT_BITS:
         raise ValueError(f"sliding-layer format `{fmt.name}` must quantize keys per token and values (e.g. K8V4, "
                          "K4V4g32): a sliding window drops its oldest token every step, so it cannot hold "

@@ -26,6 +26,14 @@ whose grid covers [min, max] from such a zero: about 1/32 of a range plus one gr
 at worst. Every product and sum in decoding is exact in float32, so every backend decodes the same floats. Data
 further from 0 than 4 ranges gets a coarser scale; beyond what the largest scale covers it saturates.
 
+Calibrated levels (tier formats with an ``n`` after a side's bits): ``levels: [..., 2**bits]`` float32, sorted, in
+``[0, 2**bits - 1]`` with the endpoints exactly 0 and ``2**bits - 1`` (so min-max normalisation keeps them exact),
+constants of the bundle per (layer, KV head, side, bits). A code then means ``zero + scale * levels[code]``, and
+encoding picks the level nearest to ``u = (x - zero) / scale`` (ties to the lower one, as
+``kvcal.profile.codebooks``). Every function below that takes ``levels=None`` keeps the uniform grid (round half to
+even); given levels, they broadcast (numpy rules) against the code tensor's leading dims plus ``(2**bits,)``, e.g.
+``[H, 1, K]`` per KV head for ``x: [H, S, n]``.
+
 Codes are uint8 with one code per byte; ``pack`` / ``unpack`` squeeze them to ``bits`` bits each, element 0 in the
 least-significant bits of byte 0 (little-endian within a byte).
 """
@@ -197,11 +205,51 @@ def _scale_zero_meta(mn: torch.Tensor, mx: torch.Tensor, bits: int, meta_bits: i
     return (scale, zero), (scale, zero)
 
 
-def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """x float32, scale/zero fp16 broadcastable to x -> uint8 codes; 0 wherever scale == 0."""
+# ----------------------------------------------------------------------------------------------- calibrated levels
+
+def nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """u float32 [..., n], sorted levels [..., K] broadcastable to u.shape[:-1] + (K,) -> codes int64 [..., n]: the
+    nearest level (ties to the lower: the decision boundaries are the midpoints, and u on one goes below)."""
+    mid = (levels[..., 1:] + levels[..., :-1]) / 2                                  # [..., K - 1]
+    mid = mid.float().expand(*u.shape[:-1], mid.shape[-1]).contiguous()
+    return torch.searchsorted(mid, u.contiguous(), right=False)
+
+
+def level_values(codes: torch.Tensor, levels: torch.Tensor | None) -> torch.Tensor:
+    """codes uint8 [..., n] -> float32 [..., n]: the codes themselves (uniform, levels None) or levels[..., code]
+    (levels [..., K] broadcastable to codes.shape[:-1] + (K,))."""
+    if levels is None:
+        return codes.to(torch.float32)
+    lut = levels.float().expand(*codes.shape[:-1], levels.shape[-1])
+    return lut.gather(-1, codes.long())
+
+
+def levels_problems(levels: torch.Tensor, bits: int) -> list[str]:
+    """What is wrong with calibrated levels [..., 2**bits] (empty when they are usable): the width, finite values,
+    sorted, endpoints pinned at exactly 0 and 2**bits - 1."""
+    K = 1 << bits
+    if levels.shape[-1:] != (K,):
+        return [f"has {levels.shape[-1] if levels.dim() else 0} levels per row, {bits}-bit codes need {K}"]
+    if not levels.is_floating_point() or not bool(torch.isfinite(levels).all()):
+        return ["has non-finite levels"]
+    problems = []
+    if levels.numel() and bool((levels[..., 1:] < levels[..., :-1]).any()):
+        problems.append("has levels that are not sorted ascending")
+    if levels.numel() and not (bool((levels[..., 0] == 0).all()) and bool((levels[..., -1] == K - 1).all())):
+        problems.append(f"has levels whose first is not 0 or last not {K - 1} (endpoints must be pinned)")
+    return problems
+
+
+def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+            levels: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32, scale/zero fp16 broadcastable to x -> uint8 codes; 0 wherever scale == 0. levels: calibrated levels
+    broadcastable to x.shape[:-1] + (2**bits,) (module docstring), None: the uniform grid."""
     s, z = scale.float(), zero.float()
     degenerate = s == 0
-    q = torch.round((x - z) / torch.where(degenerate, 1.0, s)).clamp_(0, (1 << bits) - 1)
+    u = (x - z) / torch.where(degenerate, 1.0, s)
+    if levels is not None:
+        return torch.where(degenerate, 0, nearest_level(u, levels)).to(torch.uint8)
+    q = torch.round(u).clamp_(0, (1 << bits) - 1)
     return torch.where(degenerate, 0.0, q).to(torch.uint8)
 
 
@@ -215,13 +263,14 @@ def _groups(n: int, group_size: int | None) -> tuple[int, int]:
 
 
 def quantize_per_token(
-    x: torch.Tensor, bits: int, group_size: int | None = None, meta_bits: int = 16
+    x: torch.Tensor, bits: int, group_size: int | None = None, meta_bits: int = 16,
+    levels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token (grouped) quantization.
 
     x: float [..., n] -> codes uint8 [..., n], scale float16 [..., G], zero float16 [..., G], where
     G = n // group_size, or 1 if group_size is None. meta_bits 8: scale uint8 and zero int8 codes instead
-    (:func:`meta8_decode` reads them).
+    (:func:`meta8_decode` reads them). levels: calibrated levels broadcastable to x.shape[:-1] + (2**bits,).
     """
     _check_bits(bits)
     _check_values(x)
@@ -234,12 +283,14 @@ def quantize_per_token(
     else:
         mn, mx = torch.aminmax(xg, dim=-1)
     (scale, zero), stored = _scale_zero_meta(mn, mx, bits, meta_bits)
-    codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    lut = None if levels is None else levels.unsqueeze(-2)                          # [..., 1, K] over the groups
+    codes = _encode(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), bits, lut)
     return codes.reshape(*lead, n), *stored
 
 
 def quantize_per_channel(
-    x: torch.Tensor, bits: int, valid: torch.Tensor | None = None, meta_bits: int = 16
+    x: torch.Tensor, bits: int, valid: torch.Tensor | None = None, meta_bits: int = 16,
+    levels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel (KIVI keys) quantization over a block of T tokens.
 
@@ -247,7 +298,8 @@ def quantize_per_channel(
     ignored entirely: excluded from min/max, not checked for NaN, and given code 0. A channel with no valid token gets
     scale = zero = 0 (meta_bits 8: the codes of [0, 0]).
     Returns codes uint8 [..., T, n], scale float16 [..., n], zero float16 [..., n] (meta_bits 8: uint8 and int8
-    codes, as :func:`quantize_per_token`).
+    codes, as :func:`quantize_per_token`). levels: calibrated levels broadcastable to x.shape[:-1] + (2**bits,),
+    e.g. [..., 1, K] per block.
     """
     _check_bits(bits)
     if x.dim() < 2:
@@ -274,7 +326,7 @@ def quantize_per_channel(
     (scale, zero), stored = _scale_zero_meta(mn, mx, bits, meta_bits)
     if keep is not None:
         xf = xf.masked_fill(~keep, 0.0)  # keep garbage (NaN) out of the arithmetic; code forced to 0 below
-    codes = _encode(xf, scale.unsqueeze(-2), zero.unsqueeze(-2), bits)
+    codes = _encode(xf, scale.unsqueeze(-2), zero.unsqueeze(-2), bits, levels)
     if keep is not None:
         codes = codes.masked_fill(~keep, 0)
     return codes, *stored
@@ -292,32 +344,68 @@ def dequantize_per_token(
     zero: torch.Tensor,
     group_size: int | None = None,
     dtype: torch.dtype = torch.float32,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """codes uint8 [..., n], scale/zero [..., G] (G as in :func:`quantize_per_token`) -> dtype [..., n]."""
+    """codes uint8 [..., n], scale/zero [..., G] (G as in :func:`quantize_per_token`) -> dtype [..., n]. levels: as
+    :func:`quantize_per_token` took them."""
     *lead, n = codes.shape
     ng, g = _groups(n, group_size)
     _check_params(codes, scale, zero, (*lead, ng))
-    cg = codes.to(torch.float32).reshape(*lead, ng, g)
+    cg = level_values(codes, levels).reshape(*lead, ng, g)
     x_hat = cg * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return x_hat.reshape(*lead, n).to(dtype)
 
 
 def round_trip_per_token(x: torch.Tensor, bits: int, group_size: int | None = None,
+                         meta_bits: int = 16, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """x float [..., n] -> float32 [..., n] as per-token storage gives it back (quantize, then dequantize): what the
+    store reads back for a per-token side. levels: calibrated levels broadcastable to x.shape[:-1] + (2**bits,), e.g.
+    a (layer, side, bits) bundle tensor's row per KV head as [H, 1, K] for x [H, S, n]; None: uniform."""
+    codes, scale, zero = quantize_per_token(x, bits, group_size, meta_bits, levels)
+    return dequantize_per_token(codes, *decode_meta(scale, zero, meta_bits, bits), group_size, levels=levels)
+
+
+def normalised_per_token(x: torch.Tensor, bits: int, group_size: int | None = None,
                          meta_bits: int = 16) -> torch.Tensor:
-    """x float [..., n] -> float32 [..., n] as per-token storage gives it back (quantize, then dequantize)."""
-    codes, scale, zero = quantize_per_token(x, bits, group_size, meta_bits)
-    return dequantize_per_token(codes, *decode_meta(scale, zero, meta_bits, bits), group_size)
+    """x float [..., n] -> u float32 [..., n] = (x - zero) / scale with the (scale, zero) per-token storage takes
+    (0 where scale is 0): the samples calibrated levels are fitted on (`kvcal.profile.codebooks.fit_levels`). In
+    [0, 2**bits - 1] up to the fp16 rounding of scale and zero; m8's coarser grid may leave room at either end."""
+    *lead, n = x.shape
+    ng, g = _groups(n, group_size)
+    _, scale, zero = quantize_per_token(x, bits, group_size, meta_bits)
+    s, z = (t.float().unsqueeze(-1) for t in decode_meta(scale, zero, meta_bits, bits))      # [..., G, 1]
+    u = (x.float().reshape(*lead, ng, g) - z) / torch.where(s == 0, 1.0, s)
+    return torch.where(s == 0, 0.0, u).reshape(*lead, n)
+
+
+def normalised_per_channel(x: torch.Tensor, bits: int, meta_bits: int = 16) -> torch.Tensor:
+    """x float [..., T, n] -> u float32 [..., T, n] = (x - zero) / scale with each block's per-channel (scale, zero),
+    as per-channel key pages take them (see `normalised_per_token`)."""
+    _, scale, zero = quantize_per_channel(x, bits, meta_bits=meta_bits)
+    s, z = (t.float().unsqueeze(-2) for t in decode_meta(scale, zero, meta_bits, bits))      # [..., 1, n]
+    return torch.where(s == 0, 0.0, (x.float() - z) / torch.where(s == 0, 1.0, s))
 
 
 def dequantize_per_channel(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype = torch.float32
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype = torch.float32,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """codes uint8 [..., T, n], scale/zero [..., n] -> dtype [..., T, n]."""
+    """codes uint8 [..., T, n], scale/zero [..., n] -> dtype [..., T, n]. levels: as :func:`quantize_per_channel`
+    took them."""
     if codes.dim() < 2:
         raise ValueError(f"codes must have shape [..., T, n] (at least 2 dims), got shape {tuple(codes.shape)}")
     _check_params(codes, scale, zero, (*codes.shape[:-2], codes.shape[-1]))
-    x_hat = codes.to(torch.float32) * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
+    x_hat = level_values(codes, levels) * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
     return x_hat.to(dtype)
+
+
+def round_trip_per_channel(x: torch.Tensor, bits: int, meta_bits: int = 16,
+                           levels: torch.Tensor | None = None) -> torch.Tensor:
+    """x float [..., T, n] (blocks of T tokens, e.g. [H, pages, T, r]) -> float32 [..., T, n] as per-channel key
+    pages give it back: one (scale, zero) per channel over each block's T tokens. levels: calibrated levels
+    broadcastable to x.shape[:-1] + (2**bits,), e.g. [H, 1, 1, K] per KV head; None: uniform."""
+    codes, scale, zero = quantize_per_channel(x, bits, meta_bits=meta_bits, levels=levels)
+    return dequantize_per_channel(codes, *decode_meta(scale, zero, meta_bits, bits), levels=levels)
 
 
 # ---------------------------------------------------------------------------------------------- static per-channel
@@ -346,19 +434,20 @@ def static_scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple
     return scale, zero
 
 
-def quantize_static(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                    levels: torch.Tensor | None = None) -> torch.Tensor:
     """x float [..., n], fp16 scale/zero broadcastable to x (`static_scale_zero`) -> codes uint8 [..., n]. Values
-    outside the calibrated range saturate at code 0 or 2**bits - 1."""
+    outside the calibrated range saturate at code 0 or 2**bits - 1. levels: broadcastable to x.shape[:-1] + (K,)."""
     _check_bits(bits)
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite, got NaN or inf")
-    return _encode(x.to(torch.float32), scale, zero, bits)
+    return _encode(x.to(torch.float32), scale, zero, bits, levels)
 
 
 def dequantize_static(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, levels: torch.Tensor | None = None) -> torch.Tensor:
     """codes uint8 [..., n], scale/zero fp16 broadcastable to codes -> dtype [..., n]."""
     _check_uint8(codes, "codes")
-    return (codes.to(torch.float32) * scale.float() + zero.float()).to(dtype)
+    return (level_values(codes, levels) * scale.float() + zero.float()).to(dtype)

@@ -6,6 +6,9 @@ writes and reads the tokens themselves, through each format's encode/decode pair
 
 Static keys (k_mode "static"): each (layer, KV head) has one per-channel fp16 (scale, zero) per static tier, made
 once from the bundle's calibrated clip ranges (`key_ranges`) and held here, not in the pages (`static_key_bytes`).
+Calibrated levels (formats with an `n` after a side's bits): the rows of the bundle's `levels.{k,v}.{bits}` that the
+layers' formats use, held here as float32 [H, 2**bits] per (layer, side, bits) (`levels.served_levels`); both are
+the bundle's fixed bytes (`fixed_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from kvcal.runtime.storage import codec, quant
 from kvcal.runtime.storage.codec import HELD
 from kvcal.runtime.storage.layout import RAW_BITS, TierFormat
+from kvcal.runtime.storage.levels import served_levels
 from kvcal.runtime.storage.page_table import HeadGroup
 from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.scores import Scores
@@ -67,6 +71,8 @@ class CompressedStore(Scores):
     torch writer here.
     key_ranges: (low, high) float32 [L, H, >= r_k] per-channel clip ranges of the stored keys (bundle
     `k.range_low` / `k.range_high`); required when a tier has static keys, ignored otherwise.
+    levels: bundle tensors by name (`levels.k.{bits}`, `levels.v.{bits}`, float32 [L, H, 2**bits]); required for
+    each calibrated side of a layer's formats, ignored otherwise.
     Every reader and writer takes the format from the page layout, so a layer's pages are self-describing.
     """
 
@@ -75,7 +81,7 @@ class CompressedStore(Scores):
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 1,
                  initial_tokens: int = 256, writer=None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True,
-                 low_layers: dict[int, TierFormat] | None = None):
+                 low_layers: dict[int, TierFormat] | None = None, levels: dict[str, torch.Tensor] | None = None):
         if high.k_mode == "channel":
             raise ValueError("the high tier needs keys written token by token (per-token or static keys): it holds "
                              "the recent window")
@@ -85,6 +91,9 @@ class CompressedStore(Scores):
         self.writer = writer
         self.raw16 = raw16
         self.static_keys = self._static_keys(key_ranges, rank_k)
+        formats = {layer: [g.layouts[side].fmt for g in self.groups[layer] for side in (HIGH, LOW)]
+                   for layer in self.layers}
+        self.levels = served_levels(levels, formats, *rank_k.shape, self.device)
 
     def _static_keys(self, key_ranges, rank_k) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """(layer, side) -> fp16 (scale, zero) [H, r_k max] of each static-key tier (empty when none is static)."""
@@ -124,6 +133,21 @@ class CompressedStore(Scores):
         scale and zero per stored key channel of each (layer, KV head), per static tier)."""
         return sum(4 * int(self.rank_k_of(layer).sum()) for layer, _ in self.static_keys)
 
+    def level_params(self, layer: int, side: int, h: torch.Tensor, fmt: TierFormat):
+        """(key levels, value levels) float32 [n, 2**bits] of KV heads h [n] for tier format `fmt` on `side` of
+        `layer`; None for a uniform side (what `codec.decode_pages` takes)."""
+        return tuple(self.levels[layer, name, bits][h] if kind == "calibrated" else None
+                     for name, bits, kind in (("k", fmt.k_bits, fmt.k_levels), ("v", fmt.v_bits, fmt.v_levels)))
+
+    def level_bytes(self) -> int:
+        """Bytes of the calibrated levels held (float32, one row per KV head per (layer, side, bits) in use)."""
+        return sum(t.numel() * 4 for t in self.levels.values())
+
+    def fixed_bytes(self) -> int:
+        """The bundle's constants this store holds, a per-model cost apart from the pages: static key scales and
+        calibrated levels."""
+        return self.static_key_bytes() + self.level_bytes()
+
     # ------------------------------------------------------------------------------------------------- writing
 
     def write(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor,
@@ -140,23 +164,24 @@ class CompressedStore(Scores):
             fmt = lay.fmt
             assert fmt.k_mode != "channel", "per-channel pages are written whole (write_pages)"
             k, v = keys[sel, :g.r_k].float(), values[sel, :g.r_v].float()
+            k_lut, v_lut = self.level_params(layer, side, h[sel], fmt)
             if fmt.k_mode == "static":
                 scale, zero = self.static_key_params(layer, side, h[sel], g.r_k)
-                self._put_bytes(base, idx, codec.encode_static_keys(k, scale, zero, fmt.k_bits), lay.k_off,
+                self._put_bytes(base, idx, codec.encode_static_keys(k, scale, zero, fmt.k_bits, k_lut), lay.k_off,
                                 lay.k_bytes)
             else:
                 self._put_vectors(base, idx, k, fmt.k_bits, fmt.k_group, lay.k_off, lay.k_meta_off, lay.k_bytes,
-                                  fmt.meta_bits)
+                                  fmt.meta_bits, k_lut)
             self._put_vectors(base, idx, v, fmt.v_bits, fmt.v_group, lay.v_off, lay.v_meta_off, lay.v_bytes,
-                              fmt.meta_bits)
+                              fmt.meta_bits, v_lut)
             if lay.tracked:
                 self._flat(torch.float32)[(base + lay.score_off) // 4 + idx] = score[sel].float()
                 self._flat(torch.int32)[(base + lay.pos_off) // 4 + idx] = pos[sel].to(torch.int32)
 
-    def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, meta_bits=16) -> None:
-        """Per-token vectors x float32 [n, r] (`codec.encode_tokens`) into slot idx [n] of the pages at byte offsets
-        base [n]: codes at segment `off`, (scale, zero) bytes at `meta_off`."""
-        data, meta = codec.encode_tokens(x, bits, group, meta_bits, self.raw16)
+    def _put_vectors(self, base, idx, x, bits, group, off, meta_off, nbytes, meta_bits=16, levels=None) -> None:
+        """Per-token vectors x float32 [n, r] (`codec.encode_tokens`; levels [n, 2**bits] or None) into slot idx [n]
+        of the pages at byte offsets base [n]: codes at segment `off`, (scale, zero) bytes at `meta_off`."""
+        data, meta = codec.encode_tokens(x, bits, group, meta_bits, self.raw16, levels)
         if meta is not None:                                                       # [n, groups * pair]
             width = meta.shape[1]
             self._flat(torch.uint8)[(base + meta_off)[:, None] + idx[:, None] * width
@@ -186,14 +211,16 @@ class CompressedStore(Scores):
             T = lay.tokens
             base = self.reserve_low_page(layer, bs, hs, lay)
             fmt = lay.fmt
-            data, meta = codec.encode_channel_keys(keys[sel, :, :g.r_k].float(), fmt.k_bits, fmt.meta_bits)
+            k_lut, v_lut = self.level_params(layer, LOW, hs, fmt)
+            data, meta = codec.encode_channel_keys(keys[sel, :, :g.r_k].float(), fmt.k_bits, fmt.meta_bits, k_lut)
             ar = lambda n: torch.arange(n, device=self.device)                         # noqa: E731
             self._flat(torch.uint8)[(base + lay.k_off)[:, None] + ar(T * lay.k_bytes)] = data   # [n, T * k_bytes]
             self._flat(torch.uint8)[(base + lay.k_meta_off)[:, None] + ar(meta.shape[1])] = meta   # [n, r_k * pair]
             idx = ar(T).expand(len(bs), T).reshape(-1)
             v = values[sel, :, :g.r_v].reshape(-1, g.r_v).float()
             self._put_vectors(base.repeat_interleave(T), idx, v, fmt.v_bits, fmt.v_group, lay.v_off,
-                              lay.v_meta_off, lay.v_bytes, fmt.meta_bits)
+                              lay.v_meta_off, lay.v_bytes, fmt.meta_bits,
+                              None if v_lut is None else v_lut.repeat_interleave(T, 0))
             if lay.tracked:
                 self._flat(torch.float32)[(base + lay.score_off)[:, None] // 4 + ar(T)] = score[sel].float()
                 self._flat(torch.int32)[(base + lay.pos_off)[:, None] // 4 + ar(T)] = pos[sel].to(torch.int32)
@@ -331,12 +358,13 @@ class CompressedStore(Scores):
             lay = g.layouts[side]
             base, idx = self.page_of(layer, side, b[sel], h[sel], slot[sel], lay)
             scales = self._key_scales(layer, side, h[sel], g)
+            luts = self.level_params(layer, side, h[sel], lay.fmt)
             if lay.fmt.k_mode != "channel":                   # per-token formats: only the slots' own bytes
                 keys[sel, :g.r_k], values[sel, :g.r_v], score[sel], pos[sel] = self._read_slots(base, idx, lay,
-                                                                                                scales)
+                                                                                                scales, luts)
                 continue
             pages = (base // self.page_bytes)[:, None]
-            k, v, sc, ps = codec.decode_pages(self.arena.arena[pages], lay, self.raw16, scales)   # [m, 1 * T, ...]
+            k, v, sc, ps = codec.decode_pages(self.arena.arena[pages], lay, self.raw16, scales, luts)   # [m, T, ...]
             pick = idx[:, None]
             keys[sel, :g.r_k] = k.gather(1, pick[..., None].expand(-1, -1, g.r_k)).squeeze(1)
             values[sel, :g.r_v] = v.gather(1, pick[..., None].expand(-1, -1, g.r_v)).squeeze(1)
@@ -344,25 +372,28 @@ class CompressedStore(Scores):
             pos[sel] = ps.gather(1, pick).squeeze(1)
         return keys, values, score, pos
 
-    def _read_slots(self, base: torch.Tensor, idx: torch.Tensor, lay, key_scales):
+    def _read_slots(self, base: torch.Tensor, idx: torch.Tensor, lay, key_scales, luts=(None, None)):
         """`read` of per-token formats: slot idx [m] of the pages at byte offsets base [m] -> keys [m, r_k], values
         [m, r_v] float32, score [m], pos [m] int64 (decoded as `codec.decode_pages` decodes them, from those slots'
-        bytes alone rather than their whole pages)."""
+        bytes alone rather than their whole pages; luts: `level_params` of those slots' heads)."""
         fmt, pair = lay.fmt, lay.fmt.meta_pair_bytes
 
         def seg(off: int, nbytes: int) -> torch.Tensor:                             # uint8 [m, nbytes]
             return self._read_words(torch.uint8, (base + off + idx * nbytes)[:, None]
                                     + torch.arange(nbytes, device=self.device))
 
-        def vectors(off, meta_off, nbytes, ngroups, bits, group, r):
+        def vectors(off, meta_off, nbytes, ngroups, bits, group, r, lut):
             meta = None if bits in RAW_BITS else seg(meta_off, ngroups * pair)
-            return codec.decode_tokens(seg(off, nbytes), meta, bits, group, r, ngroups, fmt.meta_bits, self.raw16)
+            return codec.decode_tokens(seg(off, nbytes), meta, bits, group, r, ngroups, fmt.meta_bits, self.raw16,
+                                       lut)
 
         if fmt.k_mode == "static":
-            keys = codec.decode_static_keys(seg(lay.k_off, lay.k_bytes), *key_scales, fmt.k_bits, lay.r_k)
+            keys = codec.decode_static_keys(seg(lay.k_off, lay.k_bytes), *key_scales, fmt.k_bits, lay.r_k, luts[0])
         else:
-            keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k)
-        values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v)
+            keys = vectors(lay.k_off, lay.k_meta_off, lay.k_bytes, lay.k_groups, fmt.k_bits, fmt.k_group, lay.r_k,
+                           luts[0])
+        values = vectors(lay.v_off, lay.v_meta_off, lay.v_bytes, lay.v_groups, fmt.v_bits, fmt.v_group, lay.r_v,
+                         luts[1])
         if not lay.tracked:
             return keys, values, torch.zeros(len(idx), device=self.device), torch.full_like(idx, HELD)
         return (keys, values, self._read_words(torch.float32, (base + lay.score_off) // 4 + idx),
@@ -380,7 +411,8 @@ class CompressedStore(Scores):
                     continue
                 lay = g.layouts[side]
                 k, v, score, pos = codec.decode_pages(self.arena.arena[pages.clamp(min=0)], lay, self.raw16,
-                                                      self._key_scales(layer, side, h, g))
+                                                      self._key_scales(layer, side, h, g),
+                                                      self.level_params(layer, side, h, lay.fmt))
                 slot = torch.arange(pos.shape[1], device=self.device)
                 pos = torch.where(slot < self.fill[layer, b, h, side][:, None], pos, -1)
                 word = self._score_words(pages, lay)
@@ -438,6 +470,6 @@ class CompressedStore(Scores):
 
     def held_bytes(self) -> int:
         """Every byte this store holds: the whole arena (free pages included), its tables, the fill and hole counts,
-        and the static key scales (`static_key_bytes`)."""
+        and the bundle's constants (`fixed_bytes`: static key scales, calibrated levels)."""
         counts = sum(t.numel() * t.element_size() for t in (self.fill, self.holes))
-        return self.arena.held_bytes() + counts + self.static_key_bytes()
+        return self.arena.held_bytes() + counts + self.fixed_bytes()

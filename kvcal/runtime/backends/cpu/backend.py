@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from kvcal.runtime.backends.base import AttentionBackend, prompt_rows
 from kvcal.runtime.backends.reference import TorchBackend
+from kvcal.runtime.storage.levels import kernel_table
 from kvcal.runtime.storage.pages import LOW
 
 from .build import CpuBuildError, load_library
@@ -37,7 +38,7 @@ from .build import CpuBuildError, load_library
 # struct Desc in csrc/paged_attention.cpp, in declaration order (all int32)
 DESC_FIELDS = ("tokens", "r_k", "r_v", "k_bits", "v_bits", "k_channel", "k_group", "v_group", "k_bytes", "v_bytes",
                "k_groups", "v_groups", "k_off", "k_meta_off", "v_off", "v_meta_off", "score_off", "pos_off",
-               "raw_bf16", "meta8")
+               "raw_bf16", "meta8", "k_levels", "v_levels")
 GRAIN = 1 << 17       # multiply-adds per thread below which a layer's decode uses fewer threads
 MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
 
@@ -80,16 +81,17 @@ def _desc_row(lay, raw_bf16: bool) -> list[int]:
                   v_group=max(1, lay.r_v // max(1, lay.v_groups)), k_bytes=lay.k_bytes, v_bytes=lay.v_bytes,
                   k_groups=lay.k_groups, v_groups=lay.v_groups, k_off=lay.k_off, k_meta_off=lay.k_meta_off,
                   v_off=lay.v_off, v_meta_off=lay.v_meta_off, score_off=lay.score_off, pos_off=lay.pos_off,
-                  raw_bf16=int(raw_bf16), meta8=int(fmt.meta_bits == 8))
+                  raw_bf16=int(raw_bf16), meta8=int(fmt.meta_bits == 8),
+                  k_levels=int(fmt.k_levels == "calibrated"), v_levels=int(fmt.v_levels == "calibrated"))
     return [values[f] for f in DESC_FIELDS]
 
 
 class _LayerTables:
     """Per layer, what never changes for a store: descriptor rows int32 [2 * groups, len(DESC_FIELDS)] (row
-    2 * group + side) and each KV head's group int32 [H]."""
+    2 * group + side), each KV head's group int32 [H] and the level table (`levels.kernel_table`, None if uniform)."""
 
     def __init__(self, store):
-        self.descs, self.head_group = {}, {}
+        self.descs, self.head_group, self.levels = {}, {}, {}
         for layer, groups in store.groups.items():
             rows = []
             head_group = torch.empty(store.num_kv_heads, dtype=torch.int32)
@@ -101,6 +103,7 @@ class _LayerTables:
                 rows += [_desc_row(g.layouts[side], store.raw16 == torch.bfloat16) for side in (0, 1)]
             self.descs[layer] = torch.tensor(rows, dtype=torch.int32)
             self.head_group[layer] = head_group
+            self.levels[layer] = kernel_table(store, layer)
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -113,8 +116,13 @@ def _tables(store) -> _LayerTables:
     return tables
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _levels_ptr(store, layer: int) -> int | None:
+    """The layer's level table for the kernels (NULL when every side is uniform)."""
+    return _ptr(_tables(store).levels[layer])
 
 
 def _layer_args(store, layer: int) -> tuple:
@@ -178,7 +186,7 @@ class CpuBackend(AttentionBackend):
         new_score = torch.empty(B, H, n)
         rc = load_library().kvcal_decode(*_layer_args(store, layer), _ptr(query), _ptr(new_keys), _ptr(new_values),
                                          g, n, r, rv, float(scale), int(track_scores), torch.get_num_threads(),
-                                         GRAIN, _ptr(out), _ptr(new_score))
+                                         GRAIN, _ptr(out), _ptr(new_score), _levels_ptr(store, layer))
         if rc != 0:
             raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
         return out, new_score
@@ -194,7 +202,7 @@ class CpuBackend(AttentionBackend):
         bad = ctypes.c_float(0.0)
         rc = load_library().kvcal_write(*_layer_args(store, layer), side, len(b), _ptr(b), _ptr(h), _ptr(slot),
                                         _ptr(keys), keys.shape[-1], _ptr(values), values.shape[-1], _ptr(pos),
-                                        _ptr(score), ctypes.byref(bad))
+                                        _ptr(score), ctypes.byref(bad), _levels_ptr(store, layer))
         _check_write(rc, bad)
 
     @staticmethod
@@ -206,7 +214,8 @@ class CpuBackend(AttentionBackend):
         keys, values, score = (t.float().contiguous() for t in (keys, values, score))
         bad = ctypes.c_float(0.0)
         rc = load_library().kvcal_append_every(*_layer_args(store, layer), side, _ptr(keys), keys.shape[-1],
-                                               _ptr(values), values.shape[-1], pos, _ptr(score), ctypes.byref(bad))
+                                               _ptr(values), values.shape[-1], pos, _ptr(score), ctypes.byref(bad),
+                                               _levels_ptr(store, layer))
         _check_write(rc, bad)
 
     @staticmethod
@@ -224,7 +233,8 @@ class CpuBackend(AttentionBackend):
         bad = ctypes.c_float(0.0)
         rc = load_library().kvcal_insert_every(*_layer_args(store, layer), side, _ptr(holes), _ptr(used), _ptr(keys),
                                                keys.shape[-1], _ptr(values), values.shape[-1], pos, _ptr(score),
-                                               ctypes.byref(bad), _ptr(need), ctypes.byref(n_need))
+                                               ctypes.byref(bad), _ptr(need), ctypes.byref(n_need),
+                                               _levels_ptr(store, layer))
         if rc == 3:
             return need[:n_need.value]
         _check_write(rc, bad)
@@ -245,5 +255,6 @@ class CpuBackend(AttentionBackend):
             bad = ctypes.c_float(0.0)
             rc = load_library().kvcal_write_pages(_ptr(store.arena.arena), _ptr(descs), _ptr(head_group), len(hs),
                                                   _ptr(base), _ptr(hs), _ptr(k), k.shape[-1], _ptr(v), v.shape[-1],
-                                                  _ptr(p), _ptr(s), ctypes.byref(bad))
+                                                  _ptr(p), _ptr(s), ctypes.byref(bad), _levels_ptr(store, layer),
+                                                  store.num_kv_heads)
             _check_write(rc, bad)

@@ -115,15 +115,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_decode.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                  p, p, p, i64, i64, i64, i64, f32, i32, i32,   # query .. threads
                                  i64,                                           # grain
-                                 p, p]                                          # out, new_score
+                                 p, p, p]                                       # out, new_score, luts
     lib.kvcal_write.restype = i32
     lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes
-                                i32, i64, p, p, p, p, i64, p, i64, p, p, p]     # side .. bad_value
+                                i32, i64, p, p, p, p, i64, p, i64, p, p, p, p]  # side .. bad_value, luts
     lib.kvcal_append_every.restype = i32
     lib.kvcal_append_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
-                                       i32, p, i64, p, i64, i64, p, p]               # side .. bad_value
+                                       i32, p, i64, p, i64, i64, p, p, p]            # side .. bad_value, luts
     lib.kvcal_write_pages.restype = i32
-    lib.kvcal_write_pages.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, p]   # arena .. bad_value
+    lib.kvcal_write_pages.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, p,  # arena .. bad_value
+                                      p, i64]                                       # luts, H
     lib.kvcal_insert_every.restype = i32
     lib.kvcal_insert_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
-                                       i32, p, p, p, i64, p, i64, i64, p, p, p, p]   # side .. n_need
+                                       i32, p, p, p, i64, p, i64, i64, p, p, p, p,   # side .. n_need
+                                       p]                                            # luts

@@ -40,6 +40,8 @@ def format_limits(fmt, rank: int) -> list[str]:
     if fmt.k_mode == "static":       # PageDesc has no field for them, so the emulation cannot serve them either
         reasons.append(f"{fmt.name}: the CUDA kernels read per-token or per-page key scales, not static calibrated "
                        "ones")
+    if fmt.calibrated:               # PageDesc has no level table, so the emulation cannot serve them either
+        reasons.append(f"{fmt.name}: the CUDA kernels decode uniform codes, not calibrated levels")
     if rank > MAX_RANK:
         reasons.append(f"stored rank {rank} exceeds the CUDA kernels' limit of {MAX_RANK}")
     # (bits, channels per group, whether the group gives per-token (scale, zero) pairs); per-channel keys have none

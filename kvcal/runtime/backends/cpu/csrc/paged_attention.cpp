@@ -11,7 +11,9 @@
 //          score += sum over the n queries of max over g of each stored token's probability, in the page.
 // write: per-token formats, one token per (b, h, slot) request; quantization is kvcal.runtime.quant's, bit for bit
 //   (fp32 min/max, scale and zero rounded to fp16 first, or their 8-bit codes (meta8_encode) for `meta8` formats,
-//   codes = clamp(rint((x - zero) / scale))).
+//   codes = clamp(rint((x - zero) / scale))). A side with calibrated levels (Desc k_levels / v_levels) reads its codes
+//   through its KV head's row of the layer's level table `luts` [2 sides, H, 2 (K, V), 256] float32 (x = zero + scale *
+//   lut[code]) and writes the nearest level to u = (x - zero) / scale, ties to the lower (quant.nearest_level).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,11 +32,19 @@ namespace {
 
 struct Desc {
     int32_t tokens, r_k, r_v, k_bits, v_bits, k_channel, k_group, v_group, k_bytes, v_bytes, k_groups, v_groups,
-        k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, raw_bf16, meta8;
+        k_off, k_meta_off, v_off, v_meta_off, score_off, pos_off, raw_bf16, meta8, k_levels, v_levels;
 };
 constexpr int DESC_INTS = sizeof(Desc) / sizeof(int32_t);
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int HIGH = 0;
+constexpr int LUT = 256;           // floats per level row of the table (kvcal.runtime.storage.levels.KERNEL_ROW)
+
+// The level row of side `which` (0 = K, 1 = V) of KV head h in tier `side` (descriptor row & 1), or nullptr for a
+// uniform side (its fast path: the code is the level).
+inline const float* level_row(const float* luts, const Desc& D, int side, int64_t H, int64_t h, int which) {
+    if (!luts || !(which ? D.v_levels : D.k_levels)) return nullptr;
+    return luts + ((side * H + h) * 2 + which) * LUT;
+}
 
 inline float bits_f32(uint32_t w) { float f; std::memcpy(&f, &w, 4); return f; }
 inline uint32_t f32_bits(float f) { uint32_t w; std::memcpy(&w, &f, 4); return w; }
@@ -132,8 +142,14 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
     }
 }
 
-// Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r].
-void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out) {
+// Codes -> their levels in place (codes [r] as floats; lut [2**bits]).
+inline void to_levels(float* codes, int r, const float* lut) {
+    for (int i = 0; i < r; ++i) codes[i] = lut[(int)codes[i]];
+}
+
+// Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r]. lut:
+// the side's level row, nullptr for uniform codes.
+void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out, const float* lut) {
     const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
     const uint8_t* data = page + (which ? D.v_off : D.k_off);
     if (bits == 32) {
@@ -156,6 +172,7 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
         for (int t = 0; t < count; ++t) {
             float* o = out + t * r;
             unpack(data + t * nbytes, bits, r, o);
+            if (lut) to_levels(o, r, lut);
             for (int i = 0; i < r; ++i) o[i] = o[i] * s[i] + z[i];
         }
         return;
@@ -164,6 +181,7 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
     for (int t = 0; t < count; ++t) {
         float* o = out + t * r;
         unpack(data + t * nbytes, bits, r, o);
+        if (lut) to_levels(o, r, lut);
         for (int gi = 0; gi < groups; ++gi) {
             float s, z;
             read_meta(meta + pair * (t * groups + gi), D.meta8, bits, &s, &z);
@@ -261,15 +279,24 @@ inline void put_meta(float mn, float mx, int bits, bool meta8, uint8_t* pair, fl
     *z = half_to_float(z16);
 }
 
-// quant._encode of one element: its code, 0 where the scale is 0.
-inline int encode(float x, float s, float z, int top) {
+// quant._encode of one element: its code, 0 where the scale is 0. With levels (lut [top + 1], sorted): the number of
+// midpoints below u, i.e. the nearest level with ties to the lower (quant.nearest_level's searchsorted).
+inline int encode(float x, float s, float z, int top, const float* lut = nullptr) {
     if (s == 0.f) return 0;
-    return (int)std::min((float)top, std::max(0.f, std::nearbyint((x - z) / s)));
+    const float u = (x - z) / s;
+    if (!lut) return (int)std::min((float)top, std::max(0.f, std::nearbyint(u)));
+    int lo = 0, hi = top;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if ((lut[mid] + lut[mid + 1]) / 2.f < u) lo = mid + 1; else hi = mid;
+    }
+    return lo;
 }
 
 // Vector x of token t (segment k: which = 0, v: which = 1) into its slot of a page, per-token formats: raw, or
-// quantized per group with the group's (scale, zero) next to it (CompressedStore.write).
-void write_token(uint8_t* page, const Desc& D, int which, int64_t t, const float* x) {
+// quantized per group with the group's (scale, zero) next to it (CompressedStore.write); lut: the side's level row or
+// nullptr.
+void write_token(uint8_t* page, const Desc& D, int which, int64_t t, const float* x, const float* lut) {
     const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits;
     const int nbytes = which ? D.v_bytes : D.k_bytes;
     uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
@@ -296,7 +323,7 @@ void write_token(uint8_t* page, const Desc& D, int which, int64_t t, const float
         put_meta(mn, mx, bits, D.meta8, meta + pair * gi, &s, &z);
         for (int c = 0; c < group; ++c) {
             const int e = gi * group + c;
-            data[(e * bits) >> 3] |= (uint8_t)(encode(xg[c], s, z, top) << ((e * bits) & 7));
+            data[(e * bits) >> 3] |= (uint8_t)(encode(xg[c], s, z, top, lut) << ((e * bits) & 7));
         }
     }
 }
@@ -323,7 +350,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                  const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
                  int64_t page_bytes, const float* query, const float* new_keys, const float* new_values, int64_t g,
                  int64_t n, int64_t r, int64_t rv, float scale, int track_scores, int threads, int64_t grain,
-                 float* out, float* new_score) {
+                 float* out, float* new_score, const float* luts) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H, qn = g * n;
@@ -390,8 +417,8 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const PageRef& ref = pages[p];
                 const Desc& D = descs[ref.desc];
                 const uint8_t* page = arena + ref.off;
-                const int cnt = ref.count;
-                dequantize(page, D, 0, cnt, kbuf.data());
+                const int cnt = ref.count, side = ref.desc & 1;
+                dequantize(page, D, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0));
                 bool any = false;
                 if (D.pos_off < 0) {                                  // untracked tier: no holes below the fill
                     for (int t = 0; t < cnt; ++t) valid[t] = true;
@@ -407,7 +434,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 }
                 if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
-                dequantize(page, D, 1, cnt, vbuf.data());
+                dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1));
                 for (int64_t row = 0; row < qn; ++row) {
                     const float* xr = &x[row * t_max];
                     float* er = &e[row * t_max];
@@ -519,7 +546,7 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
                 const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
                 int64_t page_bytes, int side, int64_t n, const int64_t* b, const int64_t* h, const int64_t* slot,
                 const float* keys, int64_t k_stride, const float* values, int64_t v_stride, const int64_t* pos,
-                const float* score, float* bad_value) {
+                const float* score, float* bad_value, const float* luts) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     // checks first, so that a refused batch leaves the arena untouched (quant._check_values)
@@ -541,7 +568,8 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
         const int64_t t = slot[i] % D.tokens;
         uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], side, slot[i] / D.tokens) * page_bytes;
         for (int which = 0; which < 2; ++which)
-            write_token(page, D, which, t, which ? values + i * v_stride : keys + i * k_stride);
+            write_token(page, D, which, t, which ? values + i * v_stride : keys + i * k_stride,
+                        level_row(luts, D, side, H, h[i], which));
         if (D.pos_off >= 0) {                                         // tracked tiers keep score and position
             std::memcpy(page + D.score_off + 4 * t, &score[i], 4);
             const int32_t p32 = (int32_t)pos[i];
@@ -558,7 +586,7 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
 int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
                        const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
                        int64_t page_bytes, int side, const float* keys, int64_t k_stride, const float* values,
-                       int64_t v_stride, int64_t pos, const float* score, float* bad_value) {
+                       int64_t v_stride, int64_t pos, const float* score, float* bad_value, const float* luts) {
     const int64_t W = B * H;
     std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
     int64_t* f = fill + (layer * B * H) * 2 + side;                  // fill [L, B, H, 2]: entry w at f[2 * w]
@@ -569,7 +597,7 @@ int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
     }
     const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
                                b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
-                               score, bad_value);
+                               score, bad_value, luts);
     if (rc == 0)
         for (int64_t w = 0; w < W; ++w) f[2 * w] += 1;
     return rc;
@@ -584,7 +612,7 @@ int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
                        const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
                        int64_t page_bytes, int side, int64_t* holes, const int32_t* used, const float* keys,
                        int64_t k_stride, const float* values, int64_t v_stride, int64_t pos, const float* score,
-                       float* bad_value, int64_t* need, int64_t* n_need) {
+                       float* bad_value, int64_t* need, int64_t* n_need, const float* luts) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H;
@@ -614,7 +642,7 @@ int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
     if (*n_need) return 3;
     const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
                                b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
-                               score, bad_value);
+                               score, bad_value, luts);
     if (rc == 0)
         for (int64_t w = 0; w < W; ++w) {
             const int64_t at = ((layer * B + b[w]) * H + h[w]) * 2 + side;
@@ -629,7 +657,8 @@ int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
 // (the checks run first: a refused batch writes nothing).
 int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* head_group, int64_t n,
                       const int64_t* base, const int64_t* h, const float* keys, int64_t k_stride, const float* values,
-                      int64_t v_stride, const int64_t* pos, const float* score, float* bad_value) {
+                      int64_t v_stride, const int64_t* pos, const float* score, float* bad_value, const float* luts,
+                      int64_t H) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     for (int which = 0; which < 2; ++which)         // keys first, then values, as the torch writer checks them
         for (int64_t i = 0; i < n; ++i) {
@@ -647,6 +676,7 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
         uint8_t* page = arena + base[i];
         const float* k = keys + i * T * k_stride;
         const int bits = D.k_bits, top = (1 << bits) - 1, pair = D.meta8 ? 2 : 4;
+        const float* k_lut = level_row(luts, D, 1, H, h[i], 0);
         uint8_t* meta = page + D.k_meta_off;
         for (int64_t t = 0; t < T; ++t) std::memset(page + D.k_off + t * D.k_bytes, 0, D.k_bytes);
         for (int c = 0; c < D.r_k; ++c) {                    // one (scale, zero) per channel over the page's tokens
@@ -659,9 +689,10 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
             put_meta(mn, mx, bits, D.meta8, meta + pair * c, &s, &z);
             for (int64_t t = 0; t < T; ++t)
                 page[D.k_off + t * D.k_bytes + ((c * bits) >> 3)] |=
-                    (uint8_t)(encode(k[t * k_stride + c], s, z, top) << ((c * bits) & 7));
+                    (uint8_t)(encode(k[t * k_stride + c], s, z, top, k_lut) << ((c * bits) & 7));
         }
-        for (int64_t t = 0; t < T; ++t) write_token(page, D, 1, t, values + (i * T + t) * v_stride);
+        for (int64_t t = 0; t < T; ++t)
+            write_token(page, D, 1, t, values + (i * T + t) * v_stride, level_row(luts, D, 1, H, h[i], 1));
         if (D.pos_off >= 0)
             for (int64_t t = 0; t < T; ++t) {
                 std::memcpy(page + D.score_off + 4 * t, &score[i * T + t], 4);
