@@ -3,10 +3,10 @@
     python experiments/predicted_vs_measured.py --model smollm2-135m --bundle artifacts/smollm2-135m.kvcal.safetensors \
         --allocations 20 --json docs/results/predicted-vs-measured-smollm2-135m.json
 
-Draws `--allocations` random per-layer (K bits, V bits) assignments over the catalogue (`quality_model.BITS`), and a
-random high-tier format (`quality_model.HIGH`), on the allocation's base settings (`allocate.base_settings`), each
-with its own aggressiveness so that they spread from nearly all 8-bit to nearly all 2-bit. It predicts each one's
-loss from the search's recording (kvcal.profile.recording) of `--windows` search windows at `--context`, measures each
+Draws `--allocations` random per-layer (K bits, V bits) assignments over the catalogue (`quality_model.BITS`), a
+random high-tier format (`quality_model.HIGH`) and heavy-hitter threshold (`quality_model.ALPHAS`), on the
+allocation's base settings (`allocate.base_settings`), each with its own aggressiveness so that they spread from
+nearly all 8-bit to nearly all 2-bit. It predicts each one's loss from the search's recording (kvcal.profile.recording) of `--windows` search windows at `--context`, measures each
 one's KL against dense on the same windows (`--measure coded`: the search's coded probe, which runs the model over
 the K/V as the allocation codes them; `--measure runtime`: the serving runtime, stepwise), and prints Spearman's
 rank correlation with a Markdown table (docs/calibration.md, "Predicted against measured").
@@ -23,9 +23,9 @@ import torch
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe
 from kvcal.models import load_model
-from kvcal.profile.allocate import base_settings, to_config
+from kvcal.profile.allocate import Allocation, base_settings, to_config
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality_model import BITS, HIGH, spearman
+from kvcal.profile.quality_model import ALPHAS, BITS, HIGH, spearman
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_search
 from kvcal.runtime.bundle import load_bundle
@@ -70,20 +70,21 @@ def main() -> None:
     record_seconds = time.perf_counter() - t0
     if args.measure == "coded":
         probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
-        measure = lambda bits, high: probe.measure(costs, bits, high)  # noqa: E731
+        measure = lambda allocation: probe.measure(costs, allocation)  # noqa: E731
     else:
         runtime = DecodeProbe(lm.model, bundle, windows[:, :prompt], windows[:, prompt:], tokenizer=lm.tokenizer)
-        measure = lambda bits, high: runtime.measure(to_config(base, costs, bits, high))  # noqa: E731
+        measure = lambda allocation: runtime.measure(to_config(base, costs, allocation))  # noqa: E731
     recording = None
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for i in range(args.allocations):
         bits = random_bits(len(a.layer_types), gen)
         high = int(torch.randint(len(HIGH), (), generator=gen))
+        alpha = int(torch.randint(len(ALPHAS), (), generator=gen))
         t = time.perf_counter()
-        fid = measure(bits, high)
-        rows.append({"allocation": i, "bits": bits.tolist(), "high": HIGH[high],
-                     "predicted": costs.predicted(bits, high), "measured_kl": fid.kl, "top1": fid.top1,
+        fid = measure(Allocation.of(costs, bits, high, alpha))
+        rows.append({"allocation": i, "bits": bits.tolist(), "high": HIGH[high], "alpha": ALPHAS[alpha],
+                     "predicted": costs.predicted(bits, high, alpha), "measured_kl": fid.kl, "top1": fid.top1,
                      "bytes_ratio": fid.memory["ratio_to_fp16"], "seconds": round(time.perf_counter() - t, 1)})
         print(f"{i:3d}  predicted {rows[-1]['predicted']:10.4g}  measured KL {fid.kl:.5f}  top-1 {fid.top1:.3f}  "
               f"bytes {rows[-1]['bytes_ratio']:.3f}", flush=True)
@@ -93,10 +94,11 @@ def main() -> None:
            "spearman": rho, "rows": rows}
     print(f"\n{args.model} at {args.context}: Spearman {rho:.3f} over {len(rows)} allocations "
           f"(recording {record_seconds:.0f} s, measured by the {args.measure} probe)\n")
-    print("| allocation | high tier | predicted loss | measured KL | top-1 | bytes / fp16 |\n"
-          "|---:|---|---:|---:|---:|---:|")
+    print("| allocation | high tier | alpha | predicted loss | measured KL | top-1 | bytes / fp16 |\n"
+          "|---:|---|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: r["predicted"]):
-        print(f"| {r['allocation']} | {r['high']} | {r['predicted']:.4g} | {r['measured_kl']:.5f} | {r['top1']:.3f} | "
+        print(f"| {r['allocation']} | {r['high']} | {r['alpha']:g} "
+              f"| {r['predicted']:.4g} | {r['measured_kl']:.5f} | {r['top1']:.3f} | "
               f"{r['bytes_ratio']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -12,8 +12,8 @@ from conftest import make_model, random_bundle, random_text
 
 from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
-from kvcal.profile.allocate import allocate, at_price, base_settings, frontier, to_config
-from kvcal.profile.quality_model import BITS, FormatCosts, spearman
+from kvcal.profile.allocate import Allocation, allocate, at_price, base_settings, frontier, to_config
+from kvcal.profile.quality_model import ALPHAS, BASE_ALPHA, BITS, HIGH, FormatCosts, spearman
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_costs
 from kvcal.runtime.storage.bases import served_bases
@@ -22,25 +22,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _table(L: int = 3, H: int = 2, seed: int = 0) -> FormatCosts:
-    """A random table shaped like the quality model's: loss grows and bytes fall as bits fall."""
+    """A random table shaped like the quality model's: loss grows and bytes fall as bits fall; a higher heavy-hitter
+    threshold moves tokens from the high tier to the allocated formats (more loss there, fewer tokens high)."""
     g = torch.Generator().manual_seed(seed)
-    steps = torch.rand(L, H, 2, len(BITS), generator=g, dtype=torch.float64).cumsum(-1) ** 3
+    A = len(ALPHAS)
+    steps = torch.rand(L, H, 2, len(BITS), 1, generator=g, dtype=torch.float64).cumsum(-2) ** 3
+    low_tokens = torch.linspace(90, 99, A, dtype=torch.float64)
     nbytes = torch.tensor([b / 8 + 0.25 for b in BITS], dtype=torch.float64).expand(L, 2, -1).clone()
-    high = torch.rand(L, H, 2, 1, generator=g, dtype=torch.float64)
-    return FormatCosts(steps, nbytes, torch.full((L,), 100.0, dtype=torch.float64), [False] * L,
-                       torch.cat([torch.zeros_like(high), high], -1),
+    high = torch.rand(L, H, 2, 1, 1, generator=g, dtype=torch.float64) * (100 - low_tokens) / 10
+    return FormatCosts(steps * low_tokens / 90, nbytes, low_tokens.expand(L, -1).clone(), [False] * L,
+                       torch.cat([torch.zeros_like(high), high], -2),
                        torch.tensor([2.0, 1.0 + 1 / 16], dtype=torch.float64).expand(L, 2, -1).clone(),
-                       torch.full((L,), 10.0, dtype=torch.float64))
+                       (100 - low_tokens).expand(L, -1).clone())
 
 
 def test_hull_points_are_pareto_optimal_and_ordered():
     costs = _table()
     everything = [torch.tensor(c).view(3, 2) for c in itertools.product(BITS, repeat=6)]
-    priced = [(costs.predicted(b, high), costs.held_bytes(b, high)) for b in everything for high in range(2)]
+    priced = [(costs.predicted(b, high, alpha), costs.held_bytes(b, high, alpha))
+              for b in everything for high in range(len(HIGH)) for alpha in range(len(ALPHAS))]
     hull = frontier(costs)
     assert len(hull) > 3
     assert hull[0].bits.eq(8).all() and hull[0].high == 0 and hull[-1].bits.eq(2).all() and hull[-1].high == 1
     assert {a.high for a in hull} == {0, 1}             # the high tier's formats are both on the frontier here
+    assert len({a.alpha for a in hull}) > 1             # and more than one threshold
     for a, b in zip(hull, hull[1:]):
         assert a.predicted <= b.predicted and a.held_bytes > b.held_bytes
     for a in hull:          # nothing has both less loss and fewer bytes than a hull point
@@ -73,23 +78,25 @@ def test_the_predicted_loss_orders_allocations_as_the_probe_measures_them():
     correlation of predicted loss and measured KL stays high. A predictor that weighs the wrong tokens or sides
     breaks the order, and this fails."""
     model, tok, bundle, ids, base, costs = _tiny_costs()
-    assert costs.costs.shape == (4, 2, 2, len(BITS)) and (costs.costs >= 0).all()
-    assert (costs.costs[..., 2] > costs.costs[..., 0]).all()             # 2 bits cost more than 8, per head
+    assert costs.costs.shape == (4, 2, 2, len(BITS), len(ALPHAS)) and (costs.costs >= 0).all()
+    base_costs = costs.costs[..., BASE_ALPHA]
+    assert (base_costs[..., 2] > base_costs[..., 0]).all()              # 2 bits cost more than 8, per head
     probe = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
     g = torch.Generator().manual_seed(0)
     allocations = [torch.full((4, 2), b) for b in BITS]
     allocations += [torch.tensor(BITS)[torch.randint(3, (4, 2), generator=g)] for _ in range(7)]
     predicted = [costs.predicted(b) for b in allocations]
-    measured = [probe.measure(to_config(base, costs, b)).kl for b in allocations]
+    measured = [probe.measure(to_config(base, costs, Allocation.of(costs, b))).kl for b in allocations]
     assert spearman(predicted, measured) >= 0.8, list(zip(predicted, measured))
 
 
 def test_to_config_sets_only_the_layers_that_differ():
     model, tok, bundle, ids, base, costs = _tiny_costs(L=2)
     bits = torch.tensor([[4, 4], [2, 8]])
-    config = to_config(base, costs, bits)
+    config = to_config(base, costs, Allocation.of(costs, bits))
     assert config.low_layers == ((1, base.low.__class__.parse("K2cV8m8")),)
-    assert to_config(base, costs, torch.full((2, 2), 4)) == base
+    assert to_config(base, costs, Allocation.of(costs, torch.full((2, 2), 4))) == base
+    assert to_config(base, costs, Allocation.of(costs, bits, 1, 3)).tiering.alpha_high == ALPHAS[3]
 
 
 def test_spearman():

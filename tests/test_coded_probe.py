@@ -9,7 +9,7 @@ from conftest import make_model, random_bundle, random_text
 
 from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
-from kvcal.profile.allocate import base_settings, to_config
+from kvcal.profile.allocate import Allocation, base_settings, to_config
 from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.quality_model import BITS, spearman
 from kvcal.profile.ranks import ranks_of
@@ -19,8 +19,19 @@ from kvcal.runtime.storage.bases import served_bases
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _setup(family: str = "llama", L: int = 4, window: int = 8, **model_kwargs):
-    model, tok = make_model(family, num_hidden_layers=L, **model_kwargs)
+def _sharp_model(L: int = 4, sharpen: float = 30.0):
+    """A tiny llama whose query and key projections are scaled up: its attention is peaked enough to have heavy
+    hitters at the catalogue's thresholds (a random model's attention is nearly uniform)."""
+    model, tok = make_model("llama", num_hidden_layers=L)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(sharpen)
+            layer.self_attn.k_proj.weight.mul_(sharpen)
+    return model, tok
+
+
+def _setup(family: str = "llama", L: int = 4, window: int = 8, sharp: bool = False, **model_kwargs):
+    model, tok = _sharp_model(L) if sharp else make_model(family, num_hidden_layers=L, **model_kwargs)
     a = adapter_for(model.config)
     bundle = random_bundle(model, tok)
     ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161].repeat(2, 1)
@@ -41,7 +52,7 @@ def test_nothing_coded_is_the_dense_model():
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, wide), wide, None)
     rec = record_search(model, ids[:, :112], ids[:, 112:], served, wide, list(a.layer_types), a.head_dim)
     probe = CodedProbe(model, rec, served, wide, list(a.layer_types), a.head_dim)
-    fid = probe.measure(costs, torch.full((4, 2), 2))
+    fid = probe.measure(costs, Allocation.of(costs, torch.full((4, 2), 2)))
     # the recorded prompt K/V are kept in fp16, as the runtime's raw tiers hold them: KL of order 1e-6 on this model
     # (1e-9 with float32 copies)
     assert fid.top1 == 1.0 and fid.kl < 1e-5 and abs(fid.ppl_ratio - 1) < 1e-5, fid
@@ -49,7 +60,7 @@ def test_nothing_coded_is_the_dense_model():
 
 def test_fewer_bits_cost_more_and_bytes_fall():
     model, tok, bundle, ids, base, costs, probe = _setup()
-    fids = [probe.measure(costs, torch.full((4, 2), b)) for b in BITS]
+    fids = [probe.measure(costs, Allocation.of(costs, torch.full((4, 2), b))) for b in BITS]
     kls = [f.kl for f in fids]
     ratios = [f.memory["ratio_to_fp16"] for f in fids]
     assert kls[0] < kls[1] < kls[2], kls
@@ -66,8 +77,9 @@ def test_the_coded_probe_orders_allocations_as_the_runtime_measures_them():
     g = torch.Generator().manual_seed(0)
     allocations = [torch.full((4, 2), b) for b in BITS]
     allocations += [torch.tensor(BITS)[torch.randint(3, (4, 2), generator=g)] for _ in range(7)]
-    coded = [probe.measure(costs, b).kl for b in allocations]
-    served = [runtime.measure(to_config(base, costs, b)).kl for b in allocations]
+    allocations = [Allocation.of(costs, b) for b in allocations]
+    coded = [probe.measure(costs, a).kl for a in allocations]
+    served = [runtime.measure(to_config(base, costs, a)).kl for a in allocations]
     assert spearman(coded, served) >= 0.8, list(zip(coded, served))
 
 
@@ -80,7 +92,7 @@ def test_sliding_layers_are_coded_too():
     wide = torch.full((4, 2), 8)
     narrow = wide.clone()
     narrow[sliding] = 2
-    assert probe.measure(costs, narrow).kl > probe.measure(costs, wide).kl
+    assert probe.measure(costs, Allocation.of(costs, narrow)).kl > probe.measure(costs, Allocation.of(costs, wide)).kl
 
 
 def test_flash_bulk_equals_the_plain_softmax():
@@ -93,14 +105,14 @@ def test_flash_bulk_equals_the_plain_softmax():
 
     model, tok, bundle, ids, base, costs, probe = _setup()
     a = adapter_for(model.config)
-    B, n, prompt = 2, 49, probe.held[0].shape[-1]
+    B, n, prompt = 2, 48, probe.prompt.shape[1]
     S = prompt + n
     g = a.num_q_heads // a.num_kv_heads
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
     key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
     causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
-    token = _STATE.set(_Coding(probe, torch.full((4, 2), 4), slice(None)))
+    token = _STATE.set(_Coding(probe, Allocation.of(costs, torch.full((4, 2), 4)), slice(None)))
     try:
         module = SimpleNamespace(layer_idx=0)
         flash, _ = _coded_attention(module, query, key, value, causal, scaling=0.125)
@@ -111,24 +123,58 @@ def test_flash_bulk_equals_the_plain_softmax():
 
 
 def test_an_8_bit_high_tier_is_priced_and_coded():
-    """With heavy hitters (a threshold of 1/N), the 8-bit high tier of the catalogue is predicted to cost loss, the
+    """With heavy hitters (the lowest threshold of the catalogue), the 8-bit high tier is predicted to cost loss, the
     probe codes it and models fewer bytes."""
     from kvcal.profile.quality_model import HIGH
 
-    model, tok = make_model("llama", num_hidden_layers=4)
-    a = adapter_for(model.config)
-    bundle = random_bundle(model, tok)
-    ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161]
-    base = base_settings(a.layer_types).with_tiering(window=8, alpha_high=1.0)
-    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
-    rec = record_search(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
-    costs, probe = rec.costs, CodedProbe(model, rec, served, base, list(a.layer_types), a.head_dim)
-    assert HIGH[1] == "K8V8" and costs.high_tokens.min() > 0
-    assert costs.high_costs[..., 0].abs().max() == 0 and costs.high_costs[..., 1].sum() > 0
+    model, tok, bundle, ids, base, costs, probe = _setup(sharp=True)
+    assert HIGH[1] == "K8V8" and costs.high_tokens[:, 0].min() > 0
+    assert costs.high_costs[..., 0, :].abs().max() == 0 and costs.high_costs[..., 1, 0].sum() > 0
     bits = torch.full((4, 2), 4)
-    assert costs.held_bytes(bits, 1) < costs.held_bytes(bits, 0)
-    wide, narrow = probe.measure(costs, bits, 0), probe.measure(costs, bits, 1)
+    assert costs.held_bytes(bits, 1, 0) < costs.held_bytes(bits, 0, 0)
+    wide = probe.measure(costs, Allocation.of(costs, bits, 0, 0))
+    narrow = probe.measure(costs, Allocation.of(costs, bits, 1, 0))
     # coding the heavy hitters at 8 bits changes what the queries read (a KL of order 1e-7 here, either side of the
     # 16-bit tier's), and the modelled bytes fall
     assert narrow.kl != wide.kl and narrow.memory["ratio_to_fp16"] < wide.memory["ratio_to_fp16"]
-    assert to_config(base, costs, bits, 1).high.name == "K8V8"
+    assert to_config(base, costs, Allocation.of(costs, bits, 1)).high.name == "K8V8"
+
+
+def test_a_higher_threshold_holds_more_tokens_in_the_allocated_formats():
+    """The thresholds of the catalogue are nested: every token held below alpha is held below a higher one, so the
+    tokens held grow, the high tier's shrink, and 2-bit formats cost at least as much loss."""
+    from kvcal.profile.quality_model import ALPHAS
+
+    model, tok, bundle, ids, base, costs, probe = _setup(sharp=True)
+    for layer, held in probe.held.items():
+        assert held.shape[0] == len(ALPHAS) and (held[:-1] <= held[1:]).all(), layer
+    assert (costs.tokens[:, 1:] >= costs.tokens[:, :-1]).all() and costs.tokens[:, -1].sum() > costs.tokens[:, 0].sum()
+    assert (costs.high_tokens[:, 1:] <= costs.high_tokens[:, :-1]).all()
+    assert (costs.costs[..., 2, 1:] >= costs.costs[..., 2, :-1] - 1e-12).all()
+
+
+@pytest.mark.parametrize("alpha", [0, 1])
+def test_the_held_prompt_tokens_are_those_the_runtime_places_low_at_prefill(alpha):
+    """The recording classifies the prompt's tokens by the runtime's own rule: its count of prompt tokens held in the
+    allocated format (out of the window at prefill) equals the tokens the runtime's DiffKV prefill puts in the low
+    tier, with the same threshold (per-token low tier: no tokens wait for a page)."""
+    from kvcal.profile.quality_model import ALPHAS
+    from kvcal.runtime.hf import KvcalCache
+    from kvcal.runtime.storage.layout import TierFormat
+
+    model, tok = _sharp_model()
+    a = adapter_for(model.config)
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161]
+    P, window = 112, 8
+    base = base_settings(a.layer_types).with_tiering(window=window).with_(low=TierFormat.parse("K4V4"),
+                                                                          page_tokens=None)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
+    rec = record_search(model, ids[:, :P], ids[:, P:], served, base, list(a.layer_types), a.head_dim)
+    predicted = sum(int(held[alpha, 0, :, :P - window].sum()) for held in rec.held.values())
+    config = base.with_tiering(alpha_high=ALPHAS[alpha])
+    cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :P], cache=cache, use_cache=True)
+    placed = len(rec.held) * a.num_kv_heads * (P - window)
+    assert 0 < predicted < placed and predicted == cache.kv.tier_counts()["low"]

@@ -8,6 +8,7 @@ import torch
 from conftest import make_model, random_text
 
 from kvcal.eval import dense_logits
+from kvcal.models import adapter_for
 from kvcal.profile.recording import _record_window
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,7 +25,8 @@ def test_reference_is_the_dense_forward(model_type):
     model, tok = make_model(model_type)
     ids = _ids(tok)
     P = 60
-    window = _record_window(model, ids[:, :P], ids[:, P:], model.config.num_hidden_layers, chunk=8)
+    sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
+    window = _record_window(model, ids[:, :P], ids[:, P:], sliding, chunk=8)
     want = torch.log_softmax(dense_logits(model, ids[:, :-1], start=P), -1)
     ref = window["ref"]
     assert torch.equal(ref.ids[..., 0], want.argmax(-1))
@@ -40,7 +42,7 @@ def test_gradients_are_those_of_the_cached_prompt():
     model, tok = make_model("llama")
     ids = _ids(tok)
     P, L = 60, model.config.num_hidden_layers
-    window = _record_window(model, ids[:, :P], ids[:, P:], L, chunk=64)
+    window = _record_window(model, ids[:, :P], ids[:, P:], [False] * L, chunk=64)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :P], cache=cache, use_cache=True)

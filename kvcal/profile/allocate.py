@@ -3,14 +3,15 @@ predicted-loss budget (a multiple-choice knapsack).
 
 Every (layer, side) is one group with one choice per entry of the catalogue (`quality_model.BITS`), each with a
 predicted loss (the quality model's table, summed over KV heads: the runtime stores one format per layer) and a
-byte cost at the recorded context; the high tier's format (`quality_model.HIGH`) is one choice for every layer.
+byte cost at the recorded context; the high tier's format (`quality_model.HIGH`) and the heavy-hitter threshold
+(`quality_model.ALPHAS`) are each one choice for every layer.
 For a price λ every group takes argmin loss + λ · bytes; sweeping λ traces the lower convex hull of the bytes-loss
 frontier (`frontier`), cheapest in loss first. A budget picks the cheapest hull
 point within it (`allocate`). The cost is linear in groups × choices, a few milliseconds for any model here.
 
     hull = frontier(costs)              # [Allocation], predicted loss ascending, bytes descending
     bits = allocate(costs, budget).bits
-    config = to_config(base, costs, bits, high)
+    config = to_config(base, costs, allocation)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, layer_format
+from kvcal.profile.quality_model import ALPHAS, BASE_ALPHA, BITS, HIGH, FormatCosts, layer_format
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.policies.diffkv import TieringConfig
 from kvcal.runtime.storage.layout import TierFormat
@@ -28,7 +29,7 @@ from kvcal.runtime.storage.layout import TierFormat
 # hitters (mean attention >= HEAVY_HITTERS / N) at 16 bits, every other token of a paged layer in its low-tier
 # format, keys per channel over pages of PAGE_TOKENS low tokens; a sliding-window layer's window in its sliding
 # format, keys per token in groups of 32 channels (a head dim of 256 needs them at 4 bits and below).
-WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, 16.0, 32
+WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, ALPHAS[BASE_ALPHA], 32
 LOW, SLIDING = "K4cV4m8", "K8V8kg32m8"
 
 
@@ -46,40 +47,49 @@ class Allocation:
     predicted: float          # the loss it adds (FormatCosts.predicted)
     held_bytes: float         # bytes its formats hold at the recorded context (FormatCosts.held_bytes)
     high: int = 0             # the high tier's format: HIGH[high]
+    alpha: int = BASE_ALPHA   # the heavy-hitter threshold: ALPHAS[alpha]
+
+    @classmethod
+    def of(cls, costs: FormatCosts, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> Allocation:
+        """bits long [L, 2] (entries of BITS), the high tier HIGH[high], heavy hitters at ALPHAS[alpha], priced."""
+        return cls(bits, costs.predicted(bits, high, alpha), costs.held_bytes(bits, high, alpha), high, alpha)
 
 
-def _priced(costs: FormatCosts) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, bytes) float64 [L, 2, len(BITS)] per group and choice."""
-    return costs.costs.sum(1), costs.bytes * costs.tokens[:, None, None]
+def _priced(costs: FormatCosts, alpha: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, bytes) float64 [L, 2, len(BITS)] per group and choice, heavy hitters at ALPHAS[alpha]."""
+    return costs.costs[..., alpha].sum(1), costs.bytes * costs.tokens[:, alpha, None, None]
 
 
-def at_price(costs: FormatCosts, price: float, high: int = 0) -> Allocation:
-    """Every group's argmin loss + price · bytes (ties: the wider format), with the high tier in HIGH[high]."""
-    loss, nbytes = _priced(costs)
+def at_price(costs: FormatCosts, price: float, high: int = 0, alpha: int = BASE_ALPHA) -> Allocation:
+    """Every group's argmin loss + price · bytes (ties: the wider format), with the high tier in HIGH[high] and heavy
+    hitters at ALPHAS[alpha]."""
+    loss, nbytes = _priced(costs, alpha)
     choice = (loss + price * nbytes).argmin(-1)
-    bits = torch.tensor(BITS)[choice]
-    return Allocation(bits, costs.predicted(bits, high), costs.held_bytes(bits, high), high)
+    return Allocation.of(costs, torch.tensor(BITS)[choice], high, alpha)
 
 
 def frontier(costs: FormatCosts, steps: int = 400) -> list[Allocation]:
     """The distinct allocations along λ from 0 (every group at its least loss) to a price where every group takes
     its fewest bytes, predicted loss ascending. λ runs over a log grid spanning the ratios of loss to bytes that occur
-    in the table, so every breakpoint of the hull lies between two grid points (up to ties). The high tier is one
-    choice for all layers (the runtime has one high tier): at each λ, the high-tier format whose allocation costs
-    least at that price."""
-    loss, nbytes = _priced(costs)
-    d_loss = (loss[..., 1:] - loss[..., :1]).abs()
-    d_bytes = (nbytes[..., :1] - nbytes[..., 1:]).abs().clamp(min=1e-12)
-    ratios = (d_loss / d_bytes)[d_loss > 0]
+    in the table, so every breakpoint of the hull lies between two grid points (up to ties). The high tier and the
+    heavy-hitter threshold are each one choice for all layers (the runtime has one of each): at each λ, the pair
+    whose allocation costs least at that price."""
+    ratios = []
+    for alpha in range(len(ALPHAS)):
+        loss, nbytes = _priced(costs, alpha)
+        d_loss = (loss[..., 1:] - loss[..., :1]).abs()
+        d_bytes = (nbytes[..., :1] - nbytes[..., 1:]).abs().clamp(min=1e-12)
+        ratios.append((d_loss / d_bytes)[d_loss > 0])
+    ratios = torch.cat(ratios)
     prices = [0.0]
     if ratios.numel():
         low, high = ratios.min().log10().item() - 1, ratios.max().log10().item() + 1
         prices += torch.logspace(low, high, steps, dtype=torch.float64).tolist()
     hull, seen = [], set()
     for price in prices:
-        a = min((at_price(costs, price, tier) for tier in range(len(HIGH))),
+        a = min((at_price(costs, price, tier, alpha) for tier in range(len(HIGH)) for alpha in range(len(ALPHAS))),
                 key=lambda a: a.predicted + price * a.held_bytes)
-        key = (a.high, *a.bits.flatten().tolist())
+        key = (a.high, a.alpha, *a.bits.flatten().tolist())
         if key not in seen:
             seen.add(key)
             hull.append(a)
@@ -93,13 +103,15 @@ def allocate(costs: FormatCosts, budget: float) -> Allocation:
     return min(within, key=lambda a: a.held_bytes) if within else hull[0]
 
 
-def to_config(base: CompressionConfig, costs: FormatCosts, bits: torch.Tensor, high: int = 0) -> CompressionConfig:
-    """`base` with each layer's low tier (a paged layer: `low_layers`) or sliding format (`sliding_layers`) at
-    bits [L, 2] and the high tier in HIGH[high]; layers whose bits equal the base format's are left to it."""
+def to_config(base: CompressionConfig, costs: FormatCosts, allocation: Allocation) -> CompressionConfig:
+    """`base` with each layer's low tier (a paged layer: `low_layers`) or sliding format (`sliding_layers`) at the
+    allocation's bits [L, 2], its high tier and heavy-hitter threshold; layers whose bits equal the base format's are
+    left to it."""
     low, sliding = [], []
-    for layer, (k, v) in enumerate(bits.tolist()):
+    for layer, (k, v) in enumerate(allocation.bits.tolist()):
         is_sliding = costs.sliding[layer]
         fmt = layer_format(base, is_sliding, k, v)
         if fmt != (base.sliding if is_sliding else base.low):
             (sliding if is_sliding else low).append((layer, fmt))
-    return base.with_(high=TierFormat.parse(HIGH[high]), low_layers=tuple(low), sliding_layers=tuple(sliding))
+    return base.with_tiering(alpha_high=ALPHAS[allocation.alpha]).with_(
+        high=TierFormat.parse(HIGH[allocation.high]), low_layers=tuple(low), sliding_layers=tuple(sliding))

@@ -107,7 +107,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     def measured(stage: str, run: Callable[[int, object], object]) -> Callable[[int], dict]:
         def measure(i: int) -> dict:
-            config = to_config(base, costs, hull[i].bits, hull[i].high)
+            config = to_config(base, costs, hull[i])
             key = json.dumps([stage, config.to_dict()], sort_keys=True)
             step(stage, f"hull point {i} of {len(hull)} ({'search' if stage == 'probe' else 'evaluation'} text)",
                  None)
@@ -128,8 +128,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     t = time.perf_counter()
     probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
-    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i].bits,
-                                                                                          hull[i].high)),
+    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i])),
                              target, cfg.max_probes)
     probe = recording = None        # the recorded prompts: hundreds of MB
     release_memory()
@@ -145,7 +144,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     eval_probe = None
     seconds["confirmation"] = time.perf_counter() - t
 
-    chosen = to_config(base, costs, hull[index].bits, hull[index].high)
+    chosen = to_config(base, costs, hull[index])
     held_out = next(p.fidelity for p in reversed(checks) if p.index == index)
     met = any(p.met and p.index == index for p in checks)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen)

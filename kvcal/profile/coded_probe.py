@@ -6,19 +6,19 @@ window, which costs minutes per point at 4k on two cores. This probe runs the mo
 allocation would hold them, the way the quality model itself reasons (kvcal.profile.quality_model):
 
 - the prompt's K/V, the dense reference of the continuation and which prompt tokens each layer holds in its
-  allocated format (`held_mask`'s rule: out of the window and below the heavy-hitter threshold, seen by the
-  continuation's queries) come from the search's recording (kvcal.profile.recording);
+  allocated format at each heavy-hitter threshold (`held_masks`: out of the window and below the threshold, by the
+  runtime's rule) come from the search's recording (kvcal.profile.recording);
 - for each allocation, the continuation is teacher-forced in one forward pass (`chunk` tokens at a time) with an
   attention in which query i meets key j coded in layer l's format (the runtime's coding in the served bases:
-  `coded_keys`, `coded_values`) when j is held and left the window before i, and exactly otherwise; a continuation
-  token is held once it leaves the window; a sliding-window layer holds every token but the query's own.
+  `coded_keys`, `coded_values`) when j is held (prompt and continuation tokens alike, by the recorded rule) and left
+  the window before i, and exactly otherwise; a sliding-window layer holds every token but the query's own.
 
 What it leaves out is what the runtime decides on the fly: heavy hitters found during decode, the exact page
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
 decode on evaluation text, so the chosen point is always measured as served.
 
     probe = CodedProbe(model, recording, served, base, layer_types, head_dim)
-    fid = probe.measure(costs, bits)          # a Fidelity, memory["ratio_to_fp16"] modelled (see `modelled_ratio`)
+    fid = probe.measure(costs, allocation)    # a Fidelity, memory["ratio_to_fp16"] modelled (see `modelled_ratio`)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from contextvars import ContextVar
 import torch
 
 from kvcal.eval.fidelity import LogitScores, dense_cache
+from kvcal.profile.allocate import Allocation
 from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, layer_format
 from kvcal.profile.recording import Recording
@@ -43,9 +44,9 @@ _STATE: ContextVar[_Coding | None] = ContextVar("kvcal_coded_probe", default=Non
 class _Coding:
     """One allocation's coding, applied by `_coded_attention` layer by layer."""
 
-    def __init__(self, probe: CodedProbe, bits: torch.Tensor, rows: slice, high: int = 0):
-        self.probe, self.bits, self.rows = probe, bits, rows          # rows: the windows of this forward
-        self.high = TierFormat.parse(HIGH[high])
+    def __init__(self, probe: CodedProbe, allocation: Allocation, rows: slice):
+        self.probe, self.bits, self.rows = probe, allocation.bits, rows          # rows: the windows of this forward
+        self.high, self.alpha = TierFormat.parse(HIGH[allocation.high]), allocation.alpha
 
     def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
         """key, value [B, H, S, d] (what the layer's cache shows this forward) -> the same coded as layer `layer`
@@ -70,20 +71,15 @@ class _Coding:
                     v_out[b, h, sel] = coded_values(vs[None], tier)[0] @ basis[h].T
         return k_out.to(key.dtype), v_out.to(value.dtype)
 
-    def held_tokens(self, layer: int, B: int, H: int, S: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(low, high) bool [B, H, S]: a sliding layer's every token in low; a paged layer's held prompt tokens
-        (recorded) and the continuation tokens out of the window at the last query in low, its other prompt tokens in
-        high when the high tier is coded (not raw)."""
+    def held_tokens(self, layer: int, B: int, H: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(low, high) bool [B, H, S]: a sliding layer's every token in low; a paged layer's held tokens (recorded at
+        the allocation's threshold) in low, its others in high when the high tier is coded (not raw; the caller codes
+        a token only once it is out of the window)."""
         p = self.probe
         if p.sliding[layer]:
             return torch.ones(B, H, S, dtype=torch.bool), torch.zeros(B, H, S, dtype=torch.bool)
-        prompt = p.held[layer][self.rows]
-        rest = torch.zeros(B, H, S - prompt.shape[-1], dtype=torch.bool)
-        rest[..., :max(S - prompt.shape[-1] - window, 0)] = True
-        high = torch.zeros(B, H, S, dtype=torch.bool)
-        if self.high.k_bits not in RAW_BITS:
-            high[..., :prompt.shape[-1]] = ~prompt
-        return torch.cat([prompt, rest], dim=-1), high
+        low = p.held[layer][self.alpha, self.rows, :, :S]
+        return low, ~low if self.high.k_bits not in RAW_BITS else torch.zeros_like(low)
 
 
 def _coded_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -96,7 +92,7 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     H, S = key.shape[1], key.shape[2]
     sliding = state.probe.sliding[layer]
     window = 1 if sliding else state.probe.base.tiering.window
-    low, high = state.held_tokens(layer, B, H, S, window)                                 # [B, H, S]
+    low, high = state.held_tokens(layer, B, H, S)                                         # [B, H, S]
     kc, vc = state.coded_kv(layer, key, value, low, high)
     held = low | high                                                                       # coded once aged
     g = Hq // H
@@ -149,29 +145,24 @@ class CodedProbe:
         self.served, self.base, self.head_dim, self.chunk = served, base, head_dim, chunk
         self.sliding = [t == "sliding_attention" for t in layer_types]
 
-    def modelled_ratio(self, costs: FormatCosts, bits: torch.Tensor, high: int = 0) -> float:
+    def modelled_ratio(self, costs: FormatCosts, allocation: Allocation) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
-        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), a paged
-        layer's other prompt tokens at the high tier's (`FormatCosts.high_bytes`), every other token at 16 bits.
+        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), a paged layer's
+        other tokens out of the window at the high tier's (`FormatCosts.high_bytes`), every other token at 16 bits.
         Pages' slack and the runtime's fixed allowance are not in it: the confirmation measures those."""
-        S, P = self.prompt.shape[1] + self.continuation.shape[1] - 1, self.prompt.shape[1]
+        S = self.prompt.shape[1] + self.continuation.shape[1] - 1
         H, d = self.served.rotation.shape[1], self.head_dim
+        bits, alpha = allocation.bits, allocation.alpha
         per_token = costs.bytes.gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum(-1)   # [L]
-        per_high = costs.high_bytes[..., high].sum(-1)                                             # [L]
-        held = torch.tensor([self._held_at_end(layer, S) for layer in range(len(self.sliding))],
-                            dtype=torch.float64)                                               # [L] per KV head
-        in_high = torch.tensor([0.0 if s else float(P - self.held[i].double().sum(-1).mean())
-                                for i, s in enumerate(self.sliding)], dtype=torch.float64)
+        per_high = costs.high_bytes[..., allocation.high].sum(-1)                                  # [L]
+        held = torch.tensor([float(S) if s else float(self.held[i][alpha].double().sum(-1).mean())
+                             for i, s in enumerate(self.sliding)], dtype=torch.float64)          # [L] per KV head
+        aged = max(S - self.base.tiering.window, 0)
+        in_high = torch.tensor([0.0 if s else aged - float(held[i]) for i, s in enumerate(self.sliding)],
+                               dtype=torch.float64)
         dense_token = 2 * 2 * H * d                                                            # K and V, fp16
         total = (per_token * held + per_high * in_high + (S - held - in_high) * dense_token).sum()
         return float(total / (len(self.sliding) * S * dense_token))
-
-    def _held_at_end(self, layer: int, S: int) -> float:
-        """Tokens per KV head (mean over heads and windows) a layer holds coded after the continuation."""
-        if self.sliding[layer]:
-            return float(S)
-        M = self.continuation.shape[1] - 1
-        return float(self.held[layer].double().sum(-1).mean()) + max(M - self.base.tiering.window, 0)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's head over hidden [B, c, D] -> float32 logits (with the final soft-capping some models have)."""
@@ -180,11 +171,11 @@ class CodedProbe:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     @torch.inference_mode()
-    def measure(self, costs: FormatCosts, bits: torch.Tensor, high: int = 0):
-        """bits long [L, 2] (K, V bits per layer, entries of BITS), the high tier in HIGH[high] -> a Fidelity of the
+    def measure(self, costs: FormatCosts, allocation: Allocation):
+        """An allocation (bits per layer, entries of BITS; high tier; heavy-hitter threshold) -> a Fidelity of the
         continuation through the coded K/V; memory["ratio_to_fp16"] from `modelled_ratio`. A window at a time: one
         window's float32 K/V and coded copies are alive at once."""
-        if not set(bits.unique().tolist()) <= set(BITS):
+        if not set(allocation.bits.unique().tolist()) <= set(BITS):
             raise ValueError(f"bits must be entries of {BITS}")
         target = self.continuation[:, 1:]
         M = target.shape[1]
@@ -198,7 +189,7 @@ class CodedProbe:
             # the whole continuation in one forward: a query sees each key coded or exact by its age, so splitting
             # it would change nothing but the work (each forward would code the layer again)
             with attending_by(self.model, CODED_IMPL, _coded_attention, "eager", _STATE,
-                              _Coding(self, bits, rows, high)):
+                              _Coding(self, allocation, rows)):
                 hidden = self.model.model(input_ids=self.continuation[rows, :M], cache=cache,
                                           use_cache=True).last_hidden_state
             for t in range(0, M, self.chunk):          # the head a few positions at a time: no [M, vocab] copy
@@ -206,5 +197,5 @@ class CodedProbe:
                            target[rows, t:t + self.chunk], rows)
             del cache, hidden
         fid = scores.fidelity(self.prompt.shape[1], time.perf_counter() - t0)
-        fid.memory = {"ratio_to_fp16": self.modelled_ratio(costs, bits, high), "modelled": True}
+        fid.memory = {"ratio_to_fp16": self.modelled_ratio(costs, allocation), "modelled": True}
         return fid

@@ -8,18 +8,24 @@ catalogue, δ is the runtime's own coding error in the served bases (g and x rot
 that format would hold under the base settings:
 
 - a paged layer holds in its low tier every token that leaves the window before the last scored query and is not a
-  heavy hitter (mean attention of the scored queries below alpha_high / N, DiffKV's rule at prefill); the others
-  stay in the high tier, the same for every choice, so they add nothing that differs between choices. A token's
-  gradient sums only the queries after it, so a token that ages into the low tier during the scored continuation is
-  weighted by the queries that read it there, plus its first `window` ones (a small overcount);
+  heavy hitter; the others stay in the high tier. Heavy hitters follow the runtime's rule (kvcal.runtime.policies.
+  diffkv, threshold base "length"): a prompt token that is out of the window at prefill is one when its mean prefill
+  attention (summed over the prompt's queries, max over a KV head's query heads, divided by the queries that saw it)
+  reaches alpha / P; a token that leaves the window during the continuation, when its mean over every query that saw
+  it reaches alpha / S (the runtime places it as it leaves and then swaps its least significant high token out one
+  step at a time; the end state is modelled, not the steps). The threshold alpha is a choice of the allocation
+  (`ALPHAS`), one for every layer, like the high tier's format (`HIGH`). A token's gradient sums only the queries
+  after it, so a token that ages into the low tier during the scored continuation is weighted by the queries that read
+  it there, plus its first `window` ones (a small overcount);
 - a sliding-window layer holds every token in its sliding format (the tokens no query reads have g = 0).
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
 them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
 
-    costs[l, h, s, b]   float64 [L, H, 2, len(BITS)]   ½ Σ g² δ² with side s (0: K, 1: V) of layer l's
-                                                       format at BITS[b] bits, summed over windows, tokens, coordinates
-    predicted(bits)     = Σ_l,s costs[l, :, s, index of bits[l, s]].sum()
+    costs[l, h, s, b, a]   float64 [L, H, 2, len(BITS), len(ALPHAS)]   ½ Σ g² δ² with side s (0: K, 1: V) of layer
+                                       l's format at BITS[b] bits, heavy hitters at ALPHAS[a], summed over windows,
+                                       tokens, coordinates
+    predicted(bits, high, a) = Σ_l,s costs[l, :, s, index of bits[l, s], a].sum() + the high tier's table
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
 HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
+# and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
+# paged layer, on a doubling grid
+ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
+BASE_ALPHA = 1                # ALPHAS[BASE_ALPHA]: the base settings' threshold (kvcal.profile.allocate)
 SIDES = ("k", "v")
 
 
@@ -60,24 +70,28 @@ def side_bytes(fmt: TierFormat, side: str, head_dim: int, page_bytes: int, track
 class FormatCosts:
     """The quality model's table and what it needs to price a choice (module docstring)."""
 
-    costs: torch.Tensor          # float64 [L, H, 2, len(BITS)]
+    costs: torch.Tensor          # float64 [L, H, 2, len(BITS), len(ALPHAS)]
     bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads
-    tokens: torch.Tensor         # float64 [L]: tokens each layer holds in the allocated format (per KV head, mean)
+    tokens: torch.Tensor         # float64 [L, len(ALPHAS)]: tokens each layer holds in the allocated format (per KV
+                                 # head, mean)
     sliding: list[bool]          # per layer
-    high_costs: torch.Tensor     # float64 [L, H, 2, len(HIGH)]: ½ Σ g² δ² of the high tier's tokens in each format
+    high_costs: torch.Tensor     # float64 [L, H, 2, len(HIGH), len(ALPHAS)]: ½ Σ g² δ² of the high tier's tokens in
+                                 # each format
     high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
-    high_tokens: torch.Tensor    # float64 [L]: tokens each layer holds in its high tier (per KV head, mean)
+    high_tokens: torch.Tensor    # float64 [L, len(ALPHAS)]: tokens each layer holds in its high tier (per KV head)
 
-    def predicted(self, bits: torch.Tensor, high: int = 0) -> float:
-        """bits long [L, 2] (entries of BITS), high tier HIGH[high] -> the loss the assignment adds (½ Σ g² δ²)."""
-        low = self.costs.sum(1).gather(-1, self.index(bits)[..., None]).sum()
-        return float(low + self.high_costs[..., high].sum())
+    def predicted(self, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> float:
+        """bits long [L, 2] (entries of BITS), high tier HIGH[high], heavy hitters at ALPHAS[alpha] -> the loss the
+        assignment adds (½ Σ g² δ²)."""
+        low = self.costs[..., alpha].sum(1).gather(-1, self.index(bits)[..., None]).sum()
+        return float(low + self.high_costs[..., high, alpha].sum())
 
-    def held_bytes(self, bits: torch.Tensor, high: int = 0) -> float:
-        """bits long [L, 2], high tier HIGH[high] -> bytes the allocated formats hold at the recorded context."""
+    def held_bytes(self, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> float:
+        """bits long [L, 2], high tier HIGH[high], heavy hitters at ALPHAS[alpha] -> bytes the allocated formats hold
+        at the recorded context."""
         per_token = self.bytes.gather(-1, self.index(bits)[..., None])[..., 0]
-        high_part = self.high_bytes[..., high] * self.high_tokens[:, None]
-        return float((per_token * self.tokens[:, None]).sum() + high_part.sum())
+        high_part = self.high_bytes[..., high] * self.high_tokens[:, alpha, None]
+        return float((per_token * self.tokens[:, alpha, None]).sum() + high_part.sum())
 
     @staticmethod
     def index(bits: torch.Tensor) -> torch.Tensor:
@@ -111,36 +125,47 @@ def coded_values(v: torch.Tensor, fmt: TierFormat) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_mask(query: torch.Tensor, key: torch.Tensor, base: CompressionConfig, sliding: bool) -> torch.Tensor:
-    """query [1, Hq, M, d] of the M scored positions (the last M of the key's), key [1, H, S, d] -> bool [H, S]: the
-    tokens a layer holds in the allocated format. A sliding layer: all. A paged one: those that leave the window
-    before the last query, below the heavy-hitter threshold (mean over the scored queries of the max over a KV head's
-    query heads, under alpha_high / S)."""
+def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, window: int,
+               sliding: bool) -> torch.Tensor:
+    """The tokens a layer holds in its allocated format, for every heavy-hitter threshold of `ALPHAS` (module
+    docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
+    prompt's queries, max over a KV head's query heads (the runtime's prefill significance); query [1, Hq, M, d] of
+    the M scored positions (the last M of the key's); key [1, H, S, d]. A sliding layer holds all its tokens."""
     H, S = key.shape[1], key.shape[2]
     if sliding:
-        return torch.ones(H, S, dtype=torch.bool)
-    start = S - query.shape[2]                            # the first scored query
-    held = torch.zeros(H, S, dtype=torch.bool)
-    held[:, :max(S - base.tiering.window, 0)] = True
-    if base.tiering.tiered and base.tiering.alpha_high < 1e8:
-        q = query[0].float()                                                          # [Hq, M, d]
-        k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                  # [Hq, S, d]
-        logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        causal = torch.arange(S)[None, :] > torch.arange(start, S)[:, None]
-        attention = logits.masked_fill(causal, float("-inf")).softmax(-1)
-        # the runtime's rule (kvcal.runtime.policies.diffkv): per query the max over the KV head's query heads
-        significance = attention.view(H, -1, *attention.shape[1:]).amax(1).mean(1)     # [H, S]
-        held &= significance < base.tiering.alpha_high / S
-    return held
+        return torch.ones(len(ALPHAS), H, S, dtype=torch.bool)
+    M, P = query.shape[2], prefill_score.shape[1]
+    q = query[0].float()                                                              # [Hq, M, d]
+    k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                      # [Hq, S, d]
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.arange(S)[None, :] > torch.arange(P, S)[:, None]
+    attention = logits.masked_fill(causal, float("-inf")).softmax(-1)                 # [Hq, M, S]
+    continuation = attention.view(H, -1, M, S).amax(1).sum(1)                         # [H, S]
+    at = torch.arange(S, dtype=torch.float64)
+    # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P; any other by
+    # its mean over every query that saw it against alpha / S
+    at_prefill = at[:P] < P - window
+    mean_prefill = prefill_score.double() / (P - at[:P])
+    mean_end = (torch.cat([prefill_score.double(), torch.zeros(H, M, dtype=torch.float64)], 1)
+                + continuation.double()) / (S - at)
+    aged = at < S - window
+    held = []
+    for alpha in ALPHAS:
+        low = mean_end < alpha / S
+        low[:, :P] = torch.where(at_prefill, mean_prefill < alpha / P, low[:, :P])
+        held.append(low & aged)
+    return torch.stack(held)
 
 
 @torch.no_grad()
 def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, kv: tuple, grads: tuple,
                     held: torch.Tensor, high: torch.Tensor, served: ServedBases, base: CompressionConfig, sliding: bool,
                     head_dim: int) -> None:
-    """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS)] for every catalogue entry of the held tokens
-    (held bool [H, S]) and into high_costs [H, 2, len(HIGH)] for every high-tier format of the high tier's tokens
-    (high bool [H, S]). kv, grads: key and value [1, H, S, d] and their gradients."""
+    """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS), len(ALPHAS)] for every catalogue entry of the
+    held tokens (held bool [len(ALPHAS), H, S]) and into high_costs [H, 2, len(HIGH), len(ALPHAS)] for every
+    high-tier format of the high tier's tokens (high bool [len(ALPHAS), H, S]). kv, grads: key and value [1, H, S, d]
+    and their gradients. A per-token format's error is computed once per token and summed under each mask; per-channel
+    keys are coded again for each mask, since a page's scales depend on which tokens fill it."""
     # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
     # query rotation; values' basis is orthogonal
     bases = ((served.rotation[layer], served.query_rotation[layer]), (served.basis[layer], served.basis[layer]))
@@ -149,20 +174,27 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
         x = torch.einsum("hsd,hde->hse", x[0].float().cpu(), a)
         g2 = torch.einsum("hsd,hde->hse", g[0].float().cpu(), a_inv_t).double() ** 2
         for h in range(x.shape[0]):
-            xs, g2s = x[h, held[h]][None], g2[h, held[h]][None]                      # [1, n, d]: the held tokens
             for b, bits in enumerate(BITS):
                 fmt = layer_format(base, sliding, bits, bits)
-                if s == 0:
+                if s == 0 and fmt.k_mode == "channel" and bits not in RAW_BITS:
                     tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
-                    coded = coded_keys(xs, fmt, tokens)
-                else:
-                    coded = coded_values(xs, fmt)
-                costs[h, s, b] += 0.5 * float((g2s * (coded - xs).double() ** 2).sum())
-            xs, g2s = x[h, high[h]][None], g2[h, high[h]][None]
+                    for i, mask in enumerate(held[:, h]):
+                        xs, g2s = x[h, mask][None], g2[h, mask][None]                  # [1, n, d]: the held tokens
+                        costs[h, s, b, i] += 0.5 * float((g2s * (coded_keys(xs, fmt, tokens) - xs).double() ** 2)
+                                                         .sum())
+                    continue
+                coded = coded_keys(x[h][None], fmt, 1)[0] if s == 0 else coded_values(x[h][None], fmt)[0]
+                costs[h, s, b] += _masked_sums(g2[h], coded - x[h], held[:, h])
             for b, spec in enumerate(HIGH):
                 fmt = TierFormat.parse(spec)
-                coded = coded_keys(xs, fmt, 1) if s == 0 else coded_values(xs, fmt)       # per token: no pages
-                high_costs[h, s, b] += 0.5 * float((g2s * (coded - xs).double() ** 2).sum())
+                coded = coded_keys(x[h][None], fmt, 1)[0] if s == 0 else coded_values(x[h][None], fmt)[0]
+                high_costs[h, s, b] += _masked_sums(g2[h], coded - x[h], high[:, h])
+
+
+def _masked_sums(g2: torch.Tensor, error: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """½ Σ g² δ² per token (g2 float64, error [S, d]), summed under each of masks bool [A, S] -> float64 [A]."""
+    per_token = 0.5 * (g2 * error.double() ** 2).sum(-1)                                  # [S]
+    return (masks.double() * per_token).sum(-1)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -3,8 +3,9 @@ backward pass through it. The quality model, the allocation and the coded probe 
 
 A window is a prompt of P tokens and a continuation of M + 1 (M scored predictions), as the runtime serves it:
 
-1. the prompt is prefilled densely without gradients. The runtime's prefill attends exactly too: only decode
-   queries read coded K/V;
+1. the prompt is prefilled densely without gradients, by the runtime's own prefill attention (`select_backend`'s
+   `prefill`), which is exact and also gives each prompt token's significance, from which the runtime picks its heavy
+   hitters. Only decode queries read coded K/V;
 2. the continuation runs through that cache `chunk` (32) tokens at a time, with gradients, scoring each next token.
    This gives the dense reference (`TopLogits`), each layer's continuation queries (which tokens are heavy hitters),
    and g = dL/dK, dL/dV for every cached token at the deployment context, where L is the continuation's summed
@@ -31,12 +32,13 @@ import torch
 from kvcal.eval.fidelity import TopLogits
 from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import (
+    ALPHAS,
     BITS,
     HIGH,
     SIDES,
     FormatCosts,
     add_layer_costs,
-    held_mask,
+    held_masks,
     layer_format,
     side_bytes,
 )
@@ -52,11 +54,12 @@ class Recording:
     records: dict                 # layer -> (key, value [B, H, P, d] fp16, None); a sliding layer: its kept window
                                   # (key, value [B, H, w, d] in the model dtype, tokens seen)
     ref: TopLogits                # the dense reference [B, M, k]
-    held: dict                    # layer -> bool [B, H, P]: prompt tokens the layer holds in its allocated format
+    held: dict                    # paged layer -> bool [len(ALPHAS), B, H, P + M]: the tokens it holds in its
+                                  # allocated format by the end, per heavy-hitter threshold
     costs: FormatCosts            # summed over the windows
 
 
-RECORDING_IMPL = "kvcal_recording"
+RECORDING_IMPL, PREFILL_IMPL = "kvcal_recording", "kvcal_recording_prefill"
 _SEEN: ContextVar[dict | None] = ContextVar("kvcal_recording", default=None)
 
 
@@ -115,6 +118,32 @@ def _recording_attention(module, query, key, value, attention_mask, *args, scali
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
 
 
+def _prefill_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
+    """transformers' attention-function signature (sdpa masks). query [B, Hq, n, d]; key, value [B, H, n, d] of an
+    unpadded prompt. A layer in the state's `scores` attends by the runtime's prefill, which also gives each key's
+    significance [B, H, n] (kept there); any other (sliding-window) layer by SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvcal.runtime.backends.registry import select_backend
+
+    scores = _SEEN.get()
+    if module.layer_idx not in scores:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
+    B, Hq, n, d = query.shape
+    H = key.shape[1]
+    scale = scaling if scaling is not None else d ** -0.5
+    causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril_()[None].expand(B, n, n)
+    out, score = select_backend("auto", str(query.device)).prefill(query.reshape(B, H, Hq // H, n, d), key, value,
+                                                                    causal, scale)
+    scores[module.layer_idx] = score
+    return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous().to(query.dtype), None   # [B, n, Hq, d]
+
+
+def _prefilling(model, scores: dict):
+    """Within the block, `model` attends by `_prefill_attention`, which fills `scores` (layer -> significance)."""
+    return attending_by(model, PREFILL_IMPL, _prefill_attention, "sdpa", _SEEN, scores)
+
+
 def _recording(model, seen: dict):
     """Within the block, `model` attends by `_recording_attention`, which fills `seen` (layer -> q, k, v)."""
     return attending_by(model, RECORDING_IMPL, _recording_attention, "eager", _SEEN, seen)
@@ -133,11 +162,12 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     B, L = len(prompt), len(layer_types)
     sliding = [t == "sliding_attention" for t in layer_types]
     H = served.rotation.shape[1]
-    costs = torch.zeros(L, H, 2, len(BITS), dtype=torch.float64)
-    high_costs = torch.zeros(L, H, 2, len(HIGH), dtype=torch.float64)
-    tokens, high_tokens = torch.zeros(L, dtype=torch.float64), torch.zeros(L, dtype=torch.float64)
+    A = len(ALPHAS)
+    costs = torch.zeros(L, H, 2, len(BITS), A, dtype=torch.float64)
+    high_costs = torch.zeros(L, H, 2, len(HIGH), A, dtype=torch.float64)
+    tokens, high_tokens = torch.zeros(L, A, dtype=torch.float64), torch.zeros(L, A, dtype=torch.float64)
     records: dict = {}
-    held_prompt: dict = {}
+    held_by_end: dict = {}
     ref = None
     window_size = getattr(model.config, "sliding_window", None) or prompt.shape[1] + continuation.shape[1]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -147,23 +177,24 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
         for b in range(B):
             if on_window:
                 on_window(b, False)
-            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], L, chunk)
+            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk)
             S = window["S"]
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
-                held = held_mask(window["queries"][layer], key, base, sliding[layer])          # [H, S]
+                held = held_masks(window["prefill_score"][layer], window["queries"][layer], key,
+                                  base.tiering.window, sliding[layer])                         # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
                 if not sliding[layer]:
-                    high[:, :max(S - base.tiering.window, 0)] = True
+                    high[..., :max(S - base.tiering.window, 0)] = True
                     high &= ~held
                 # what the layer's format holds at the end: a sliding layer its window, a paged one its held tokens
-                tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(0).sum()) / B
-                high_tokens[layer] += high.double().mean(0).sum() / B
+                tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(1).sum(-1)) / B
+                high_tokens[layer] += high.double().mean(1).sum(-1) / B
                 add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held, high,
                                 served, base, sliding[layer], head_dim)
                 if not sliding[layer]:
-                    held_prompt.setdefault(layer, torch.zeros(B, H, prompt.shape[1], dtype=torch.bool))
-                    held_prompt[layer][b] = held[:, :prompt.shape[1]]
+                    held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
+                    held_by_end[layer][:, b] = held
                 kept = window["prompt"][layer]
                 if b == 0:
                     records[layer] = tuple(t.new_empty(B, *t.shape[1:]) if isinstance(t, torch.Tensor) else t
@@ -186,7 +217,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                            for layer in range(L)], dtype=torch.float64)
     high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, page_bytes, False, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
-    return Recording(prompt, continuation, records, ref, held_prompt,
+    return Recording(prompt, continuation, records, ref, held_by_end,
                      FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens))
 
 
@@ -198,15 +229,19 @@ def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases,
     return record_search(model, windows[:, :cut], windows[:, cut:], served, base, layer_types, head_dim).costs
 
 
-def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: int, chunk: int) -> dict:
+def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool], chunk: int) -> dict:
     """One window: prompt [1, P], continuation [1, M + 1]. Returns S = P + M; per layer the K/V of every token it
     reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding layer's tokens that
-    no continuation query reads are zero in both), the continuation's queries ("queries": [1, Hq, M, d]), the
+    no continuation query reads are zero in both), a paged layer's prefill significance ("prefill_score": [H, P]; a
+    sliding layer's None), the continuation's queries ("queries": [1, Hq, M, d]), the
     prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():                 # not inference_mode: the continuation's graph reads these tensors
+    L = len(sliding)
+    scores: dict = {i: None for i in range(L) if not sliding[i]}      # the layers whose significance counts
+    # not inference_mode: the continuation's graph reads these tensors
+    with torch.no_grad(), _prefilling(model, scores):
         model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     kept = {i: (layer.keys.half(), layer.values.half(), None) if not hasattr(layer, "cumulative_length")
             else (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
@@ -247,5 +282,5 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, L: i
     ref = TopLogits.cat(refs)
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
           else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}
-    return {"S": S, "kv": kv,
+    return {"S": S, "kv": kv, "prefill_score": {i: scores[i][0] if i in scores else None for i in range(L)},
             "queries": {i: torch.cat(q, dim=2) for i, q in queries.items()}, "prompt": kept, "ref": ref}
