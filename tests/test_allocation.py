@@ -134,7 +134,8 @@ def test_confirmation_steps_back_by_the_measured_gap():
     searched = [Probe(i, "search", _fid(1.0 - 0.005 * i), True) for i in (0, 2, 4, 6)]
     evaluation = {i: _fid(1.0 - 0.005 * i - 0.012) for i in range(10)}     # evaluation text is 0.012 harder
     index, checks = confirm(6, searched, evaluation.__getitem__, target)
-    assert [c.index for c in checks] == [6, 2] and checks[-1].met and index == 2
+    # between the probed 2 and 4, index 3's interpolated search top-1 (0.985) less the gap reaches 0.97
+    assert [c.index for c in checks] == [6, 3] and checks[-1].met and index == 3
     assert checks[1].margin == pytest.approx(0.012)
     index, checks = confirm(6, searched, lambda i: _fid(0.5), target, max_checks=3)
     assert [c.index for c in checks] == [6, 0] and not any(c.met for c in checks)   # nothing safer than index 0

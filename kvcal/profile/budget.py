@@ -6,9 +6,9 @@ to the most (fewest bytes). Measured quality falls along it, so:
 1. `bisect`: end-to-end probes on the search windows (the batched probe) bisect the hull for the cheapest point
    that meets the target at its Wilson bound, in at most `max_probes` probes;
 2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between its
-   search and evaluation top-1 is the margin: the budget steps back to the cheapest probed point that meets with
-   that margin (or halfway to the safest end when none was probed), and that one is confirmed, up to `max_checks`
-   checks in all.
+   search and evaluation top-1 is the margin: the budget steps back to the cheapest point whose search quality meets
+   with that margin (measured where it was probed, interpolated along the hull between probed points elsewhere; or
+   halfway to the safest end when none does), and that one is confirmed, up to `max_checks` checks in all.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -67,15 +67,32 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     whose check met, or the best checked if none did, and every check)."""
     checks: list[Probe] = []
     margin, i = 0.0, start
-    on_search = {p.index: p for p in searched}
     while len(checks) < max_checks and i >= 0:
         fid = measure(i)
         checks.append(Probe(i, "evaluation", fid, meets(target, fid), margin))
         if checks[-1].met:
             return i, checks
-        if i in on_search:                               # the search-vs-evaluation gap at this point
-            margin = max(margin, on_search[i].fidelity["top1"] - fid["top1"])
-        safer = [p.index for p in searched if p.index < i and meets(target, p.fidelity, margin)]
-        i = max(safer) if safer else (i // 2 if i > 0 else -1)
+        on_search = search_quality(searched, i)
+        if on_search is not None:                        # the search-vs-evaluation gap at this point
+            margin = max(margin, on_search["top1"] - fid["top1"])
+        safer = [j for j in range(i - 1, -1, -1)
+                 if (q := search_quality(searched, j)) is not None and meets(target, q, margin)]
+        i = safer[0] if safer else (i // 2 if i > 0 else -1)
     best = max(checks, key=lambda p: (p.fidelity["top1"], -p.index))
     return best.index, checks
+
+
+def search_quality(searched: list[Probe], j: int) -> dict | None:
+    """The search-text quality of hull index j: its probe's where it was probed, else top-1 and perplexity ratio
+    interpolated linearly in the index between the nearest probed points either side (quality falls along the hull),
+    with the lower one's prediction count; None outside the probed range."""
+    at = {p.index: p.fidelity for p in searched}
+    if j in at:
+        return at[j]
+    below, above = [i for i in at if i < j], [i for i in at if i > j]
+    if not below or not above:
+        return None
+    a, b = max(below), min(above)
+    w = (j - a) / (b - a)
+    return {**at[a], "top1_windows": None,
+            **{k: (1 - w) * at[a][k] + w * at[b][k] for k in ("top1", "ppl_ratio")}}
