@@ -6,9 +6,10 @@
 Draws `--allocations` random per-layer (K bits, V bits) assignments over the catalogue (`quality_model.BITS`), a
 random high-tier format (`quality_model.HIGH`) and heavy-hitter threshold (`quality_model.ALPHAS`), on the
 allocation's base settings (`allocate.base_settings`), each with its own aggressiveness so that they spread from
-nearly all 8-bit to nearly all 2-bit. It predicts each one's loss from the search's recording (kvcal.profile.recording) of `--windows` search windows at `--context`, measures each
-one's KL against dense on the same windows (`--measure coded`: the search's coded probe, which runs the model over
-the K/V as the allocation codes them; `--measure runtime`: the serving runtime, stepwise), and prints Spearman's
+nearly all 8-bit to nearly all 2-bit. It predicts each one's loss from the search's recording (kvcal.profile.
+recording) of `--windows` search windows at `--context`, measures each one's KL against dense on the same windows
+(`--measure coded`: the search's coded probe, which runs the model over the K/V as the allocation codes them;
+`--measure runtime`: the serving runtime, stepwise, with the levels the recording fitted), and prints Spearman's
 rank correlation with a Markdown table (docs/calibration.md, "Predicted against measured").
 """
 
@@ -25,7 +26,7 @@ from kvcal.eval import DecodeProbe
 from kvcal.models import load_model
 from kvcal.profile.allocate import Allocation, base_settings, to_config
 from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.quality_model import ALPHAS, BITS, HIGH, spearman
+from kvcal.profile.quality_model import ALPHAS, BITS, HIGH, bundle_levels, spearman
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_search
 from kvcal.runtime.bundle import load_bundle
@@ -67,6 +68,7 @@ def main() -> None:
     recording = record_search(lm.model, windows[:, :prompt], windows[:, prompt:], served, base, list(a.layer_types),
                               a.head_dim)
     costs = recording.costs
+    bundle.extras.update(bundle_levels(recording.levels, len(a.layer_types), a.num_kv_heads))
     record_seconds = time.perf_counter() - t0
     if args.measure == "coded":
         probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)

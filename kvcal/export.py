@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from kvcal.runtime.bundle import Bundle, BundleError, load_bundle
+from kvcal.runtime.storage.levels import needed, tensor_name
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ PROVENANCE_FILE = "kvcal_export.json"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_TENSORS = "kvcal_bases.safetensors"
 MANIFEST_FORMAT = "kvcal-manifest"
-MANIFEST_SCHEMA_VERSION = 2      # 2: `tracked` per layout; score_off = pos_off = -1 when false
+MANIFEST_SCHEMA_VERSION = 3      # 2: `tracked` per layout; score_off = pos_off = -1 when false. 3: `levels.*`
 EXPORT_LIST = ".kvcal-export.json"   # the files an export wrote: what a later `--overwrite` may delete
 
 
@@ -347,6 +348,9 @@ _ENCODING = {
               "vector); k_mode channel: float16 [r_k, 2] (scale, zero) per channel over the page's tokens. "
               "x = code * scale + zero. meta_bits 8: each pair is 2 bytes instead, uint8 c and int8 z, with "
               "scale = fp16(2^((c % 16) / 16)) * 2^(c // 16 - 10) and zero = z * scale * 2^bits / 32.",
+    "levels": "a side whose tier sets k_levels / v_levels = calibrated (an `n` in its name) decodes "
+              "x = levels.{k,v}.{bits}[l, h][code] * scale + zero, with the tensors of that name (float32 [L, H, "
+              "2^bits]) instead of the code itself.",
     "v": "as k, with v_bits and r_v",
     "v_meta": "float16 [T, v_groups, 2] (scale, zero) per group of v_group channels (meta_bits 8: as k_meta)",
     "score": "float32 [T]: cumulative attention probability the token received (max over the KV head's query heads)",
@@ -373,10 +377,6 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     if cfg.static_keys:
         raise ValueError(f"the manifest format has no field for static key scales (tiers {cfg.high.name} / "
                          f"{cfg.low.name}); export settings without `s` key tiers")
-    calibrated = [fmt.name for fmt in cfg.formats if fmt.calibrated]
-    if calibrated:
-        raise ValueError(f"the manifest format has no field for calibrated levels (tiers {', '.join(calibrated)}); "
-                         "export settings without `n` tiers")
     if cfg.smooth:
         raise ValueError("the manifest format has no field for the query rotation that channel smoothing needs "
                          "(`smooth`); export with `kvcal.export.export_manifest(bundle, out, config)` and a config "
@@ -417,6 +417,11 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     own = lambda t: t.clone(memory_format=torch.contiguous_format)       # noqa: E731  (none() shares R and B)
     tensors = {"qk.rotation": own(rotation.float()), "v.basis": own(basis.float()),
                "qk.rank": own(rank_k.to(torch.int32)), "v.rank": own(rank_v.to(torch.int32))}
+    tensors.update({name: own(t.float()) for name, t in bundle.extras.items() if name.startswith("levels.")})
+    missing = sorted({tensor_name(side, bits) for fmt in cfg.formats for side, bits in needed(fmt)} - set(tensors))
+    if missing:
+        raise ValueError(f"the settings' calibrated tiers need levels {', '.join(missing)}, which the bundle does not "
+                         "hold; export settings without `n` tiers or a bundle calibrated with them")
     with atomic_dir(out, overwrite=overwrite, inputs=(target.folder if target else None,)) as tmp:
         save_file(tensors, str(tmp / MANIFEST_TENSORS), metadata={"format": MANIFEST_FORMAT})
         _write_json(tmp / MANIFEST_FILE, manifest)

@@ -13,9 +13,9 @@ from conftest import make_model, random_bundle, random_text
 from kvcal.eval import DecodeProbe
 from kvcal.models import adapter_for
 from kvcal.profile.allocate import Allocation, allocate, at_price, base_settings, frontier, to_config
-from kvcal.profile.quality_model import ALPHAS, BASE_ALPHA, BITS, HIGH, FormatCosts, spearman
+from kvcal.profile.quality_model import ALPHAS, BASE_ALPHA, BITS, HIGH, FormatCosts, bundle_levels, spearman
 from kvcal.profile.ranks import ranks_of
-from kvcal.profile.recording import record_costs
+from kvcal.profile.recording import record_search
 from kvcal.runtime.storage.bases import served_bases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +70,9 @@ def _tiny_costs(L: int = 4):
     ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161]
     base = base_settings(a.layer_types).with_tiering(window=8)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
-    return model, tok, bundle, ids, base, record_costs(model, ids, 48, served, base, a.layer_types, a.head_dim)
+    rec = record_search(model, ids[:, :112], ids[:, 112:], served, base, list(a.layer_types), a.head_dim)
+    bundle.extras.update(bundle_levels(rec.levels, L, a.num_kv_heads))
+    return model, tok, bundle, ids, base, rec.costs
 
 
 def test_the_predicted_loss_orders_allocations_as_the_probe_measures_them():
@@ -94,7 +96,7 @@ def test_to_config_sets_only_the_layers_that_differ():
     model, tok, bundle, ids, base, costs = _tiny_costs(L=2)
     bits = torch.tensor([[4, 4], [2, 8]])
     config = to_config(base, costs, Allocation.of(costs, bits))
-    assert config.low_layers == ((1, base.low.__class__.parse("K2cV8m8")),)
+    assert config.low_layers == ((1, base.low.__class__.parse("K2cnV8m8")),)
     assert to_config(base, costs, Allocation.of(costs, torch.full((2, 2), 4))) == base
     assert to_config(base, costs, Allocation.of(costs, bits, 1, 3)).tiering.alpha_high == ALPHAS[3]
 

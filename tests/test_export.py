@@ -295,7 +295,7 @@ def test_manifest_offsets_equal_page_layout(tmp_path):
     res = export_manifest(bundle, tmp_path / "m", cfg, model=model, page_bytes=1024)
     assert sorted(res.files) == ["kvcal_bases.safetensors", "manifest.json"]
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    assert (man["format"], man["schema_version"]) == ("kvcal-manifest", 2)
+    assert (man["format"], man["schema_version"]) == ("kvcal-manifest", 3)
     assert man["config"]["page_bytes"] == 1024 and man["config"]["high"]["name"] == "K8V4"
     assert [entry["compressed"] for entry in man["layers"]] == [False, False, True]   # sliding layers stay dense
     for entry in man["layers"]:

@@ -7,6 +7,7 @@ and reference, the CUDA backend's refusal, the bundle's `levels.*` tensors, the 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -277,11 +278,25 @@ def test_levels_need_schema_3():
     assert _validate_versioned({"levels.k.4"}, {"schema_version": "3"}) == []
 
 
-def test_the_manifest_export_refuses_levels(tiny, tmp_path):
+def test_the_manifest_export_carries_the_levels(tiny, tmp_path):
+    """A manifest of calibrated tiers holds the bundle's levels beside the bases and names the calibrated sides; a
+    bundle without the levels its tiers need is refused in one line, before anything is written."""
+    from safetensors.torch import load_file
+
     model, tok = tiny
     config = CompressionConfig(high=TierFormat.parse("K8V4n"))
-    with pytest.raises(ValueError, match="calibrated levels"):
-        export_manifest(random_bundle(model, tok), tmp_path / "out", config)
+    with pytest.raises(ValueError, match="need levels levels.v.4"):
+        export_manifest(random_bundle(model, tok), tmp_path / "refused", config)
+    assert not (tmp_path / "refused").exists()
+    bundle = random_bundle(model, tok)
+    L, H = bundle.shape[:2]
+    bundle.extras["levels.v.4"] = random_levels((L, H), 4)
+    export_manifest(bundle, tmp_path / "out", config)
+    tensors = load_file(str(tmp_path / "out" / "kvcal_bases.safetensors"))
+    assert torch.equal(tensors["levels.v.4"], bundle.extras["levels.v.4"])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    high = manifest["config"]["high"]
+    assert high["v_levels"] == "calibrated" and high["k_levels"] == "uniform"
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -349,7 +364,7 @@ def test_fitted_levels_code_gaussian_data_better_than_uniform_at_2_bits():
     grid, measured on other vectors from the same distribution."""
     gen = torch.Generator().manual_seed(0)
     train, test = torch.randn(2, 4000, 32, generator=gen)
-    u = quant.normalised_per_token(train, 2).reshape(-1)                           # as the store normalises
+    u = quant.normalised_per_token(train, 2)[0].reshape(-1)                           # as the store normalises
     assert float(u.min()) > -0.01 and float(u.max()) < 3.01                      # up to fp16 scale and zero
     levels = fit_levels(u, 2)
     assert levels[0] == 0 and levels[-1] == 3 and bool((levels[1:] >= levels[:-1]).all())
@@ -364,6 +379,6 @@ def test_normalised_samples_code_as_the_store_codes():
     x = torch.randn(3, 8, 16, generator=gen)
     levels = random_levels((3,), 4, seed=4)
     codes = quant.quantize_per_token(x, 4, 8, levels=levels[:, None])[0]
-    assert torch.equal(quant.nearest_level(quant.normalised_per_token(x, 4, 8), levels[:, None]), codes.long())
+    assert torch.equal(quant.nearest_level(quant.normalised_per_token(x, 4, 8)[0], levels[:, None]), codes.long())
     codes = quant.quantize_per_channel(x, 4, levels=levels[:, None])[0]
-    assert torch.equal(quant.nearest_level(quant.normalised_per_channel(x, 4), levels[:, None]), codes.long())
+    assert torch.equal(quant.nearest_level(quant.normalised_per_channel(x, 4)[0], levels[:, None]), codes.long())

@@ -31,7 +31,7 @@ from kvcal.profile.allocate import base_settings, frontier, to_config
 from kvcal.profile.budget import bisect, confirm, meets
 from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
-from kvcal.profile.quality_model import HIGH
+from kvcal.profile.quality_model import ALPHAS, HIGH, bundle_levels
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_search
 from kvcal.runtime.storage.bases import served_bases
@@ -95,6 +95,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                           bundle.extras.get("qk.smoothing"))
     recording = _record(lm, windows, P, served, base, step)
     costs = recording.costs
+    if recording.levels:                    # the levels the allocation's formats decode with
+        bundle.extras.update(bundle_levels(recording.levels, len(a.layer_types), served.rotation.shape[1]))
     seconds["recording"] = time.perf_counter() - t
     t = time.perf_counter()
     hull = frontier(costs)
@@ -155,7 +157,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
                   "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype},
         "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,
-                                    "bits": h.bits.tolist(), "high": HIGH[h.high]} for h in hull],
+                                    "bits": h.bits.tolist(), "high": HIGH[h.high],
+                                    "alpha_high": ALPHAS[h.alpha]} for h in hull],
                           "base": base.to_dict()},
         "chosen": chosen_row,
         "path": rows,

@@ -60,15 +60,19 @@ class _Coding:
         B, H, S, d = key.shape
         page = PageLayout.build(fmt, d, d, p.base.page_size(d), p.base.low_tracked and not sliding).tokens
         k_out, v_out = key.float().clone(), value.float().clone()
+        levels = p.recording.levels.get(layer, {})
         for b in range(B):
             for h in range(H):
-                for sel, tier, tokens in ((low[b, h], fmt, page), (high[b, h], self.high, 1)):
+                k_lut, v_lut = (None if t is None else t[h:h + 1] for t in (levels.get(("k", fmt.k_bits)),
+                                                                              levels.get(("v", fmt.v_bits))))
+                for sel, tier, tokens, luts in ((low[b, h], fmt, page, (k_lut, v_lut)),
+                                                (high[b, h], self.high, 1, (None, None))):
                     if not bool(sel.any()):
                         continue
                     ks = key[b, h, sel].float() @ rot[h]
                     vs = value[b, h, sel].float() @ basis[h]
-                    k_out[b, h, sel] = coded_keys(ks[None], tier, tokens)[0] @ qrot[h].T
-                    v_out[b, h, sel] = coded_values(vs[None], tier)[0] @ basis[h].T
+                    k_out[b, h, sel] = coded_keys(ks[None], tier, tokens, luts[0])[0] @ qrot[h].T
+                    v_out[b, h, sel] = coded_values(vs[None], tier, luts[1])[0] @ basis[h].T
         return k_out.to(key.dtype), v_out.to(value.dtype)
 
     def held_tokens(self, layer: int, B: int, H: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:

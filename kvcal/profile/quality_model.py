@@ -47,13 +47,17 @@ HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the w
 ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
 BASE_ALPHA = 1                # ALPHAS[BASE_ALPHA]: the base settings' threshold (kvcal.profile.allocate)
 SIDES = ("k", "v")
+# bit widths whose codes index calibrated levels (fitted from the recording, `fit_layer_levels`) in paged layers; 8
+# bits have enough uniform steps, and sliding layers are served uniform
+LEVELED = (4, 2)
 
 
 def layer_format(base: CompressionConfig, sliding: bool, k_bits: int, v_bits: int) -> TierFormat:
     """The format a layer's tokens are coded in with (k_bits, v_bits): the base's low tier (a paged layer) or its
-    sliding format, with other bits."""
+    sliding format, with other bits; a paged layer's sides at `LEVELED` bits index calibrated levels."""
     fmt = base.sliding if sliding else base.low
-    return dataclasses.replace(fmt, k_bits=k_bits, v_bits=v_bits)
+    level = lambda bits: "calibrated" if not sliding and bits in LEVELED else "uniform"      # noqa: E731
+    return dataclasses.replace(fmt, k_bits=k_bits, v_bits=v_bits, k_levels=level(k_bits), v_levels=level(v_bits))
 
 
 def side_bytes(fmt: TierFormat, side: str, head_dim: int, page_bytes: int, tracked: bool, sliding: bool) -> float:
@@ -100,28 +104,98 @@ class FormatCosts:
         return lookup[bits]
 
 
-def coded_keys(k: torch.Tensor, fmt: TierFormat, page_tokens: int) -> torch.Tensor:
+def coded_keys(k: torch.Tensor, fmt: TierFormat, page_tokens: int, levels: torch.Tensor | None = None) -> torch.Tensor:
     """k float32 [H, S, r] in the served basis -> as `fmt` stores it: per-channel over whole pages of `page_tokens`
-    tokens (a last partial page stays raw, as its tokens would wait in the high tier), or per token."""
+    tokens (a last partial page stays raw, as its tokens would wait in the high tier), or per token. levels [H, 2**b]:
+    the calibrated levels of a format whose keys use them (`TierFormat.k_levels`)."""
     if fmt.k_bits in RAW_BITS:
         return k
+    lut = _levels(fmt.k_levels, levels)
     if fmt.k_mode == "channel":
         H, S, r = k.shape
         n = S - S % page_tokens
         pages = k[:, :n].reshape(H, n // page_tokens, page_tokens, r)
-        codes, scale, zero = quant.quantize_per_channel(pages, fmt.k_bits, meta_bits=fmt.meta_bits)
-        out = quant.dequantize_per_channel(codes, *quant.decode_meta(scale, zero, fmt.meta_bits, fmt.k_bits))
+        out = quant.round_trip_per_channel(pages, fmt.k_bits, fmt.meta_bits, None if lut is None else lut[:, None])
         return torch.cat([out.reshape(H, n, r), k[:, n:]], dim=1)
     if fmt.k_mode == "token":
-        return quant.round_trip_per_token(k, fmt.k_bits, fmt.k_group, fmt.meta_bits)
+        return quant.round_trip_per_token(k, fmt.k_bits, fmt.k_group, fmt.meta_bits, lut)
     raise ValueError(f"no prediction for {fmt.k_mode} keys")
 
 
-def coded_values(v: torch.Tensor, fmt: TierFormat) -> torch.Tensor:
-    """v float32 [H, S, r] in the served basis -> as `fmt` stores it (per token, groups of `v_group` channels)."""
+def coded_values(v: torch.Tensor, fmt: TierFormat, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """v float32 [H, S, r] in the served basis -> as `fmt` stores it (per token, groups of `v_group` channels).
+    levels [H, 2**b]: the calibrated levels of a format whose values use them (`TierFormat.v_levels`)."""
     if fmt.v_bits in RAW_BITS:
         return v
-    return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits)
+    return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits, _levels(fmt.v_levels, levels))
+
+
+def _levels(kind: str, levels: torch.Tensor | None) -> torch.Tensor | None:
+    """levels [H, K] -> [H, 1, K] for a calibrated side (one row per KV head, broadcast over tokens); None for a
+    uniform one."""
+    if kind != "calibrated":
+        return None
+    if levels is None:
+        raise ValueError("a format with calibrated levels needs them: fit them first (`fit_layer_levels`)")
+    return levels[:, None]
+
+
+@torch.no_grad()
+def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: ServedBases, base: CompressionConfig,
+                     layer: int, head_dim: int, samples: int = 1 << 15) -> dict[tuple[str, int], torch.Tensor]:
+    """Calibrated levels of a paged layer's formats at every bit width of `LEVELED`, per KV head -> {(side, bits):
+    float32 [H, 2**bits]}: weighted 1-D k-means (`codebooks.fit_levels`) on the held tokens' normalised codes (as
+    the store normalises them: per-channel key pages, per-token values), each weighted by g² step², its share of
+    ½ Σ g² δ² per unit of code error. kv, grads: key and value [1, H, S, d] and their gradients; held bool [H, S].
+    At most `samples` evenly strided samples per fit."""
+    from kvcal.profile.codebooks import fit_levels
+
+    out: dict[tuple[str, int], torch.Tensor] = {}
+    for s, side in enumerate(SIDES):
+        x, g2 = _served(kv[s], grads[s], served, layer, s)
+        for bits in LEVELED:
+            fmt = layer_format(base, False, bits, bits)
+            rows = []
+            for h in range(x.shape[0]):
+                xs, g2s = x[h, held[h]], g2[h, held[h]]                                       # [n, d]
+                if s == 0:
+                    T = PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked).tokens
+                    n = len(xs) - len(xs) % T
+                    xs, g2s = xs[:n].reshape(-1, T, xs.shape[-1]), g2s[:n].reshape(-1, T, xs.shape[-1])
+                    u, step = quant.normalised_per_channel(xs, bits, fmt.meta_bits)
+                else:
+                    u, step = quant.normalised_per_token(xs, bits, fmt.v_group, fmt.meta_bits)
+                u, w = u.reshape(-1), (g2s * step.double() ** 2).reshape(-1)
+                stride = max(len(u) // samples, 1)
+                rows.append(fit_levels(u[::stride][None], bits, w[::stride][None].float())[0] if len(u)
+                            else torch.arange(1 << bits, dtype=torch.float32))
+            out[side, bits] = torch.stack(rows)
+    return out
+
+
+def bundle_levels(levels: dict, L: int, H: int) -> dict[str, torch.Tensor]:
+    """Fitted levels (paged layer -> {(side, bits): [H, 2**bits]}) -> the bundle's tensors (`levels.{side}.{bits}`
+    float32 [L, H, 2**bits]); a layer without levels (sliding) gets the uniform grid, which the runtime accepts."""
+    from kvcal.runtime.storage.levels import tensor_name
+
+    out = {}
+    for side in SIDES:
+        for bits in LEVELED:
+            t = torch.arange(1 << bits, dtype=torch.float32).repeat(L, H, 1)
+            for layer, fitted in levels.items():
+                t[layer] = fitted[side, bits]
+            out[tensor_name(side, bits)] = t
+    return out
+
+
+def _served(x: torch.Tensor, g: torch.Tensor, served: ServedBases, layer: int, s: int):
+    """A side's x, g [1, H, S, d] -> (x A float32, (g A^-T)² float64) [H, S, d] in the served basis."""
+    # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
+    # query rotation; values' basis is orthogonal
+    a, a_inv_t = ((served.rotation[layer], served.query_rotation[layer]) if s == 0
+                  else (served.basis[layer], served.basis[layer]))
+    return (torch.einsum("hsd,hde->hse", x[0].float().cpu(), a),
+            torch.einsum("hsd,hde->hse", g[0].float().cpu(), a_inv_t).double() ** 2)
 
 
 @torch.no_grad()
@@ -160,30 +234,29 @@ def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: tor
 @torch.no_grad()
 def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, kv: tuple, grads: tuple,
                     held: torch.Tensor, high: torch.Tensor, served: ServedBases, base: CompressionConfig, sliding: bool,
-                    head_dim: int) -> None:
+                    head_dim: int, levels: dict | None = None) -> None:
     """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS), len(ALPHAS)] for every catalogue entry of the
     held tokens (held bool [len(ALPHAS), H, S]) and into high_costs [H, 2, len(HIGH), len(ALPHAS)] for every
     high-tier format of the high tier's tokens (high bool [len(ALPHAS), H, S]). kv, grads: key and value [1, H, S, d]
-    and their gradients. A per-token format's error is computed once per token and summed under each mask; per-channel
-    keys are coded again for each mask, since a page's scales depend on which tokens fill it."""
-    # x -> x A in the served basis, so dL/d(x A) = g A^-T: for keys A = R D^-1 M (smoothed) and A^-T = R D M, the
-    # query rotation; values' basis is orthogonal
-    bases = ((served.rotation[layer], served.query_rotation[layer]), (served.basis[layer], served.basis[layer]))
+    and their gradients; levels: the layer's calibrated levels ({(side, bits): [H, 2**bits]}, `fit_layer_levels`).
+    A per-token format's error is computed once per token and summed under each mask; per-channel keys are coded
+    again for each mask, since a page's scales depend on which tokens fill it."""
     page_bytes, tracked = base.page_size(head_dim), base.low_tracked and not sliding
-    for s, (x, g, (a, a_inv_t)) in enumerate(zip(kv, grads, bases)):
-        x = torch.einsum("hsd,hde->hse", x[0].float().cpu(), a)
-        g2 = torch.einsum("hsd,hde->hse", g[0].float().cpu(), a_inv_t).double() ** 2
+    for s, side in enumerate(SIDES):
+        x, g2 = _served(kv[s], grads[s], served, layer, s)
         for h in range(x.shape[0]):
             for b, bits in enumerate(BITS):
                 fmt = layer_format(base, sliding, bits, bits)
+                lut = (levels or {}).get((side, bits))
+                lut = None if lut is None else lut[h:h + 1]                                    # [1, 2**bits]
                 if s == 0 and fmt.k_mode == "channel" and bits not in RAW_BITS:
                     tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
                     for i, mask in enumerate(held[:, h]):
                         xs, g2s = x[h, mask][None], g2[h, mask][None]                  # [1, n, d]: the held tokens
-                        costs[h, s, b, i] += 0.5 * float((g2s * (coded_keys(xs, fmt, tokens) - xs).double() ** 2)
-                                                         .sum())
+                        error = coded_keys(xs, fmt, tokens, lut) - xs
+                        costs[h, s, b, i] += 0.5 * float((g2s * error.double() ** 2).sum())
                     continue
-                coded = coded_keys(x[h][None], fmt, 1)[0] if s == 0 else coded_values(x[h][None], fmt)[0]
+                coded = coded_keys(x[h][None], fmt, 1, lut)[0] if s == 0 else coded_values(x[h][None], fmt, lut)[0]
                 costs[h, s, b] += _masked_sums(g2[h], coded - x[h], held[:, h])
             for b, spec in enumerate(HIGH):
                 fmt = TierFormat.parse(spec)

@@ -19,6 +19,7 @@ attention over the whole context.
     rec = record_search(model, prompt, continuation, served, base, layer_types, head_dim)   # [B, P], [B, M + 1]
     rec.costs                     # the quality model's table (FormatCosts)
     rec.records, rec.ref, rec.held  # the coded probe's inputs
+    rec.levels                    # the calibrated levels the costs of `LEVELED` formats used (bundle `levels.*`)
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from kvcal.eval.fidelity import TopLogits
 from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import (
     ALPHAS,
+    BASE_ALPHA,
     BITS,
     HIGH,
     SIDES,
     FormatCosts,
     add_layer_costs,
+    fit_layer_levels,
     held_masks,
     layer_format,
     side_bytes,
@@ -57,6 +60,8 @@ class Recording:
     held: dict                    # paged layer -> bool [len(ALPHAS), B, H, P + M]: the tokens it holds in its
                                   # allocated format by the end, per heavy-hitter threshold
     costs: FormatCosts            # summed over the windows
+    levels: dict                  # paged layer -> {(side, bits): float32 [H, 2**bits]}: its calibrated levels, fitted
+                                  # on the first window (`fit_layer_levels`)
 
 
 RECORDING_IMPL, PREFILL_IMPL = "kvcal_recording", "kvcal_recording_prefill"
@@ -168,6 +173,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     tokens, high_tokens = torch.zeros(L, A, dtype=torch.float64), torch.zeros(L, A, dtype=torch.float64)
     records: dict = {}
     held_by_end: dict = {}
+    levels: dict = {}
     ref = None
     window_size = getattr(model.config, "sliding_window", None) or prompt.shape[1] + continuation.shape[1]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -190,8 +196,11 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 # what the layer's format holds at the end: a sliding layer its window, a paged one its held tokens
                 tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(1).sum(-1)) / B
                 high_tokens[layer] += high.double().mean(1).sum(-1) / B
+                if b == 0 and not sliding[layer]:
+                    levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base,
+                                                     layer, head_dim)
                 add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held, high,
-                                served, base, sliding[layer], head_dim)
+                                served, base, sliding[layer], head_dim, levels.get(layer))
                 if not sliding[layer]:
                     held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
                     held_by_end[layer][:, b] = held
@@ -218,15 +227,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, page_bytes, False, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
     return Recording(prompt, continuation, records, ref, held_by_end,
-                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens))
-
-
-def record_costs(model, windows: torch.Tensor, scored: int, served: ServedBases, base: CompressionConfig,
-                 layer_types: list[str], head_dim: int) -> FormatCosts:
-    """The quality model's table of windows [B, S] token ids whose last `scored` positions are scored (prompt: the
-    first S - scored - 1 tokens)."""
-    cut = windows.shape[1] - scored - 1
-    return record_search(model, windows[:, :cut], windows[:, cut:], served, base, layer_types, head_dim).costs
+                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)
 
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool], chunk: int) -> dict:

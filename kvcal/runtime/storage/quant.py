@@ -366,24 +366,25 @@ def round_trip_per_token(x: torch.Tensor, bits: int, group_size: int | None = No
 
 
 def normalised_per_token(x: torch.Tensor, bits: int, group_size: int | None = None,
-                         meta_bits: int = 16) -> torch.Tensor:
-    """x float [..., n] -> u float32 [..., n] = (x - zero) / scale with the (scale, zero) per-token storage takes
-    (0 where scale is 0): the samples calibrated levels are fitted on (`kvcal.profile.codebooks.fit_levels`). In
+                         meta_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [..., n] -> (u, step) float32 [..., n]: u = (x - zero) / scale with the (scale, zero) per-token storage
+    takes (0 where scale is 0), the samples calibrated levels are fitted on (`kvcal.profile.codebooks.fit_levels`),
+    and step = scale, what one unit of u is worth in x (an error in u costs step² times as much in x). u is in
     [0, 2**bits - 1] up to the fp16 rounding of scale and zero; m8's coarser grid may leave room at either end."""
     *lead, n = x.shape
     ng, g = _groups(n, group_size)
     _, scale, zero = quantize_per_token(x, bits, group_size, meta_bits)
     s, z = (t.float().unsqueeze(-1) for t in decode_meta(scale, zero, meta_bits, bits))      # [..., G, 1]
     u = (x.float().reshape(*lead, ng, g) - z) / torch.where(s == 0, 1.0, s)
-    return torch.where(s == 0, 0.0, u).reshape(*lead, n)
+    return torch.where(s == 0, 0.0, u).reshape(*lead, n), s.expand(*lead, ng, g).reshape(*lead, n)
 
 
-def normalised_per_channel(x: torch.Tensor, bits: int, meta_bits: int = 16) -> torch.Tensor:
-    """x float [..., T, n] -> u float32 [..., T, n] = (x - zero) / scale with each block's per-channel (scale, zero),
-    as per-channel key pages take them (see `normalised_per_token`)."""
+def normalised_per_channel(x: torch.Tensor, bits: int, meta_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float [..., T, n] -> (u, step) float32 [..., T, n] with each block's per-channel (scale, zero), as
+    per-channel key pages take them (see `normalised_per_token`)."""
     _, scale, zero = quantize_per_channel(x, bits, meta_bits=meta_bits)
     s, z = (t.float().unsqueeze(-2) for t in decode_meta(scale, zero, meta_bits, bits))      # [..., 1, n]
-    return torch.where(s == 0, 0.0, (x.float() - z) / torch.where(s == 0, 1.0, s))
+    return torch.where(s == 0, 0.0, (x.float() - z) / torch.where(s == 0, 1.0, s)), s.expand_as(x).float()
 
 
 def dequantize_per_channel(
