@@ -141,3 +141,7 @@ def test_confirmation_steps_back_by_the_measured_gap():
     assert checks[1].margin == pytest.approx(0.012)
     index, checks = confirm(6, searched, lambda i: _fid(0.5), target, max_checks=3)
     assert [c.index for c in checks] == [6, 0] and not any(c.met for c in checks)   # nothing safer than index 0
+    # a gap no probed point covers: the safest probed point next, not a jump past everything measured
+    searched = [Probe(i, "search", _fid(0.985 - 0.001 * i), True) for i in (10, 20, 30)]
+    index, checks = confirm(30, searched, lambda i: _fid(0.94), target, max_checks=3)
+    assert [c.index for c in checks] == [30, 10, 5]

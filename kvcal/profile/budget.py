@@ -7,8 +7,9 @@ to the most (fewest bytes). Measured quality falls along it, so:
    that meets the target at its Wilson bound, in at most `max_probes` probes;
 2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between its
    search and evaluation top-1 is the margin: the budget steps back to the cheapest point whose search quality meets
-   with that margin (measured where it was probed, interpolated along the hull between probed points elsewhere; or
-   halfway to the safest end when none does), and that one is confirmed, up to `max_checks` checks in all.
+   with that margin (measured where it was probed, interpolated along the hull between probed points elsewhere; when
+   none does, the safest point probed, or halfway to the safest end), and that one is confirmed, up to `max_checks`
+   checks in all.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -77,7 +78,9 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
             margin = max(margin, on_search["top1"] - fid["top1"])
         safer = [j for j in range(i - 1, -1, -1)
                  if (q := search_quality(searched, j)) is not None and meets(target, q, margin)]
-        i = safer[0] if safer else (i // 2 if i > 0 else -1)
+        probed = [p.index for p in searched if p.index < i]
+        # none meets with the margin: the safest point the search measured, else halfway to the safest end
+        i = safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
     best = max(checks, key=lambda p: (p.fidelity["top1"], -p.index))
     return best.index, checks
 
