@@ -348,9 +348,8 @@ _ENCODING = {
               "vector); k_mode channel: float16 [r_k, 2] (scale, zero) per channel over the page's tokens. "
               "x = code * scale + zero. meta_bits 8: each pair is 2 bytes instead, uint8 c and int8 z, with "
               "scale = fp16(2^((c % 16) / 16)) * 2^(c // 16 - 10) and zero = z * scale * 2^bits / 32.",
-    "levels": "a side whose tier sets k_levels / v_levels = calibrated (an `n` in its name) decodes "
-              "x = levels.{k,v}.{bits}[l, h][code] * scale + zero, with the tensors of that name (float32 [L, H, "
-              "2^bits]) instead of the code itself.",
+    "levels": "a side with k_levels / v_levels = calibrated (an `n` in its name) decodes x = levels.{k,v}.{bits}"
+              "[l, h][code] * scale + zero (those tensors: float32 [L, H, 2^bits]) instead of x = code * scale + zero",
     "v": "as k, with v_bits and r_v",
     "v_meta": "float16 [T, v_groups, 2] (scale, zero) per group of v_group channels (meta_bits 8: as k_meta)",
     "score": "float32 [T]: cumulative attention probability the token received (max over the KV head's query heads)",
@@ -418,10 +417,8 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     tensors = {"qk.rotation": own(rotation.float()), "v.basis": own(basis.float()),
                "qk.rank": own(rank_k.to(torch.int32)), "v.rank": own(rank_v.to(torch.int32))}
     tensors.update({name: own(t.float()) for name, t in bundle.extras.items() if name.startswith("levels.")})
-    missing = sorted({tensor_name(side, bits) for fmt in cfg.formats for side, bits in needed(fmt)} - set(tensors))
-    if missing:
-        raise ValueError(f"the settings' calibrated tiers need levels {', '.join(missing)}, which the bundle does not "
-                         "hold; export settings without `n` tiers or a bundle calibrated with them")
+    if missing := sorted({tensor_name(side, b) for fmt in cfg.formats for side, b in needed(fmt)} - set(tensors)):
+        raise ValueError(f"calibrated tiers need levels {', '.join(missing)}, not in the bundle: drop the `n` tiers")
     with atomic_dir(out, overwrite=overwrite, inputs=(target.folder if target else None,)) as tmp:
         save_file(tensors, str(tmp / MANIFEST_TENSORS), metadata={"format": MANIFEST_FORMAT})
         _write_json(tmp / MANIFEST_FILE, manifest)

@@ -24,12 +24,12 @@ SHIPPED = ROOT / "artifacts" / "smollm2-135m.kvcal.safetensors"
 
 def documented_allowance(kv) -> int:
     """docs/runtime.md's fixed amount, from its parts: per (sequence, compressed layer, KV head) one page and 4 bytes
-    per raw-phase token; the page tables and counters as made; the static key scales."""
+    per raw-phase token; the page tables and counters as made; the static key scales and calibrated levels."""
     store = kv.store
     entries = kv.batch * len(kv.layers) * store.num_kv_heads
     a = store.arena
     tables = a.slots * a.layers * a.kv_heads * (4 * store.initial_table_width + 8) + 2 * store.fill.numel() * 8
-    return entries * (store.page_bytes + 4 * kv.raw_tokens) + tables + store.static_key_bytes()
+    return entries * (store.page_bytes + 4 * kv.raw_tokens) + tables + store.static_key_bytes() + store.level_bytes()
 
 
 def sweep(decoder, cache, ids: torch.Tensor) -> list[dict]:

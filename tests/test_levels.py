@@ -285,7 +285,7 @@ def test_the_manifest_export_carries_the_levels(tiny, tmp_path):
 
     model, tok = tiny
     config = CompressionConfig(high=TierFormat.parse("K8V4n"))
-    with pytest.raises(ValueError, match="need levels levels.v.4"):
+    with pytest.raises(ValueError, match="need levels levels.v.4, not in the bundle"):
         export_manifest(random_bundle(model, tok), tmp_path / "refused", config)
     assert not (tmp_path / "refused").exists()
     bundle = random_bundle(model, tok)
