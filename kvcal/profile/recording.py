@@ -159,7 +159,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                   on_window: Callable[[int, bool], None] | None = None) -> Recording:
     """Record every window (module docstring), one at a time so that one window's activations and float32 K/V are
     alive at once; `on_window(b, done)` as window b starts and ends. `base`: the settings the allocation changes bits
-    of (window, heavy-hitter threshold; no pruning, no FastGen: `quality_model`). The model's parameters get no
+    of (window; no pruning, no FastGen: `quality_model`), at every threshold of `ALPHAS`. The model's parameters get no
     gradient (their requires_grad is restored)."""
     if base.tiering.alpha_low > 0 or base.fastgen is not None:
         raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
