@@ -88,7 +88,12 @@ def assert_same_scores(got: CompressedStore, want: CompressedStore) -> None:
 @pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
 @pytest.mark.parametrize("high,low", MIXES)
 def test_decode_matches_torch_reference(high, low, g, n):
-    store = random_store(high, low, seed=MIXES.index((high, low)) * 10 + g + n)
+    assert_decode_matches(random_store(high, low, seed=MIXES.index((high, low)) * 10 + g + n), g, n)
+
+
+def assert_decode_matches(store, g: int, n: int) -> None:
+    """The fused decode's attention, new scores and score update of the stored tokens equal the torch reference's on
+    a copy of `store` (float32 tolerance: only the order of the sums differs)."""
     ref = copy.deepcopy(store)
     q, kn, vn = decode_inputs(store, g, n)
     out_ref, score_ref = TorchBackend.attend(ref, 0, q, kn, vn, 16 ** -0.5)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from conftest import make_model, random_bundle, random_text
-from test_cpu_backend import TOL, _decode_logits, assert_same_scores, decode_inputs, random_store
+from test_cpu_backend import _decode_logits, assert_decode_matches, random_store
 
 from kvcal.export import export_manifest
 from kvcal.profile.codebooks import fit_levels
@@ -192,14 +192,8 @@ def test_a_calibrated_format_without_levels_is_refused_in_one_line():
 def test_cpu_decode_matches_the_torch_reference(high, low, g, n):
     """The fused kernel's attention and score updates with calibrated levels equal the torch reference at the same
     float32 tolerance as uniform codes (only the order of the sums differs)."""
-    store = random_store(high, low, seed=MIXES.index((high, low)) + 10 * g + n, levels=bundle_levels(1, 3))
-    ref = copy.deepcopy(store)
-    q, kn, vn = decode_inputs(store, g, n)
-    out_ref, score_ref = TorchBackend.attend(ref, 0, q, kn, vn, 16 ** -0.5)
-    out, score = CpuBackend.attend(store, 0, q, kn, vn, 16 ** -0.5)
-    torch.testing.assert_close(out, out_ref, **TOL)
-    torch.testing.assert_close(score, score_ref, **TOL)
-    assert_same_scores(store, ref)
+    assert_decode_matches(random_store(high, low, seed=MIXES.index((high, low)) + 10 * g + n,
+                                       levels=bundle_levels(1, 3)), g, n)
 
 
 @pytest.mark.parametrize("high,low", MIXES)
