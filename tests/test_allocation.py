@@ -134,11 +134,12 @@ def test_confirmation_steps_back_by_the_measured_gap():
 
     target = QualityTarget(0.97, 1.02, 0.0)
     searched = [Probe(i, "search", _fid(1.0 - 0.005 * i), True) for i in (0, 2, 4, 6)]
-    evaluation = {i: _fid(1.0 - 0.005 * i - 0.012) for i in range(10)}     # evaluation text is 0.012 harder
+    evaluation = {i: _fid(1.0 - 1.6 * 0.005 * i) for i in range(10)}     # evaluation text: 1.6x the disagreement
     index, checks = confirm(6, searched, evaluation.__getitem__, target)
-    # between the probed 2 and 4, index 3's interpolated search top-1 (0.985) less the gap reaches 0.97
+    # between the probed 2 and 4, index 3's interpolated search disagreement (0.015) times the gap is 0.024 <= 0.03;
+    # index 4's (0.02 x 1.6 = 0.032) is not. A gap taken as a difference (0.018) would have stepped back to index 2
     assert [c.index for c in checks] == [6, 3] and checks[-1].met and index == 3
-    assert checks[1].margin == pytest.approx(0.012)
+    assert checks[1].gap == pytest.approx(1.6)
     index, checks = confirm(6, searched, lambda i: _fid(0.5), target, max_checks=3)
     assert [c.index for c in checks] == [6, 0] and not any(c.met for c in checks)   # nothing safer than index 0
     # a gap no probed point covers: the safest probed point next, not a jump past everything measured

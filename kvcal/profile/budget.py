@@ -5,11 +5,13 @@ to the most (fewest bytes). Measured quality falls along it, so:
 
 1. `bisect`: end-to-end probes on the search windows (the batched probe) bisect the hull for the cheapest point
    that meets the target at its Wilson bound, in at most `max_probes` probes;
-2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between its
-   search and evaluation top-1 is the margin: the budget steps back to the cheapest point whose search quality meets
-   with that margin (measured where it was probed, interpolated along the hull between probed points elsewhere; when
-   none does, the safest point probed, or halfway to the safest end), and that one is confirmed, up to `max_checks`
-   checks in all.
+2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the ratio of its top-1
+   disagreement with dense on evaluation text to that on search text is the gap: the budget steps back to the
+   cheapest point whose search disagreement, scaled by that ratio, meets the target at the evaluation's bounds (search
+   quality measured where it was probed, interpolated along the hull between probed points elsewhere; when none
+   does, the safest point probed, or halfway to the safest end), and that one is confirmed, up to `max_checks` checks
+   in all. The gap is a ratio, not a difference, because both disagreements vanish together as the coding error
+   does: a harder text multiplies the errors a format causes, it does not add errors where there are none.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -31,13 +33,20 @@ class Probe:
     split: str                 # "search" or "evaluation"
     fidelity: dict
     met: bool                  # at the target's bounds
-    margin: float = 0.0        # top-1 added to the target when this point was picked (the step back)
+    gap: float = 1.0           # evaluation / search top-1 disagreement assumed when this point was picked
 
 
-def meets(target: QualityTarget, fid: dict, margin: float = 0.0) -> bool:
-    """`fid` (a Fidelity as a dict) meets `target` at its bounds, with `margin` added to its top-1 (the rule the
-    report and `kvcal bench` apply)."""
-    return target.with_(top1=min(target.top1 + margin, 1.0)).met(fid)
+def meets(target: QualityTarget, fid: dict) -> bool:
+    """`fid` (a Fidelity as a dict) meets `target` at its bounds (the rule the report and `kvcal bench` apply)."""
+    return target.met(fid)
+
+
+def on_evaluation(search: dict, gap: float, predictions: int) -> dict:
+    """The evaluation-text quality expected of a point whose search-text quality is `search`: its top-1
+    disagreement times `gap`, over the evaluation's `predictions` (no per-window spread: that is measured, not
+    expected)."""
+    return {**search, "top1": max(1.0 - gap * (1.0 - search["top1"]), 0.0), "predictions": predictions,
+            "top1_windows": None}
 
 
 def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6) -> tuple[int, list[Probe]]:
@@ -67,19 +76,22 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     """Check hull index `start` on evaluation text; on a miss step back (module docstring). Returns (the index
     whose check met, or the best checked if none did, and every check)."""
     checks: list[Probe] = []
-    margin, i = 0.0, start
+    gap, i = 1.0, start
     while len(checks) < max_checks and i >= 0:
         fid = measure(i)
-        checks.append(Probe(i, "evaluation", fid, meets(target, fid), margin))
+        checks.append(Probe(i, "evaluation", fid, meets(target, fid), gap))
         if checks[-1].met:
             return i, checks
         on_search = search_quality(searched, i)
         if on_search is not None:                        # the search-vs-evaluation gap at this point
-            margin = max(margin, on_search["top1"] - fid["top1"])
-        safer = [j for j in range(i - 1, -1, -1)
-                 if (q := search_quality(searched, j)) is not None and meets(target, q, margin)]
+            # a search disagreement of 0 is one in `predictions` at most: the ratio stays finite
+            floor = 1.0 / max(on_search.get("predictions") or 1, 1)
+            gap = max(gap, (1.0 - fid["top1"]) / max(1.0 - on_search["top1"], floor))
+        n = fid.get("predictions", 0)
+        safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
+                 and meets(target, on_evaluation(q, gap, n))]
         probed = [p.index for p in searched if p.index < i]
-        # none meets with the margin: the safest point the search measured, else halfway to the safest end
+        # none meets with the gap: the safest point the search measured, else halfway to the safest end
         i = safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
     best = max(checks, key=lambda p: (p.fidelity["top1"], -p.index))
     return best.index, checks
