@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvcal.eval.fidelity import Fidelity, LogitScores, TopLogits, reference_top, teacher_force
+from kvcal.eval.spilled import SpilledRecords
 
 
 class DecodeProbe:
@@ -36,27 +37,22 @@ class DecodeProbe:
         parts = [slice(b, b + 1) for b in range(len(prompt))] if fastgen is None else [slice(None)]
         config = CompressionConfig.none().with_(fastgen=fastgen)
         sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
-        self.ref, self.records = None, {}
+        self.ref, self.records = None, SpilledRecords()
         for part in parts:
             records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
             ref = reference_top(model, records, continuation[part])
             # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more
-            # than fp16 once the reference is made (4 x 4k tokens of a 30-layer model are 0.7 GB in float32).
-            # Sliding layers keep their window as the model's cache held it.
+            # than fp16 once the reference is made. Sliding layers keep their window as the model's cache held it.
             records = {i: (key.half(), value.half(), *rest) if not sliding[i] else (key, value, *rest)
                        for i, (key, value, *rest) in records.items()}
-            if len(parts) == 1:
+            if len(parts) == 1:         # FastGen's statistics belong to the batch: kept whole, in memory
                 self.ref, self.records = ref, records
                 break
-            if self.ref is None:                 # tensors of the whole batch, filled a window at a time
+            # a window at a time on disk: four 4k windows of a 30-layer model are 0.4 GB even in fp16
+            self.records.append(records)
+            if self.ref is None:                 # the whole batch's reference, filled a window at a time
                 self.ref = TopLogits.empty(len(prompt), *ref.logp.shape[1:])
-                self.records = {i: tuple(t.new_empty(len(prompt), *t.shape[1:]) if isinstance(t, torch.Tensor) else t
-                                         for t in r) for i, r in records.items()}
             self.ref[part] = ref
-            for i, r in records.items():
-                for full, one in zip(self.records[i], r):
-                    if isinstance(one, torch.Tensor):
-                        full[part] = one
 
     @torch.inference_mode()
     def measure(self, config, bundle=None, serve=None) -> Fidelity:
@@ -89,6 +85,7 @@ class DecodeProbe:
                              "`fastgen=`")
         cache = KvcalCache.from_bundle(bundle or self.bundle, self.model, config, tokenizer=self.tokenizer,
                                        serve=serve or ServeOptions())
-        cache.prime(self.records, token_ids=self.prompt)
+        spilled = isinstance(self.records, SpilledRecords)
+        cache.prime(self.records.batch() if spilled else self.records, token_ids=self.prompt)
         return cache
 

@@ -140,6 +140,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                                  P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
     eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
+    release_memory()                # the prefills' float32 K/V and references, freed
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks)

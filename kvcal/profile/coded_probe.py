@@ -187,9 +187,7 @@ class CodedProbe:
         t0 = time.perf_counter()
         for b in range(len(self.prompt)):
             rows = slice(b, b + 1)
-            records = {i: tuple(t[rows] if isinstance(t, torch.Tensor) else t for t in r)
-                       for i, r in self.records.items()}
-            cache = dense_cache(self.model, records, keep=False)
+            cache = dense_cache(self.model, self.records.window(b), keep=False)
             # the whole continuation in one forward: a query sees each key coded or exact by its age, so splitting
             # it would change nothing but the work (each forward would code the layer again)
             with attending_by(self.model, CODED_IMPL, _coded_attention, "eager", _STATE,

@@ -213,7 +213,7 @@ def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: tor
     k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                      # [Hq, S, d]
     logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     causal = torch.arange(S)[None, :] > torch.arange(P, S)[:, None]
-    attention = logits.masked_fill(causal, float("-inf")).softmax(-1)                 # [Hq, M, S]
+    attention = logits.masked_fill_(causal, float("-inf")).softmax(-1)                # [Hq, M, S]
     continuation = attention.view(H, -1, M, S).amax(1).sum(1)                         # [H, S]
     at = torch.arange(S, dtype=torch.float64)
     # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P; any other by

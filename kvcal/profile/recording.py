@@ -24,14 +24,18 @@ attention over the whole context.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from kvcal.eval.fidelity import TopLogits
+from kvcal.eval.spilled import SpilledRecords
 from kvcal.profile.capture import attending_by
+from kvcal.profile.heap import trim_heap
 from kvcal.profile.quality_model import (
     ALPHAS,
     BASE_ALPHA,
@@ -54,8 +58,9 @@ from kvcal.runtime.storage.layout import TierFormat
 class Recording:
     prompt: torch.Tensor          # long [B, P]
     continuation: torch.Tensor    # long [B, M + 1]
-    records: dict                 # layer -> (key, value [B, H, P, d] fp16, None); a sliding layer: its kept window
-                                  # (key, value [B, H, w, d] in the model dtype, tokens seen)
+    records: SpilledRecords       # per window, layer -> (key, value [1, H, P, d] fp16, None); a sliding layer: its
+                                  # kept window (key, value [1, H, w, d] in the model dtype, tokens seen). On disk:
+                                  # four 4k windows are hundreds of MB
     ref: TopLogits                # the dense reference [B, M, k]
     held: dict                    # paged layer -> bool [len(ALPHAS), B, H, P + M]: the tokens it holds in its
                                   # allocated format by the end, per heavy-hitter threshold
@@ -79,12 +84,16 @@ class _GroupedAttention(torch.autograd.Function):
     @staticmethod
     def _probs(q, k, mask, scale, lse=None):
         B, H, g, n, d = q.shape
-        logits = (q.reshape(B, H, g * n, d) @ k.transpose(-1, -2)).view(B, H, g, n, -1) * scale
+        # in place after the product: each [g·n, S] block allocated is one more hole in the heap
+        logits = (q.reshape(B, H, g * n, d) @ k.transpose(-1, -2)).view(B, H, g, n, -1).mul_(scale)
         if mask is not None:
-            logits = logits + mask
-        if lse is None:
-            lse = logits.logsumexp(-1, keepdim=True)
-        return (logits - lse).exp_(), lse
+            logits.add_(mask)
+        if lse is not None:
+            return logits.sub_(lse).exp_(), lse
+        top = logits.amax(-1, keepdim=True)                 # a query always sees its own key: finite
+        p = logits.sub_(top).exp_()
+        total = p.sum(-1, keepdim=True)
+        return p.div_(total), top + total.log()
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
@@ -102,7 +111,7 @@ class _GroupedAttention(torch.autograd.Function):
         B, H, g, n, S = p.shape
         d_v = p.view(B, H, g * n, S).transpose(-1, -2) @ d_out.reshape(B, H, g * n, -1)
         d_p = (d_out.reshape(B, H, g * n, -1) @ v.transpose(-1, -2)).view(B, H, g, n, S)
-        d_s = p.mul_(d_p - (d_out * out).sum(-1, keepdim=True)).mul_(ctx.scale).view(B, H, g * n, S)
+        d_s = p.mul_(d_p.sub_((d_out * out).sum(-1, keepdim=True))).mul_(ctx.scale).view(B, H, g * n, S)
         d_q = (d_s @ k).view(q.shape)
         d_k = d_s.transpose(-1, -2) @ q.reshape(B, H, g * n, -1)
         return d_q, d_k, d_v, None, None
@@ -141,6 +150,7 @@ def _prefill_attention(module, query, key, value, attention_mask, *args, scaling
     out, score = select_backend("auto", str(query.device)).prefill(query.reshape(B, H, Hq // H, n, d), key, value,
                                                                     causal, scale)
     scores[module.layer_idx] = score
+    trim_heap()               # the layer's [n, n] blocks, freed: the next layer's would not reuse them all
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous().to(query.dtype), None   # [B, n, Hq, d]
 
 
@@ -171,7 +181,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     costs = torch.zeros(L, H, 2, len(BITS), A, dtype=torch.float64)
     high_costs = torch.zeros(L, H, 2, len(HIGH), A, dtype=torch.float64)
     tokens, high_tokens = torch.zeros(L, A, dtype=torch.float64), torch.zeros(L, A, dtype=torch.float64)
-    records: dict = {}
+    records = SpilledRecords()
     held_by_end: dict = {}
     levels: dict = {}
     ref = None
@@ -184,6 +194,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
             if on_window:
                 on_window(b, False)
             window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk)
+            trim_heap()
             S = window["S"]
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
@@ -204,13 +215,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 if not sliding[layer]:
                     held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
                     held_by_end[layer][:, b] = held
-                kept = window["prompt"][layer]
-                if b == 0:
-                    records[layer] = tuple(t.new_empty(B, *t.shape[1:]) if isinstance(t, torch.Tensor) else t
-                                           for t in kept)
-                for full, one in zip(records[layer], kept):
-                    if isinstance(one, torch.Tensor):
-                        full[b] = one[0]
+            records.append(window["prompt"])
             if ref is None:
                 ref = TopLogits.empty(B, *window["ref"].logp.shape[1:])
             ref[b:b + 1] = window["ref"]
@@ -228,6 +233,44 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
     return Recording(prompt, continuation, records, ref, held_by_end,
                      FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A full-attention layer of the recording's cache whose continuation tokens are written in place into buffers
+    of the whole window [1, H, S, d], where DynamicLayer's cat allocates every layer's K/V afresh for each chunk (and a
+    fragmented heap keeps the old copies resident: hundreds of MB per chunk at 4k). `keys`/`values` are views of the
+    tokens written so far; gradients reach the chunk's new tokens through the in-place copy."""
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer, total: int) -> None:
+        """Turn a prefilled DynamicLayer into one with room for `total` tokens."""
+        n = layer.keys.shape[-2]
+        layer.__class__ = cls
+        layer.buffers = []
+        for x in (layer.keys, layer.values):
+            buffer = x.new_empty(*x.shape[:-2], total, x.shape[-1])
+            buffer[..., :n, :] = x
+            layer.buffers.append(buffer)
+        layer.length = n
+        layer.keys, layer.values = (b[..., :n, :] for b in layer.buffers)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        lo, hi = self.length, self.length + key_states.shape[-2]
+        for buffer, new in zip(self.buffers, (key_states, value_states)):
+            buffer[..., lo:hi, :] = new
+        self.length = hi
+        self.keys, self.values = (b[..., :hi, :] for b in self.buffers)
+        return self.keys, self.values
+
+    def detach(self) -> None:
+        """Drop the chunk's graph (the buffers keep their storage)."""
+        self.buffers = [b.detach() for b in self.buffers]
+        self.keys, self.values = (b[..., :self.length, :] for b in self.buffers)
+
+
+def _add_gradient(total: torch.Tensor, lo: int, hi: int, grad: torch.Tensor) -> None:
+    """A K/V tensor's gradient hook: add grad [1, H, hi - lo, d] into total[:, :, lo:hi]."""
+    total[:, :, lo:hi] += grad.float()
 
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool], chunk: int) -> dict:
@@ -249,6 +292,10 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
             for i, layer in enumerate(cache.layers)}
     P, M = prompt.shape[1], continuation.shape[1] - 1
     S = P + M
+    for i, layer in enumerate(cache.layers):
+        if kept[i][2] is None:
+            _InPlaceLayer.adopt(layer, S)
+    trim_heap()                             # the prefill's activations, freed
     grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
     queries: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
     refs = []
@@ -261,25 +308,32 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
             logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
             targets = continuation[:, t + 1:end + 1]
             loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
-            g = torch.autograd.grad(loss, [x for i in range(L) for x in seen[i][1:]])
+            for i in range(L):
+                _, key, value = seen[i]
+                n = key.shape[2]                                 # the tokens this chunk's queries read: the last n
+                if i not in grads:
+                    grads[i] = [key.new_zeros(*key.shape[:2], S, key.shape[3], dtype=torch.float32)
+                                for _ in range(4 if kept[i][2] is not None else 2)]
+                for side, x in enumerate((key, value)):
+                    x.register_hook(functools.partial(_add_gradient, grads[i][side], P + end - n, P + end))
+            # each layer's gradient is added into its sum as the backward reaches it, and freed: never every
+            # layer's at once (the input embeddings are a leaf on every path, so the backward visits every K/V)
+            torch.autograd.backward(loss, inputs=[embeds])
         refs.append(TopLogits.of(logits.detach(), targets))
         for i in range(L):
             query, key, value = (x.detach() for x in seen[i])
-            n = key.shape[2]                                     # the tokens this chunk's queries read: the last n
-            sliding = kept[i][2] is not None
-            if i not in grads:
-                grads[i] = [key.new_zeros(*key.shape[:2], S, key.shape[3], dtype=torch.float32)
-                            for _ in range(4 if sliding else 2)]
-            lo, hi = P + end - n, P + end
-            grads[i][0][:, :, lo:hi] += g[2 * i].float()
-            grads[i][1][:, :, lo:hi] += g[2 * i + 1].float()
-            if sliding:                  # its cache keeps a window: the tokens it read are kept here
+            lo, hi = P + end - key.shape[2], P + end
+            if kept[i][2] is not None:       # a sliding layer's cache keeps a window: the tokens it read are kept here
                 grads[i][2][:, :, lo:hi], grads[i][3][:, :, lo:hi] = key.float(), value.float()
             queries[i].append(query)
         seen.clear()
         for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
-            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-        del g, loss, logits
+            if isinstance(layer, _InPlaceLayer):
+                layer.detach()
+            else:
+                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+        del loss, logits, embeds
+        trim_heap()          # each chunk frees hundreds of MB in pieces the heap would keep (kvcal.profile.heap)
     ref = TopLogits.cat(refs)
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
           else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}

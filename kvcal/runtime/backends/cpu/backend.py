@@ -69,8 +69,9 @@ def flash_prefill(query, keys, values, mask, scale):
         w, c = rows.stop, rows.stop - rows.start
         # one batched GEMM per block: the group's query heads stacked as rows against the KV head's keys
         logits = torch.matmul(q[:, :, :, rows].reshape(B, H, g * c, d), kt[..., :w]).view(B, H, g, c, w)
-        logits.sub_(lse[:, :, :, rows, None]).masked_fill_(at[None, :w] > at[rows, None], float("-inf"))
-        score[:, :, :w] += logits.exp_().amax(dim=2).sum(dim=2)
+        # the max over the group before exp (exp is monotonic): a g-th of the exponentials and of the mask's writes
+        top = logits.sub_(lse[:, :, :, rows, None]).amax(dim=2)                                 # [B, H, c, w]
+        score[:, :, :w] += top.masked_fill_(at[None, :w] > at[rows, None], float("-inf")).exp_().sum(dim=2)
     return out.view(B, H, g, n, D)[..., :r_v].contiguous(), score
 
 
