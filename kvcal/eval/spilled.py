@@ -3,7 +3,8 @@
 A record is what a prefill leaves in the cache, per layer: (key, value [1, H, n, d], tokens seen or None), as
 `KvcalCache.record_prompt` and the search's recording make them. At 4k tokens a window of a 30-layer model is about
 94 MB in fp16; the search and the confirmation each keep four, and read them a window (or once a batch) at a time.
-The files live in a private temporary folder, removed when the object goes (or the process ends).
+The files live in a private folder under the temporary folder (`TMPDIR`, else /tmp), removed when the object goes
+(or the process ends). Where /tmp is a tmpfs they stay in memory, outside the process's RSS: point `TMPDIR` at a disk.
 
     spilled = SpilledRecords()
     spilled.append(records)           # layer -> (key, value [1, H, n, d], seen)
