@@ -56,16 +56,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-m", "--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--context", type=int, default=None, help="default: min(4096, the model's maximum)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     cfg = CalibrationConfig(model=args.model)
     lm = load_model(args.model, dtype=cfg.search_dtype)
-    context = min(4096, lm.adapter.max_positions)
+    context = args.context or min(4096, lm.adapter.max_positions)
     window = min(cfg.seq_len, context)
     vocab = lm.model.config.vocab_size
     prefill_s = timed_forward(lm.model, context - 1, vocab, args.repeats)
     pass_s = timed_forward(lm.model, window, vocab, args.repeats)
-    step_s = timed_decode_step(lm.model, context - 1 - cfg.search_steps, cfg.eval_windows, vocab)
+    step_s = timed_decode_step(lm.model, max(context - 1 - cfg.search_steps, 1), cfg.eval_windows, vocab)
     passes = -(-cfg.random_tokens // window) + -(-cfg.text_tokens // window)
     prefills = cfg.search_windows + cfg.eval_windows
     result = {"model": args.model, "threads": torch.get_num_threads(), "context": context,

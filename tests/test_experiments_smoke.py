@@ -33,6 +33,7 @@ SMOKE: dict[str, list[str]] = {
               "--json", "{tmp}/out.json"],
     "beams_crop": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--beams", "2",
                    "--new-tokens", "4", "--repeats", "1", "--crops", "1", "--json", "{tmp}/out.json"],
+    "calibration_floor": ["--model", "{llama}", "--repeats", "1", "--context", "64", "--json", "{tmp}/out.json"],
     "calibrate_models": ["{llama}", "--results", "{tmp}", "--", *SMALL_CALIBRATE, "--dataset", "{data}"],
     "cli_capture": ["--out", "{tmp}", "--", *SMALL_CALIBRATE],
     "cli_flags_page": ["--check"],
