@@ -31,8 +31,9 @@ def release_memory() -> None:
 
 
 def trim_heap() -> None:
-    """Hand freed heap memory back to the OS, without a garbage collection first: cheap enough (about a millisecond)
-    to call inside a pass, between chunks whose freed tensors a fragmented heap would otherwise keep resident."""
+    """Hand freed heap memory back to the OS, without a garbage collection first: cheap enough (tens of milliseconds
+    on a heap of a GB or two) to call inside a pass, between chunks whose freed tensors a fragmented heap would
+    otherwise keep resident."""
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
