@@ -417,7 +417,6 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
 
     from kvcal.bench.measure import measure_quality
     from kvcal.eval import DecodeProbe, QualityTarget
-    from kvcal.profile.budget import meets
     from kvcal.runtime.config import CompressionConfig
 
     model, tok, _ = tiny
@@ -431,10 +430,10 @@ def test_bench_and_calibrate_agree_on_meeting_the_target(tiny):
     verdicts = []
     for target in targets:
         quality, _ = measure_quality(method, probe, model, tok, target)
-        assert quality["top1"] == fid["top1"] and quality["meets_target"] == meets(target, fid)
-        verdicts.append(meets(target, fid))
+        assert quality["top1"] == fid["top1"] and quality["meets_target"] == target.met(fid)
+        verdicts.append(target.met(fid))
     assert verdicts == [True, fid["top1"] == 1.0]      # with z > 0 a top-1 below 1 needs more than its point estimate
-    assert not meets(dataclasses.replace(targets[1], ppl_ratio=0.5), fid)
+    assert not dataclasses.replace(targets[1], ppl_ratio=0.5).met(fid)
 
 
 def test_where_kvcal_loses_says_what_it_holds():

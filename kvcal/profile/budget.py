@@ -36,11 +36,6 @@ class Probe:
     gap: float = 1.0           # evaluation / search top-1 disagreement assumed when this point was picked
 
 
-def meets(target: QualityTarget, fid: dict) -> bool:
-    """`fid` (a Fidelity as a dict) meets `target` at its bounds (the rule the report and `kvcal bench` apply)."""
-    return target.met(fid)
-
-
 def on_evaluation(search: dict, gap: float, predictions: int) -> dict:
     """The evaluation-text quality expected of a point whose search-text quality is `search`: its top-1
     disagreement times `gap`, over the evaluation's `predictions` (no per-window spread: that is measured, not
@@ -57,7 +52,7 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6)
 
     def probe(i: int) -> bool:
         fid = measure(i)
-        probes.append(Probe(i, "search", fid, meets(target, fid)))
+        probes.append(Probe(i, "search", fid, target.met(fid)))
         return probes[-1].met
 
     while hi - lo > 1 and len(probes) < max_probes:
@@ -79,7 +74,7 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     gap, i = 1.0, start
     while len(checks) < max_checks and i >= 0:
         fid = measure(i)
-        checks.append(Probe(i, "evaluation", fid, meets(target, fid), gap))
+        checks.append(Probe(i, "evaluation", fid, target.met(fid), gap))
         if checks[-1].met:
             return i, checks
         on_search = search_quality(searched, i)
@@ -89,7 +84,7 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
             gap = max(gap, (1.0 - fid["top1"]) / max(1.0 - on_search["top1"], floor))
         n = fid.get("predictions", 0)
         safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
-                 and meets(target, on_evaluation(q, gap, n))]
+                 and target.met(on_evaluation(q, gap, n))]
         probed = [p.index for p in searched if p.index < i]
         # none meets with the gap: the safest point the search measured, else halfway to the safest end
         i = safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)

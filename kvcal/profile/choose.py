@@ -28,7 +28,7 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
 from kvcal.profile.allocate import base_settings, frontier, to_config
-from kvcal.profile.budget import bisect, confirm, meets
+from kvcal.profile.budget import bisect, confirm
 from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
 from kvcal.profile.quality_model import ALPHAS, HIGH, bundle_levels
@@ -119,7 +119,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                 checkpoint.save_probes(memo)
                 release_memory()
             fid = memo[key]
-            rows.append(_row(stage, i, config, fid, meets(target, fid),
+            rows.append(_row(stage, i, config, fid, target.met(fid),
                              time.perf_counter() - t0, hull[i].predicted))
             say(f"  {stage:8} {rows[-1]['label']:16} predicted {hull[i].predicted:9.3g}  bytes "
                 f"{rows[-1]['bytes_ratio']:.3f}  top-1 {fid['top1']:.3f}  ppl {fid['ppl_ratio']:.3f}  "
