@@ -398,7 +398,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
             entry: dict[str, Any] = {"kv_head": h, "qk_rank": r_k, "v_rank": r_v, "high": None, "low": None}
             if compressed:
                 entry["high"] = _layout_dict(PageLayout.build(cfg.high, r_k, r_v, page_bytes))
-                entry["low"] = _layout_dict(PageLayout.build(cfg.low_of(layer), r_k, r_v, page_bytes,
+                entry["low"] = _layout_dict(PageLayout.build(cfg.low_of(layer, h), r_k, r_v, page_bytes,
                                                                   cfg.low_tracked))
             heads.append(entry)
         layers.append({"layer": layer, "layer_type": bundle.model.layer_types[layer], "compressed": compressed,

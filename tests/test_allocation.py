@@ -92,6 +92,23 @@ def test_the_predicted_loss_orders_allocations_as_the_probe_measures_them():
     assert spearman(predicted, measured) >= 0.8, list(zip(predicted, measured))
 
 
+def test_each_kv_head_takes_its_own_bits_and_a_sliding_layers_heads_one():
+    """A head 100 times as sensitive as its neighbour keeps more bits at some price; no per-head allocation of a
+    2-layer table has both less predicted loss and fewer bytes than a hull point; a sliding layer's heads always
+    choose alike (the runtime has one format per sliding layer)."""
+    costs = _table(L=2, seed=2)
+    costs.costs[:, 0] *= 100
+    hull = frontier(costs)
+    assert any((a.bits[:, 0] > a.bits[:, 1]).any() for a in hull)
+    for high, alpha in {(a.high, a.alpha) for a in hull}:
+        priced = [(costs.predicted(b, high, alpha), costs.held_bytes(b, high, alpha))
+                  for b in (torch.tensor(c).view(2, 2, 2) for c in itertools.product(BITS, repeat=8))]
+        for a in (a for a in hull if (a.high, a.alpha) == (high, alpha)):
+            assert not any(p < a.predicted - 1e-9 and n < a.held_bytes - 1e-9 for p, n in priced)
+    costs.sliding[0] = True
+    assert all(a.bits[0, 0].eq(a.bits[0, 1]).all() for a in frontier(costs))
+
+
 def test_to_config_sets_only_the_layers_that_differ():
     model, tok, bundle, ids, base, costs = _tiny_costs(L=2)
     bits = torch.tensor([[4, 4], [2, 8]])
@@ -99,6 +116,11 @@ def test_to_config_sets_only_the_layers_that_differ():
     assert config.low_layers == ((1, base.low.__class__.parse("K2cnV8m8")),)
     assert to_config(base, costs, Allocation.of(costs, torch.full((2, 2), 4))) == base
     assert to_config(base, costs, Allocation.of(costs, bits, 1, 3)).tiering.alpha_high == ALPHAS[3]
+    # per KV head: a layer takes the format most of its heads take (the lowest head's on a tie), the others their own
+    per_head = torch.tensor([[[4, 4], [2, 2]], [[2, 8], [2, 8]]])
+    config = to_config(base, costs, Allocation.of(costs, per_head))
+    assert config.low_layers == ((1, base.low.__class__.parse("K2cnV8m8")),)
+    assert config.low_heads == ((0, 1, base.low.__class__.parse("K2cnV2nm8")),)
 
 
 def test_spearman():

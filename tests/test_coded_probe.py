@@ -70,14 +70,15 @@ def test_fewer_bits_cost_more_and_bytes_fall():
 
 
 def test_the_coded_probe_orders_allocations_as_the_runtime_measures_them():
-    """Allocations from all 8-bit to all 2-bit, measured by the coded probe and stepwise by the runtime's decode
-    probe on the same windows: their KLs rank alike. A probe that codes the wrong tokens, sides or layers (or none)
-    breaks the order, and this fails."""
+    """Allocations from all 8-bit to all 2-bit, and random ones per KV head (the runtime serves them as `low_heads`),
+    measured by the coded probe and stepwise by the runtime's decode probe on the same windows: their KLs rank alike.
+    A probe that codes the wrong tokens, sides, heads or layers (or none) breaks the order, and this fails."""
     model, tok, bundle, ids, base, costs, probe = _setup()
     runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
     g = torch.Generator().manual_seed(0)
     allocations = [torch.full((4, 2), b) for b in BITS]
-    allocations += [torch.tensor(BITS)[torch.randint(3, (4, 2), generator=g)] for _ in range(7)]
+    allocations += [torch.tensor(BITS)[torch.randint(3, (4, 2, 2), generator=g)] for _ in range(7)]
+    assert any(to_config(base, costs, Allocation.of(costs, b)).low_heads for b in allocations[3:])
     allocations = [Allocation.of(costs, b) for b in allocations]
     coded = [probe.measure(costs, a).kl for a in allocations]
     served = [runtime.measure(to_config(base, costs, a)).kl for a in allocations]

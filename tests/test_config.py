@@ -33,6 +33,10 @@ def test_round_trip_of_every_setting_the_block_holds():
             alpha_high=2.0, alpha_low=0.5, threshold_base="position"),
         CompressionConfig(high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=32).with_tiering(
             window=32, alpha_high=1e9, alpha_low=0.25),
+        CompressionConfig(low=TierFormat.parse("K4cnV4nm8"), low_layers=((1, TierFormat.parse("K2cnV2nm8")),),
+                          low_heads=((0, 2, TierFormat.parse("K8cV4nm8")), (3, 0, TierFormat.parse("K2cnV4nm8"))),
+                          sliding=TierFormat.parse("K8V8kg32m8"),
+                          sliding_layers=((2, TierFormat.parse("K4V4kg32m8")),)),
     ]
     for config in configs:
         d = config.to_dict()
@@ -133,3 +137,15 @@ def test_low_tokens_that_never_move_keep_no_score_or_position():
         assert (lay.tokens, lay.bytes_per_token, lay.tracked) == (32, per_token, tracked)
         assert (lay.score_off < 0) == (lay.pos_off < 0) == (not tracked)
     assert residual.page_size(64) == default_page_bytes(64, residual.low, 32, tracked=False)
+
+
+def test_a_kv_heads_low_format_overrides_its_layers_and_is_checked_like_it():
+    low, two, eight = (TierFormat.parse(f) for f in ("K4cnV4nm8", "K2cnV2nm8", "K8cV4nm8"))
+    config = CompressionConfig(low=low, low_layers=((1, two),), low_heads=((1, 2, eight), (3, 0, two)))
+    assert [config.low_of(1, h) for h in range(3)] == [two, two, eight]
+    assert config.low_of(1) == two and config.low_of(3, 0) == two and config.low_of(3, 1) == low
+    assert eight in config.formats
+    with pytest.raises(ValueError, match="once, ascending"):
+        CompressionConfig(low=low, low_heads=((1, 2, eight), (1, 2, two)))
+    with pytest.raises(ValueError, match="bits only"):
+        CompressionConfig(low=low, low_heads=((0, 0, TierFormat.parse("K4V4")),))

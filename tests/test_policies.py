@@ -36,6 +36,12 @@ POLICIES = {
     "residual, untracked low, bits per layer": CompressionConfig(
         high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8,
         low_layers=((1, TierFormat.parse("K2cV2")),)).with_tiering(window=8, alpha_high=2.0),
+    # and per KV head (`low_heads`): layer 0's head 1 at 2 bits, layer 1's head 0 at 8-bit keys
+    "residual, untracked low, bits per KV head": CompressionConfig(
+        high=TierFormat.parse("K16V16"), low=TierFormat.parse("K4cV4"), page_tokens=8,
+        low_layers=((1, TierFormat.parse("K2cV2")),),
+        low_heads=((0, 1, TierFormat.parse("K2cV2")), (1, 0, TierFormat.parse("K8cV4")))).with_tiering(
+        window=8, alpha_high=2.0),
     "fastgen": CompressionConfig(fastgen=FastGenConfig(0.6)).with_tiering(window=8),
     "fastgen + diffkv": CompressionConfig(low=TierFormat.parse("K4V2"), fastgen=FastGenConfig(0.6)).with_tiering(
         **TIERS),
@@ -135,6 +141,31 @@ def test_a_layers_own_low_bits_shape_its_pages_and_only_its_pages():
     _, tiers, _, held = _serve(per_layer, ServeOptions(), prompt=200)
     _, ref_tiers, _, ref_held = _serve(per_layer.with_(low_layers=()), ServeOptions(), prompt=200)
     assert tiers["pruned"] == ref_tiers["pruned"] == 0 and held < ref_held
+
+
+@pytest.mark.parametrize("use_ranks", [True, False])
+def test_a_kv_heads_own_low_bits_shape_its_pages(use_ranks):
+    """`low_heads`: each KV head's low pages have its own format, whether its ranks already set it apart (the tiny
+    bundle's heads differ in rank) or it shares them with its layer's other heads (full rank): heads group by format."""
+    from kvcal.runtime.storage.pages import LOW
+
+    config = POLICIES["residual, untracked low, bits per KV head"].with_(use_ranks=use_ranks)
+    model, tok, bundle = _model()
+    cache = KvcalCache.from_bundle(bundle, model, config)
+    with torch.inference_mode():
+        model(input_ids=torch.arange(3, 19)[None], cache=cache, use_cache=True)
+    groups = cache.kv.store.groups
+    formats = {(layer, int(h)): g.layouts[LOW].fmt.name for layer, gs in groups.items() for g in gs for h in g.heads}
+    assert formats == {(0, 0): "K4cV4", (0, 1): "K2cV2", (1, 0): "K8cV4", (1, 1): "K2cV2"}
+    assert all(len(gs) == 2 for gs in groups.values())
+
+
+def test_a_kv_head_the_model_lacks_is_refused():
+    model, tok, bundle = _model()
+    config = CompressionConfig(low=TierFormat.parse("K4cV4"), low_heads=((0, 5, TierFormat.parse("K2cV2")),))
+    cache = KvcalCache.from_bundle(bundle, model, config)
+    with pytest.raises(ValueError, match="KV head 5 of layer 0"), torch.inference_mode():
+        model(input_ids=torch.arange(3, 19)[None], cache=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])

@@ -1,10 +1,11 @@
-"""Allocation by the quality model: per layer, keys and values apart, the bits that minimise bytes under a
-predicted-loss budget (a multiple-choice knapsack).
+"""Allocation by the quality model: per layer and KV head, keys and values apart, the bits that minimise bytes under
+a predicted-loss budget (a multiple-choice knapsack).
 
-Every (layer, side) is one group with one choice per entry of the catalogue (`quality_model.BITS`), each with a
-predicted loss (the quality model's table, summed over KV heads: the runtime stores one format per layer) and a
-byte cost at the recorded context; the high tier's format (`quality_model.HIGH`) and the heavy-hitter threshold
-(`quality_model.ALPHAS`) are each one choice for every layer.
+Every (layer, KV head, side) of a paged layer is one group with one choice per entry of the catalogue
+(`quality_model.BITS`), each with a predicted loss (the quality model's table) and a byte cost at the recorded
+context; a sliding-window layer's heads choose together (the runtime stores one format per sliding layer). The high
+tier's format (`quality_model.HIGH`) and the heavy-hitter threshold (`quality_model.ALPHAS`) are each one choice for
+every layer.
 For a price λ every group takes argmin loss + λ · bytes; sweeping λ traces the lower convex hull of the bytes-loss
 frontier (`frontier`), cheapest in loss first. A budget picks the cheapest hull
 point within it (`allocate`). The cost is linear in groups × choices, a few milliseconds for any model here.
@@ -44,7 +45,7 @@ def base_settings(layer_types: list[str], window: int | None = None) -> Compress
 
 @dataclass(frozen=True)
 class Allocation:
-    bits: torch.Tensor        # long [L, 2]: (K bits, V bits) per layer, entries of BITS
+    bits: torch.Tensor        # long [L, H, 2]: (K bits, V bits) per layer and KV head, entries of BITS
     predicted: float          # the loss it adds (FormatCosts.predicted)
     held_bytes: float         # bytes its formats hold at the recorded context (FormatCosts.held_bytes)
     high: int = 0             # the high tier's format: HIGH[high]
@@ -52,20 +53,25 @@ class Allocation:
 
     @classmethod
     def of(cls, costs: FormatCosts, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> Allocation:
-        """bits long [L, 2] (entries of BITS), the high tier HIGH[high], heavy hitters at ALPHAS[alpha], priced."""
+        """bits long [L, H, 2] or [L, 2] (every head of a layer alike; entries of BITS), the high tier HIGH[high],
+        heavy hitters at ALPHAS[alpha], priced."""
+        bits = costs.per_head(bits).clone()
         return cls(bits, costs.predicted(bits, high, alpha), costs.held_bytes(bits, high, alpha), high, alpha)
 
 
 def _priced(costs: FormatCosts, alpha: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, bytes) float64 [L, 2, len(BITS)] per group and choice, heavy hitters at ALPHAS[alpha]."""
-    return costs.costs[..., alpha].sum(1), costs.bytes * costs.tokens[:, alpha, None, None]
+    """(loss, bytes) float64 [L, H, 2, len(BITS)] per (layer, KV head, side) and choice, heavy hitters at
+    ALPHAS[alpha]."""
+    return costs.costs[..., alpha], costs.head_bytes() * costs.tokens[:, alpha, None, None, None]
 
 
 def at_price(costs: FormatCosts, price: float, high: int = 0, alpha: int = BASE_ALPHA) -> Allocation:
     """Every group's argmin loss + price · bytes (ties: the wider format), with the high tier in HIGH[high] and heavy
     hitters at ALPHAS[alpha]."""
     loss, nbytes = _priced(costs, alpha)
-    choice = (loss + price * nbytes).argmin(-1)
+    total = loss + price * nbytes                                                  # [L, H, 2, len(BITS)]
+    tied = torch.tensor(costs.sliding)[:, None, None]                              # a sliding layer's heads together
+    choice = torch.where(tied, total.sum(1).argmin(-1)[:, None], total.argmin(-1))
     return Allocation.of(costs, torch.tensor(BITS)[choice], high, alpha)
 
 
@@ -105,14 +111,17 @@ def allocate(costs: FormatCosts, budget: float) -> Allocation:
 
 
 def to_config(base: CompressionConfig, costs: FormatCosts, allocation: Allocation) -> CompressionConfig:
-    """`base` with each layer's low tier (a paged layer: `low_layers`) or sliding format (`sliding_layers`) at the
-    allocation's bits [L, 2], its high tier and heavy-hitter threshold; layers whose bits equal the base format's are
-    left to it."""
-    low, sliding = [], []
-    for layer, (k, v) in enumerate(allocation.bits.tolist()):
+    """`base` with the allocation's bits [L, H, 2], its high tier and heavy-hitter threshold: a paged layer's low
+    tier at the format most of its KV heads take (`low_layers`, unless it is the base format), each other head's in
+    `low_heads`; a sliding layer's format in `sliding_layers` (unless it is the base's)."""
+    low, heads, sliding = [], [], []
+    for layer, per_head in enumerate(allocation.bits.tolist()):
         is_sliding = costs.sliding[layer]
-        fmt = layer_format(base, is_sliding, k, v)
+        fmts = [layer_format(base, is_sliding, k, v) for k, v in per_head]
+        fmt = max(fmts, key=fmts.count)                 # the most common, the lowest head's on a tie
         if fmt != (base.sliding if is_sliding else base.low):
             (sliding if is_sliding else low).append((layer, fmt))
+        heads += [(layer, h, own) for h, own in enumerate(fmts) if own != fmt]
     return base.with_tiering(alpha_high=ALPHAS[allocation.alpha]).with_(
-        high=TierFormat.parse(HIGH[allocation.high]), low_layers=tuple(low), sliding_layers=tuple(sliding))
+        high=TierFormat.parse(HIGH[allocation.high]), low_layers=tuple(low), low_heads=tuple(heads),
+        sliding_layers=tuple(sliding))

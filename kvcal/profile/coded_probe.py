@@ -54,15 +54,15 @@ class _Coding:
         low tokens in position order as the low tier fills its pages; every token in `high` [B, H, S] in the high
         tier's format, per token (`held_tokens`; the caller masks which query sees which)."""
         p, sliding = self.probe, self.probe.sliding[layer]
-        fmt = layer_format(p.base, sliding, int(self.bits[layer, 0]), int(self.bits[layer, 1]))
         rot, qrot = p.served.rotation[layer], p.served.query_rotation[layer]           # [H, d, d]
         basis = p.served.basis[layer]
         B, H, S, d = key.shape
-        page = PageLayout.build(fmt, d, d, p.base.page_size(d), p.base.low_tracked and not sliding).tokens
         k_out, v_out = key.float().clone(), value.float().clone()
         levels = p.recording.levels.get(layer, {})
-        for b in range(B):
-            for h in range(H):
+        for h in range(H):
+            fmt = layer_format(p.base, sliding, int(self.bits[layer, h, 0]), int(self.bits[layer, h, 1]))
+            page = PageLayout.build(fmt, d, d, p.base.page_size(d), p.base.low_tracked and not sliding).tokens
+            for b in range(B):
                 k_lut, v_lut = (None if t is None else t[h:h + 1] for t in (levels.get(("k", fmt.k_bits)),
                                                                               levels.get(("v", fmt.v_bits))))
                 for sel, tier, tokens, luts in ((low[b, h], fmt, page, (k_lut, v_lut)),
@@ -157,7 +157,7 @@ class CodedProbe:
         S = self.prompt.shape[1] + self.continuation.shape[1] - 1
         H, d = self.served.rotation.shape[1], self.head_dim
         bits, alpha = allocation.bits, allocation.alpha
-        per_token = costs.bytes.gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum(-1)   # [L]
+        per_token = costs.head_bytes().gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum((1, 2))   # [L]
         per_high = costs.high_bytes[..., allocation.high].sum(-1)                                  # [L]
         held = torch.tensor([float(S) if s else float(self.held[i][alpha].double().sum(-1).mean())
                              for i, s in enumerate(self.sliding)], dtype=torch.float64)          # [L] per KV head
@@ -176,9 +176,9 @@ class CodedProbe:
 
     @torch.inference_mode()
     def measure(self, costs: FormatCosts, allocation: Allocation):
-        """An allocation (bits per layer, entries of BITS; high tier; heavy-hitter threshold) -> a Fidelity of the
-        continuation through the coded K/V; memory["ratio_to_fp16"] from `modelled_ratio`. A window at a time: one
-        window's float32 K/V and coded copies are alive at once."""
+        """An allocation (bits per layer and KV head, entries of BITS; high tier; heavy-hitter threshold) -> a
+        Fidelity of the continuation through the coded K/V; memory["ratio_to_fp16"] from `modelled_ratio`. A window
+        at a time: one window's float32 K/V and coded copies are alive at once."""
         if not set(allocation.bits.unique().tolist()) <= set(BITS):
             raise ValueError(f"bits must be entries of {BITS}")
         target = self.continuation[:, 1:]

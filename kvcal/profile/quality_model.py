@@ -25,7 +25,7 @@ them. The predicted loss of an assignment is a sum of table entries, computed wi
     costs[l, h, s, b, a]   float64 [L, H, 2, len(BITS), len(ALPHAS)]   ½ Σ g² δ² with side s (0: K, 1: V) of layer
                                        l's format at BITS[b] bits, heavy hitters at ALPHAS[a], summed over windows,
                                        tokens, coordinates
-    predicted(bits, high, a) = Σ_l,s costs[l, :, s, index of bits[l, s], a].sum() + the high tier's table
+    predicted(bits, high, a) = Σ_l,h,s costs[l, h, s, index of bits[l, h, s], a] + the high tier's table
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class FormatCosts:
     """The quality model's table and what it needs to price a choice (module docstring)."""
 
     costs: torch.Tensor          # float64 [L, H, 2, len(BITS), len(ALPHAS)]
-    bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads
+    bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads (each KV
+                                 # head holds a share H-th: every head of a paged layer at full rank)
     tokens: torch.Tensor         # float64 [L, len(ALPHAS)]: tokens each layer holds in the allocated format (per KV
                                  # head, mean)
     sliding: list[bool]          # per layer
@@ -84,18 +85,27 @@ class FormatCosts:
     high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
     high_tokens: torch.Tensor    # float64 [L, len(ALPHAS)]: tokens each layer holds in its high tier (per KV head)
 
+    def per_head(self, bits: torch.Tensor) -> torch.Tensor:
+        """bits long [L, 2] (every KV head of a layer alike) or [L, H, 2] -> [L, H, 2]."""
+        return bits[:, None].expand(-1, self.costs.shape[1], -1) if bits.dim() == 2 else bits
+
+    def head_bytes(self) -> torch.Tensor:
+        """float64 [L, H, 2, len(BITS)]: bytes per held token of each KV head."""
+        H = self.costs.shape[1]
+        return (self.bytes / H)[:, None].expand(-1, H, -1, -1)
+
     def predicted(self, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> float:
-        """bits long [L, 2] (entries of BITS), high tier HIGH[high], heavy hitters at ALPHAS[alpha] -> the loss the
-        assignment adds (½ Σ g² δ²)."""
-        low = self.costs[..., alpha].sum(1).gather(-1, self.index(bits)[..., None]).sum()
+        """bits long [L, H, 2] or [L, 2] (`per_head`; entries of BITS), high tier HIGH[high], heavy hitters at
+        ALPHAS[alpha] -> the loss the assignment adds (½ Σ g² δ²)."""
+        low = self.costs[..., alpha].gather(-1, self.index(self.per_head(bits))[..., None]).sum()
         return float(low + self.high_costs[..., high, alpha].sum())
 
     def held_bytes(self, bits: torch.Tensor, high: int = 0, alpha: int = BASE_ALPHA) -> float:
-        """bits long [L, 2], high tier HIGH[high], heavy hitters at ALPHAS[alpha] -> bytes the allocated formats hold
-        at the recorded context."""
-        per_token = self.bytes.gather(-1, self.index(bits)[..., None])[..., 0]
+        """bits long [L, H, 2] or [L, 2], high tier HIGH[high], heavy hitters at ALPHAS[alpha] -> bytes the allocated
+        formats hold at the recorded context."""
+        per_token = self.head_bytes().gather(-1, self.index(self.per_head(bits))[..., None])[..., 0]   # [L, H, 2]
         high_part = self.high_bytes[..., high] * self.high_tokens[:, alpha, None]
-        return float((per_token * self.tokens[:, alpha, None]).sum() + high_part.sum())
+        return float((per_token * self.tokens[:, alpha, None, None]).sum() + high_part.sum())
 
     @staticmethod
     def index(bits: torch.Tensor) -> torch.Tensor:

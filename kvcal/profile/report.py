@@ -37,11 +37,12 @@ def tier_in_words(spec: str) -> str:
 
 
 def _per_layer(where: str, layer_formats: tuple) -> list[str]:
-    """((1, K4cV2), (3, K4cV2), (4, K2cV4)) -> ["K4cV2 in {where} 1, 3", "K2cV4 in {where} 4"]."""
-    by_format: dict[str, list[int]] = {}
-    for layer, fmt in layer_formats:
-        by_format.setdefault(fmt.name, []).append(layer)
-    return [f"{name} in {where} {', '.join(map(str, layers))}" for name, layers in by_format.items()]
+    """((1, K4cV2), (3, K4cV2), (4, K2cV4)) -> ["K4cV2 in {where} 1, 3", "K2cV4 in {where} 4"]; (layer, KV head,
+    format) triples name each as layer.head ("K4cV2 in {where} 1.0, 3.2")."""
+    by_format: dict[str, list[str]] = {}
+    for *at, fmt in layer_formats:
+        by_format.setdefault(fmt.name, []).append(".".join(map(str, at)))
+    return [f"{name} in {where} {', '.join(at)}" for name, at in by_format.items()]
 
 
 def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_mean: float | None = None,
@@ -61,6 +62,7 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
         parts = [f"{high} ({tier_in_words(high)}) for the {p.window} newest tokens{kept}, {low} "
                  f"({tier_in_words(low)}) for the others"]
         parts += _per_layer("the low tier of layers", config.low_layers)
+        parts += _per_layer("the low tier of (layer.KV head)", config.low_heads)
         if config.page_tokens:
             parts.append(f"low-tier pages of {config.page_tokens} tokens")
         if p.alpha_low > 0:

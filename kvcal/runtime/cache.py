@@ -113,6 +113,7 @@ class CompressedKV:
         self.backend = serve.resolve(self.device, config.formats, d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
                                      low_layers=dict(config.low_layers), batch=batch, device=self.device,
+                                     low_heads={(la, h): fmt for la, h, fmt in config.low_heads},
                                      page_bytes=config.page_size(d, serve.page_bytes), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
                                      key_ranges=key_ranges, low_tracked=config.low_tracked, levels=levels)

@@ -18,6 +18,8 @@ order:
     sliding           str    tier format of sliding-window layers (per-token, e.g. "K8V4"); absent = dense
     low_layers        {layer: str}  low-tier format of these layers instead of `low` (bits where they matter; same
                                     key mode and groups as `low`, other bits); absent = `low` everywhere
+    low_heads         {layer: {KV head: str}}  low-tier format of these KV heads instead of their layer's (the same
+                                    rule as `low_layers`); absent = per layer
     sliding_layers    {layer: str}  format of these sliding-window layers instead of `sliding`; absent = `sliding`
     sliding_recent    int    newest tokens each quantized sliding-window layer keeps at 16 bits; written only when > 0
     smooth            bool   channel smoothing (bundle `qk.smoothing`: keys / D, queries * D); written only when true
@@ -40,7 +42,7 @@ from kvcal.runtime.storage.layout import TierFormat, check_sliding_format, defau
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
-                 "sliding_layers", "sliding_recent", "smooth")
+                 "low_heads", "sliding_layers", "sliding_recent", "smooth")
 @dataclass(frozen=True)
 class CompressionConfig:
     """Runtime settings. `CompressionConfig.none()` stores everything exactly (for checks against dense)."""
@@ -65,21 +67,24 @@ class CompressionConfig:
     sliding: TierFormat | None = None     # sliding-window layers stored in this format (None: dense, model dtype)
     # (layer, format) pairs, ascending by layer: these layers' low tier in `format` instead of `low`
     low_layers: tuple[tuple[int, TierFormat], ...] = ()
+    # (layer, KV head, format) triples, ascending: these KV heads' low tier in `format` instead of their layer's
+    low_heads: tuple[tuple[int, int, TierFormat], ...] = ()
     # (layer, format) pairs, ascending by layer: these sliding-window layers in `format` instead of `sliding`
     sliding_layers: tuple[tuple[int, TierFormat], ...] = ()
     sliding_recent: int = 0       # newest tokens a quantized sliding-window layer keeps unquantized (KIVI's residual)
 
     def __post_init__(self):
-        for layer, fmt in self.low_layers:
+        for *where, fmt in (*self.low_layers, *self.low_heads):
             if (fmt.k_mode, fmt.k_group, fmt.v_group) != (self.low.k_mode, self.low.k_group, self.low.v_group) \
                     or self.low.k_mode == "static":
-                raise ValueError(f"layer {layer}'s low tier {fmt.name} must differ from `low` ({self.low.name}) in "
-                                 "bits only, with per-token or per-channel keys: choose a format like `low` with other "
-                                 "bits")
-        for name in ("low_layers", "sliding_layers"):
-            layers = [layer for layer, _ in getattr(self, name)]
-            if layers != sorted(set(layers)):
-                raise ValueError(f"`{name}` must list each layer once, ascending")
+                what = f"layer {where[0]}" + (f", KV head {where[1]}" if len(where) > 1 else "")
+                raise ValueError(f"{what}: low tier {fmt.name} must differ from `low` ({self.low.name}) in bits only, "
+                                 "with per-token or per-channel keys: choose a format like `low` with other bits")
+        for name in ("low_layers", "low_heads", "sliding_layers"):
+            where = [tuple(entry[:-1]) for entry in getattr(self, name)]
+            if where != sorted(set(where)) or any(i < 0 for w in where for i in w):
+                raise ValueError(f"`{name}` must list each {'(layer, KV head)' if name == 'low_heads' else 'layer'} "
+                                 "once, ascending, from 0")
         for fmt in (self.sliding, *(fmt for _, fmt in self.sliding_layers)):
             if fmt is not None:
                 check_sliding_format(fmt)
@@ -115,8 +120,11 @@ class CompressionConfig:
         policies = [getattr(self, name) for name in TOKEN_POLICY_CONFIGS]
         return not self.tiering.tiered or self.tiering.alpha_low > 0 or any(p is not None for p in policies)
 
-    def low_of(self, layer: int) -> TierFormat:
-        """The low-tier format of `layer` (`low` unless `low_layers` names the layer)."""
+    def low_of(self, layer: int, head: int | None = None) -> TierFormat:
+        """The low-tier format of KV head `head` of `layer` (`low_heads`, else `low_layers`, else `low`); without a
+        head, the layer's (`low_layers`, else `low`)."""
+        if head is not None and (layer, head) in (heads := {(la, h): fmt for la, h, fmt in self.low_heads}):
+            return heads[(layer, head)]
         return dict(self.low_layers).get(layer, self.low)
 
     def sliding_of(self, layer: int) -> TierFormat | None:
@@ -133,7 +141,7 @@ class CompressionConfig:
     @property
     def formats(self) -> tuple[TierFormat, ...]:
         """Every tier format the cache may store in its pages (what a backend must serve)."""
-        return (self.high, self.low, *(fmt for _, fmt in self.low_layers))
+        return (self.high, self.low, *(fmt for _, fmt in self.low_layers), *(fmt for *_, fmt in self.low_heads))
 
     @property
     def value_group(self) -> int:
@@ -182,9 +190,12 @@ class CompressionConfig:
                 out[name] = asdict(getattr(self, name))
         if self.sliding is not None:
             out["sliding"] = self.sliding.name
-        for name in ("low_layers", "sliding_layers"):
-            if getattr(self, name):
-                out[name] = {str(layer): fmt.name for layer, fmt in getattr(self, name)}
+        if self.low_layers:
+            out["low_layers"] = {str(layer): fmt.name for layer, fmt in self.low_layers}
+        for layer, head, fmt in self.low_heads:
+            out.setdefault("low_heads", {}).setdefault(str(layer), {})[str(head)] = fmt.name
+        if self.sliding_layers:
+            out["sliding_layers"] = {str(layer): fmt.name for layer, fmt in self.sliding_layers}
         if self.sliding_recent:
             out["sliding_recent"] = self.sliding_recent
         if self.smooth:
@@ -207,6 +218,7 @@ class CompressionConfig:
                        page_tokens=d.get("page_tokens"),
                        sliding=TierFormat.parse(d["sliding"]) if d.get("sliding") else None,
                        low_layers=_layer_formats(d.get("low_layers", {})),
+                       low_heads=_head_formats(d.get("low_heads", {})),
                        sliding_layers=_layer_formats(d.get("sliding_layers", {})),
                        sliding_recent=d.get("sliding_recent", 0), smooth=bool(d.get("smooth")),
                        **policies)
@@ -221,3 +233,9 @@ def split_sliding_spec(spec: str) -> tuple[str, int | None]:
 def _layer_formats(by_layer: dict[str, str]) -> tuple[tuple[int, TierFormat], ...]:
     """{"3": "K4cV2"} (a settings block's per-layer formats) -> ((3, TierFormat), ...) ascending by layer."""
     return tuple(sorted((int(layer), TierFormat.parse(name)) for layer, name in by_layer.items()))
+
+
+def _head_formats(by_layer: dict[str, dict[str, str]]) -> tuple[tuple[int, int, TierFormat], ...]:
+    """{"3": {"1": "K4cV2"}} (a settings block's per-head formats) -> ((3, 1, TierFormat), ...) ascending."""
+    return tuple(sorted((int(layer), int(head), TierFormat.parse(name))
+                        for layer, heads in by_layer.items() for head, name in heads.items()))
