@@ -26,6 +26,10 @@ first `--sinks` tokens of a window stay exact in every row.
   it). `pairs`: each odd layer from the even layer below by one complex number per (RoPE pair, head, head below),
   which commutes with RoPE, so a runtime can move it onto the query and read the layer below's codes once more
   (no chain, no per-token matrix). The predictors are fixed bytes of the model, reported apart (`predictor_bytes`).
+- `values per token` rows code the values instead (keys exact): per token over the whole vector, 8-bit metadata
+  (+ 16 / d bits per element), alone or as the residual of a dense map (with a bias) from the previous layer's
+  coded values (`chain`) or from the even layer below (`pairs`). Values carry no RoPE, so a runtime could apply a
+  `pairs` map to the attention output (W over Σ p·v̂ of the layer below, a second weighted sum over its pages).
 
 Quantization is the store's arithmetic at any width: asymmetric min-max, fp16 scale and zero, round half to even;
 static ranges are rounded outwards (`quant.static_scale_zero`). The model basis (no FDC rotation), uniform levels.
@@ -61,18 +65,23 @@ class KeyCode:
     bits: int
     outliers: float = 0.0    # static only: the fitted share of entries kept exact (0: the range is min..max)
     predictor: str = ""      # page only: "chain" or "pairs", code the residual of a prediction (module docstring)
+    side: str = "k"          # "v": code the values instead (per token, keys exact; `space` and `mode` unused)
 
     @property
     def label(self) -> str:
         tail = f" + {self.outliers:.0%} outliers" if self.outliers else ""
-        return f"{self.space}-RoPE {self.mode} K{self.bits}{tail}{f' {self.predictor}' if self.predictor else ''}"
+        tail += f" {self.predictor}" if self.predictor else ""
+        if self.side == "v":
+            return f"values per token V{self.bits}{tail}"
+        return f"{self.space}-RoPE {self.mode} K{self.bits}{tail}"
 
 
 ROWS = tuple([KeyCode(space, "page", b) for space in ("post", "pre") for b in (4, 3, 2)]
              + [KeyCode("post", "static", 4)]
              + [KeyCode("pre", "static", b) for b in (4, 3, 2)]
              + [KeyCode("pre", "static", b, 0.01) for b in (4, 3, 2)]
-             + [KeyCode("pre", "page", b, predictor=p) for p in ("chain", "pairs") for b in (4, 3, 2)])
+             + [KeyCode("pre", "page", b, predictor=p) for p in ("chain", "pairs") for b in (4, 3, 2)]
+             + [KeyCode("", "token", b, predictor=p, side="v") for p in ("", "chain", "pairs") for b in (4, 2)])
 
 _ROW: contextvars.ContextVar = contextvars.ContextVar("pre_rope_row", default=None)
 
@@ -123,20 +132,36 @@ def page_code(x: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+def token_code(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [B, H, S, d] -> coded per token over the whole vector (the store's values)."""
+    return round_trip(x, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), bits, False)
+
+
 class Coder:
-    """Codes a layer's keys for the active row; counts the outlier entries it keeps exact."""
+    """Codes a layer's keys or values for the active row; counts the outlier entries it keeps exact."""
 
     def __init__(self, ranges: dict, sinks: int):
         self.ranges, self.sinks = ranges, sinks      # ranges[(space, outliers)] = (low, high) [L, H, d]
-        self.predictors: dict[str, dict] = {}           # "chain" / "pairs" -> layer -> its predictor (Capture)
-        self.previous: torch.Tensor | None = None       # the previous layer's coded keys before RoPE [B, H, S, d]
+        self.predictors: dict[tuple, dict] = {}         # (side, "chain" / "pairs") -> layer -> its predictor (Capture)
+        self.previous: torch.Tensor | None = None       # the previous layer's coded keys before RoPE (or values)
         self.kept = self.entries = 0
+
+    def values(self, layer: int, value: torch.Tensor, row: KeyCode) -> torch.Tensor:
+        """value [B, H, S, d] -> as `row` stores them: per token, or the residual of a dense prediction from the
+        previous (`chain`) or the even (`pairs`) layer's coded values."""
+        x = value.float()
+        w = self.predictors.get(("v", row.predictor), {}).get(layer)
+        guess = predict(self.previous, w, x.shape[1]) if w is not None and self.previous is not None else 0.0
+        coded = guess + token_code(x - guess, row.bits)
+        coded[:, :, :self.sinks] = x[:, :, :self.sinks]
+        self.previous = coded
+        return coded
 
     def __call__(self, layer: int, key: torch.Tensor, cos, sin, row: KeyCode) -> torch.Tensor:
         """key [B, H, S, d] after RoPE -> the keys as `row` stores them, after RoPE."""
         x = rope(key.float(), cos, sin, inverse=True) if row.space == "pre" else key.float()
-        if row.predictor and layer in self.predictors[row.predictor] and self.previous is not None:
-            w = self.predictors[row.predictor][layer]
+        if row.predictor and layer in self.predictors[("k", row.predictor)] and self.previous is not None:
+            w = self.predictors[("k", row.predictor)][layer]
             guess = predict(self.previous, w, x.shape[1]) if row.predictor == "chain" else \
                 predict_pairs(self.previous, w)
             coded = guess + page_code(x - guess, row.bits)
@@ -177,12 +202,13 @@ def predict_pairs(previous: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.cat((z.real, z.imag), dim=-1)
 
 
-def windowed_attention(query, key, coded, value, mask, scaling: float, window: int) -> torch.Tensor:
-    """query [B, Hq, S, d], key/coded/value [B, H, S, d], mask bool [B, 1, S, S] or None (causal) -> [B, S, Hq, d].
-    A query reads keys less than `window` positions back exact, older ones coded."""
+def windowed_attention(query, key, coded, value, coded_value, mask, scaling: float, window: int) -> torch.Tensor:
+    """query [B, Hq, S, d], key/coded/value/coded_value [B, H, S, d], mask bool [B, 1, S, S] or None (causal) ->
+    [B, S, Hq, d]. A query reads keys and values less than `window` positions back exact, older ones coded."""
     B, Hq, S, _ = query.shape
     g = Hq // key.shape[1]
-    key, coded, value = (t.float().repeat_interleave(g, 1) for t in (key, coded, value))
+    values_coded = coded_value is not value
+    key, coded, value, coded_value = (t.float().repeat_interleave(g, 1) for t in (key, coded, value, coded_value))
     out = torch.empty(B, Hq, S, value.shape[-1])
     for i0 in range(0, S, BLOCK):
         i1 = min(S, i0 + BLOCK)
@@ -194,7 +220,13 @@ def windowed_attention(query, key, coded, value, mask, scaling: float, window: i
         s[..., lo:] = torch.where(near, q @ key[:, :, lo:i1].transpose(-1, -2), s[..., lo:])
         allowed = (torch.arange(i1)[None, :] <= i) if mask is None else mask[:, :, i0:i1, :i1]
         s = s.masked_fill(~allowed, float("-inf"))
-        out[:, :, i0:i1] = torch.softmax(s, dim=-1) @ value[:, :, :i1]
+        p = torch.softmax(s, dim=-1)
+        if not values_coded:
+            out[:, :, i0:i1] = p @ value[:, :, :i1]
+            continue
+        old = p.clone()
+        old[..., lo:] = old[..., lo:].masked_fill(near, 0.0)
+        out[:, :, i0:i1] = old @ coded_value[:, :, :i1] + (p - old)[..., lo:] @ value[:, :, lo:i1]
     return out.transpose(1, 2).contiguous()
 
 
@@ -213,14 +245,17 @@ class Probe:
     def attention(self, module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
         row = _ROW.get()
         cos, sin = self.rope[module.layer_idx]
-        coded = key
+        coded, coded_value = key, value
         if isinstance(row, Capture):
-            row.add(module.layer_idx, rope(key.float(), cos, sin, inverse=True), key.float())
+            row.add(module.layer_idx, rope(key.float(), cos, sin, inverse=True), key.float(), value.float())
+        elif row is not None and row.side == "v":
+            coded_value = self.coder.values(module.layer_idx, value, row)
         elif row is not None:
             coded = self.coder(module.layer_idx, key, cos, sin, row)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask > -1
-        return windowed_attention(query, key, coded, value, mask, scale, self.window).to(query.dtype), None
+        out = windowed_attention(query, key, coded, value, coded_value, mask, scale, self.window)
+        return out.to(query.dtype), None
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, steps: int, row) -> torch.Tensor:
@@ -231,23 +266,25 @@ class Probe:
 
 
 class Capture:
-    """A pass that records every layer's keys before and after RoPE (beyond the sinks) to fit static ranges."""
+    """A pass that records every layer's keys before and after RoPE, and its values (beyond the sinks), to fit static
+    ranges and predictors."""
 
     def __init__(self, sinks: int):
         self.sinks = sinks
-        self.keys: dict[str, dict[int, list]] = {"pre": {}, "post": {}}
+        self.keys: dict[str, dict[int, list]] = {"pre": {}, "post": {}, "v": {}}
 
-    def add(self, layer: int, pre: torch.Tensor, post: torch.Tensor) -> None:
-        for space, k in (("pre", pre), ("post", post)):        # [B, H, S, d] -> [H, B * (S - sinks), d]
+    def add(self, layer: int, pre: torch.Tensor, post: torch.Tensor, value: torch.Tensor) -> None:
+        for space, k in (("pre", pre), ("post", post), ("v", value)):   # [B, H, S, d] -> [H, B * (S - sinks), d]
             self.keys[space].setdefault(layer, []).append(k[:, :, self.sinks:].transpose(0, 1).flatten(1, 2))
 
-    def predictors(self, ridge: float = 1e-3) -> dict[int, torch.Tensor]:
+    def predictors(self, space: str = "pre", every: bool = True, ridge: float = 1e-3) -> dict[int, torch.Tensor]:
         """layer -> W [H' d' + 1, H d]: least squares (ridge `ridge` times the mean diagonal) of each layer's keys
-        before RoPE from the previous layer's, with a bias row, over the fitted tokens."""
+        before RoPE (`space` "pre") or values ("v") from the previous layer's, with a bias row, over the fitted tokens;
+        every layer from the one below (`every`), or each odd layer from the even one below."""
         flat = {layer: torch.cat(k, dim=1).transpose(0, 1).flatten(1).double()      # [N, H d]
-                for layer, k in self.keys["pre"].items()}
+                for layer, k in self.keys[space].items()}
         out = {}
-        for layer in sorted(flat)[1:]:
+        for layer in sorted(flat)[1::1 if every else 2]:
             x = torch.cat([flat[layer - 1], torch.ones(len(flat[layer - 1]), 1, dtype=torch.float64)], dim=1)
             gram = x.T @ x
             gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=torch.float64)
@@ -264,7 +301,8 @@ class Capture:
             x, y = z[layer - 1], z[layer]
             gram = x.mH @ x
             eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
-            gram = gram + ridge * gram.diagonal(dim1=-2, dim2=-1).real.mean(-1)[:, None, None] * eye
+            scale = gram.diagonal(dim1=-2, dim2=-1).real.mean(-1)[:, None, None]
+            gram = gram + (ridge * scale + 1e-12) * eye          # + 1e-12: a pair that is 0 on every token
             out[layer] = torch.linalg.solve(gram, x.mH @ y).to(torch.complex64)
         return out
 
@@ -317,8 +355,11 @@ def main() -> None:
     picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else list(ROWS)
     for share in sorted({r.outliers for r in picked if r.mode == "static"}):
         coder.ranges.update(capture.ranges(share))
-    coder.predictors = {"chain": capture.predictors() if any(r.predictor == "chain" for r in picked) else {},
-                        "pairs": capture.pair_predictors() if any(r.predictor == "pairs" for r in picked) else {}}
+    wanted = {(r.side, r.predictor) for r in picked}
+    coder.predictors = {("k", "chain"): capture.predictors() if ("k", "chain") in wanted else {},
+                        ("k", "pairs"): capture.pair_predictors() if ("k", "pairs") in wanted else {},
+                        ("v", "chain"): capture.predictors("v") if ("v", "chain") in wanted else {},
+                        ("v", "pairs"): capture.predictors("v", every=False) if ("v", "pairs") in wanted else {}}
     del capture
     dense = [probe.logits(inputs[w:w + 1], args.steps, None) for w in range(len(inputs))]
     print(f"fit and dense passes: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -330,7 +371,7 @@ def main() -> None:
         coded = [probe.logits(inputs[w:w + 1], args.steps, row) for w in range(len(inputs))]
         m = metrics(torch.cat(dense), torch.cat(coded), labels)
         share = coder.kept / coder.entries if coder.entries else 0.0
-        bits = row.bits + (META8_BITS if row.mode == "page" else 0.0) + \
+        bits = row.bits + (META8_BITS if row.mode == "page" else 0.0) + (16 / d if row.side == "v" else 0.0) + \
             (share * OUTLIER_BITS + 8 / d if row.outliers else 0.0)
         rows.append({"label": row.label, **asdict(row), "key_bits_per_entry": round(bits, 3),
                      "outlier_share": round(share, 5), **m, "seconds": round(time.perf_counter() - t0, 1)})
@@ -341,7 +382,7 @@ def main() -> None:
                 json.dump({"model": args.model, "context": args.context, "windows": args.windows,
                            "steps": args.steps, "fit_windows": args.fit_windows, "window": args.window,
                            "sinks": args.sinks, "split": "default:eval", "fit_split": "default:calib",
-                           "predictor_bytes": {name: sum(w.element_size() * w.numel() for w in per.values())
+                           "predictor_bytes": {"/".join(name): sum(w.element_size() * w.numel() for w in per.values())
                                                for name, per in coder.predictors.items()},
                            "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
 

@@ -56,7 +56,7 @@ SMOKE: dict[str, list[str]] = {
     "nuq_pages": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--bits", "4", "--windows", "1", "--prompt",
                   "200", "--steps", "16", "--json", "{tmp}/out.json"],   # long enough that pages pay
     "pre_rope_keys": ["--model", "{gemma}", "--context", "96", "--windows", "1", "--steps", "8", "--fit-windows", "1",
-                      "--rows", "0,7,10,13,16", "--json", "{tmp}/out.json"],
+                      "--rows", "0,7,10,13,16,22", "--json", "{tmp}/out.json"],
     "predicted_vs_measured": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
                               "--windows", "1", "--allocations", "2", "--json", "{tmp}/out.json"],
     "probe_cost": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
