@@ -75,8 +75,8 @@ class FormatCosts:
     """The quality model's table and what it needs to price a choice (module docstring)."""
 
     costs: torch.Tensor          # float64 [L, H, 2, len(BITS), len(ALPHAS)]
-    bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads (each KV
-                                 # head holds a share H-th: every head of a paged layer at full rank)
+    bytes: torch.Tensor          # float64 [L, 2, len(BITS)]: bytes per held token, summed over KV heads (an H-th
+                                 # each: the allocated formats store every head at full rank)
     tokens: torch.Tensor         # float64 [L, len(ALPHAS)]: tokens each layer holds in the allocated format (per KV
                                  # head, mean)
     sliding: list[bool]          # per layer
