@@ -32,6 +32,7 @@ def with_meta_bits(config: CompressionConfig, meta_bits: int) -> CompressionConf
 
     return config.with_(high=fmt(config.high), low=fmt(config.low), sliding=fmt(config.sliding),
                         low_layers=tuple((i, fmt(f)) for i, f in config.low_layers),
+                        low_heads=tuple((i, h, fmt(f)) for i, h, f in config.low_heads),
                         sliding_layers=tuple((i, fmt(f)) for i, f in config.sliding_layers))
 
 

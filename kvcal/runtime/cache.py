@@ -91,6 +91,9 @@ class CompressedKV:
         backend, page size, threads), resolved here once. levels: calibrated levels by bundle name
         (`levels.k.{bits}`, `levels.v.{bits}`, float32 [L, H, 2**bits]), for formats with calibrated sides."""
         L, H, d, _ = rotation.shape
+        if beyond := [(layer, h) for layer, h, _ in config.low_heads if layer >= L or h >= H]:
+            raise ValueError(f"the settings give KV head {beyond[0][1]} of layer {beyond[0][0]} a low-tier format, but "
+                             f"the model has {L} layers of {H} KV heads: the bundle belongs to another model")
         if config.static_keys and not config.rotate:
             raise ValueError("static key ranges are calibrated in the bundle's rotated basis; serve static keys "
                              "(K…s tiers) with `rotate=True`")
@@ -112,8 +115,7 @@ class CompressedKV:
         self.serve = serve
         self.backend = serve.resolve(self.device, config.formats, d)
         self.store = CompressedStore(rank_k, rank_v, self.layers, high=config.high, low=config.low, head_dim=d,
-                                     low_layers=dict(config.low_layers), batch=batch, device=self.device,
-                                     low_heads={(la, h): fmt for la, h, fmt in config.low_heads},
+                                     low_of=config.low_of, batch=batch, device=self.device,
                                      page_bytes=config.page_size(d, serve.page_bytes), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
                                      key_ranges=key_ranges, low_tracked=config.low_tracked, levels=levels)

@@ -16,6 +16,7 @@ written; a slot below `fill` with position -1 is a hole (a pruned or moved token
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,8 @@ class PageTable:
 
     rank_k, rank_v: int [L, H] stored ranks per (layer, KV head); layers: indices of the layers stored here.
     low_tracked: False when low tokens never move (`CompressionConfig.low_tracked`): low pages then hold no score or
-    position. low_layers: layer -> low-tier format of that layer instead of `low` (`CompressionConfig.low_layers`);
-    low_heads: (layer, KV head) -> that head's instead of its layer's (`CompressionConfig.low_heads`). A layer's heads
-    form one group per (key rank, value rank, low-tier format).
+    position. low_of: (layer, KV head) -> that head's low-tier format (`CompressionConfig.low_of`); None: `low`
+    everywhere. A layer's heads form one group per (key rank, value rank, low-tier format).
 
     Public addressing for backends: `entries` (the (sequence, head) pairs of a head group), `section_pages`,
     `page_of` (byte offset of a slot's page), `reserve_pages`, `reserve_low_page`.
@@ -49,24 +49,18 @@ class PageTable:
     def __init__(self, rank_k: torch.Tensor, rank_v: torch.Tensor, layers: list[int], *, high: TierFormat,
                  low: TierFormat, head_dim: int, batch: int, device: torch.device | str = "cpu",
                  page_bytes: int | None = None, initial_pages: int = 1, initial_tokens: int = 256,
-                 low_tracked: bool = True, low_layers: dict[int, TierFormat] | None = None,
-                 low_heads: dict[tuple[int, int], TierFormat] | None = None):
+                 low_tracked: bool = True, low_of: Callable[[int, int], TierFormat] | None = None):
         self.high, self.low = high, low
         self.layers = list(layers)
         self.batch, self.device = batch, torch.device(device)
         self.page_bytes = page_bytes or default_page_bytes(head_dim, high)
         L, H = rank_k.shape
         self.num_kv_heads = H
-        low_heads = low_heads or {}
-        if beyond := [(la, h) for la, h in low_heads if la >= L or h >= H]:
-            raise ValueError(f"the settings give KV head {beyond[0][1]} of layer {beyond[0][0]} a low-tier format, but "
-                             f"the model has {L} layers of {H} KV heads: the bundle belongs to another model")
         self.groups: dict[int, list[HeadGroup]] = {}
         min_tokens = []
         for layer in self.layers:
             def key(h: int, layer: int = layer) -> tuple[int, int, TierFormat]:
-                fmt = low_heads.get((layer, h), (low_layers or {}).get(layer, low))
-                return int(rank_k[layer, h]), int(rank_v[layer, h]), fmt
+                return int(rank_k[layer, h]), int(rank_v[layer, h]), low_of(layer, h) if low_of else low
             groups = []
             for r_k, r_v, fmt in sorted({key(h) for h in range(H)}, key=lambda k: (k[0], k[1], k[2].name)):
                 heads = [h for h in range(H) if key(h) == (r_k, r_v, fmt)]

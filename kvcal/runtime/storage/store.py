@@ -13,6 +13,7 @@ the bundle's fixed bytes (`fixed_bytes`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,14 +82,14 @@ class CompressedStore(Scores):
                  page_bytes: int | None = None, raw16: torch.dtype = torch.float16, initial_pages: int = 1,
                  initial_tokens: int = 256, writer=None,
                  key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None, low_tracked: bool = True,
-                 low_layers: dict[int, TierFormat] | None = None, levels: dict[str, torch.Tensor] | None = None,
-                 low_heads: dict[tuple[int, int], TierFormat] | None = None):
+                 low_of: Callable[[int, int], TierFormat] | None = None,
+                 levels: dict[str, torch.Tensor] | None = None):
         if high.k_mode == "channel":
             raise ValueError("the high tier needs keys written token by token (per-token or static keys): it holds "
                              "the recent window")
         super().__init__(rank_k, rank_v, layers, high=high, low=low, head_dim=head_dim, batch=batch, device=device,
                          page_bytes=page_bytes, initial_pages=initial_pages, initial_tokens=initial_tokens,
-                         low_tracked=low_tracked, low_layers=low_layers, low_heads=low_heads)
+                         low_tracked=low_tracked, low_of=low_of)
         self.writer = writer
         self.raw16 = raw16
         self.static_keys = self._static_keys(key_ranges, rank_k)
