@@ -93,7 +93,7 @@ class PageTable:
         # (layer, side) -> arena word indices of every entry's slots (`Scores.every_section`): the decode step reads
         # each layer's scores and positions twice per token, and the indices change only when pages are reserved,
         # copied or freed (`_forget_words` at each of those)
-        self._words: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._words: dict[tuple[int, int], tuple] = {}     # `Scores._every_words` of (layer, side)
 
     def rank_k_of(self, layer: int) -> torch.Tensor:
         """int64 [H]: stored key rank of each KV head of `layer`."""

@@ -31,9 +31,9 @@ class Scores(PageTable):
     def section_scores(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """`section_meta` and where each score lives: (score float32 [n, S], pos int64 [n, S], word int64 [n, S]
         the score's index in the arena as float32 words, for `set_scores`)."""
+        if self._every is not None and b is self._every[0] and h is self._every[1]:
+            return self.every_section(layer, side)
         groups = self.groups[layer]
-        if len(groups) == 1 and self._every is not None and b is self._every[0] and h is self._every[1]:
-            return self.every_section(layer, side, groups[0].layouts[side])
         parts = []
         rows = [(groups[0], None)] if len(groups) == 1 else self.group_rows(layer, h)
         for g, sel in rows:
@@ -61,22 +61,43 @@ class Scores(PageTable):
             out_w[sel, :word.shape[1]] = word
         return out_s, out_p, out_w
 
-    def every_section(self, layer: int, side: int, lay: PageLayout):
-        """`section_scores` of every entry (`every_entry` order) of a layer whose heads share one layout `lay`: the
-        decode step's read. The slots' word indices are made once per page change (`_words`), not on every read."""
+    def every_section(self, layer: int, side: int):
+        """`section_scores` of every entry (`every_entry` order): the decode step's read, one gather per word kind
+        whatever the layer's head groups. The slots' word indices are made once per page change (`_words`), not on
+        every read."""
         words = self._words.get((layer, side))
         if words is None:
-            b, h = self.every_entry()
-            slots = self._slot_words(self.section_pages(layer, side, b, h), lay)
-            words = self._words[layer, side] = ((slots + lay.score_off // 4, slots + lay.pos_off // 4) if lay.tracked
-                                                else (torch.full_like(slots, -1), None))
-        word, pos_word = words
-        if pos_word is not None:
-            score, pos = self._read_words(torch.float32, word), self._read_words(torch.int32, pos_word).long()
-        else:
-            score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
+            words = self._words[layer, side] = self._every_words(layer, side)
+        score_at, pos_at, word, untracked = words
+        score, pos = self._read_words(torch.float32, score_at), self._read_words(torch.int32, pos_at).long()
+        if untracked is not None:
+            score, pos = score.masked_fill(untracked, 0.0), pos.masked_fill(untracked, HELD)
         fill = self.fill[layer, :, :, side].reshape(-1, 1)
         return score, torch.where(torch.arange(word.shape[1], device=self.device) < fill, pos, -1), word
+
+    def _every_words(self, layer: int, side: int):
+        """Where `every_section` reads: (score word int64 [n, S], position word int64 [n, S], both >= 0 so a gather
+        can read them; the score word for `set_scores`, -1 in untracked rows; untracked rows bool [n, 1] or None).
+        A row's slots past its group's pages read word 0 and are masked by the fill."""
+        b, h = self.every_entry()
+        groups = self.groups[layer]
+        rows = [(groups[0], None)] if len(groups) == 1 else list(self.group_rows(layer, h))
+        slots = [(sel, g.layouts[side], self._slot_words(self.section_pages(
+            layer, side, *((b, h) if sel is None else (b[sel], h[sel]))), g.layouts[side])) for g, sel in rows]
+        width = max(s.shape[1] for _, _, s in slots)
+        score_at = torch.zeros((len(b), width), dtype=torch.int64, device=self.device)
+        pos_at = torch.zeros_like(score_at)
+        untracked = torch.zeros((len(b), 1), dtype=torch.bool, device=self.device)
+        for sel, lay, s in slots:
+            at = slice(None) if sel is None else sel
+            if lay.tracked:
+                score_at[at, :s.shape[1]] = s + lay.score_off // 4
+                pos_at[at, :s.shape[1]] = s + lay.pos_off // 4
+            else:
+                untracked[at] = True
+        if not bool(untracked.any()):
+            return score_at, pos_at, score_at, None
+        return score_at, pos_at, score_at.masked_fill(untracked, -1), untracked
 
     def _slot_words(self, pages: torch.Tensor, lay: PageLayout) -> torch.Tensor:
         """pages int64 [n, P] (-1 = none) -> int64 [n, P * T]: each slot's index among the arena's 4-byte words,
