@@ -15,6 +15,7 @@
 //   through its KV head's row of the layer's level table `luts` [2 sides, H, 2 (K, V), 256] float32 (x = zero + scale *
 //   lut[code]) and writes the nearest level to u = (x - zero) / scale, ties to the lower (quant.nearest_level).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,8 +86,15 @@ inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); 
 // are exact products, so they equal the torch reference's.
 constexpr float LOG_MANTISSAS[16] = {0x1p+0f, 0x1.0b4p+0f, 0x1.174p+0f, 0x1.238p+0f, 0x1.308p+0f, 0x1.3ep+0f, 0x1.4cp+0f, 0x1.5acp+0f,
                                      0x1.6ap+0f, 0x1.7ap+0f, 0x1.8acp+0f, 0x1.9c4p+0f, 0x1.ae8p+0f, 0x1.c18p+0f, 0x1.d58p+0f, 0x1.ea4p+0f};
-inline float meta8_scale(int c) { return std::ldexp(LOG_MANTISSAS[c & 15], (c >> 4) - 10); }
-inline float meta8_unit(int bits) { return std::ldexp(1.f, bits - 5); }      // zero code unit in steps
+// Every scale code's scale, made once: std::ldexp is a library call, and values read one (scale, zero) pair per group
+// and token.
+const std::array<float, 256> META8_SCALES = [] {
+    std::array<float, 256> scales{};
+    for (int c = 0; c < 256; ++c) scales[c] = std::ldexp(LOG_MANTISSAS[c & 15], (c >> 4) - 10);
+    return scales;
+}();
+inline float meta8_scale(int c) { return META8_SCALES[c]; }
+inline float meta8_unit(int bits) { return (float)(1 << bits) * 0x1p-5f; }   // zero code unit in steps (2**(bits-5))
 
 // One (scale, zero) pair of a page: two fp16, or 8-bit codes (uint8 scale code, int8 zero code).
 inline void read_meta(const uint8_t* pair, bool meta8, int bits, float* s, float* z) {
@@ -142,14 +150,40 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
     }
 }
 
-// Codes -> their levels in place (codes [r] as floats; lut [2**bits]).
-inline void to_levels(float* codes, int r, const float* lut) {
-    for (int i = 0; i < r; ++i) codes[i] = lut[(int)codes[i]];
+// Every byte's levels at 2 or 4 bits: table[b * per + k] = lut[(b >> (k * bits)) & mask], per = 8 / bits codes in
+// a byte. The dequantizer then moves a byte's levels with one copy, where converting each code to an index and
+// reading the level one at a time was most of a decode layer's time.
+std::vector<float> byte_levels(const float* lut, int bits) {
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    std::vector<float> table(256 * per);
+    for (int b = 0; b < 256; ++b)
+        for (int k = 0; k < per; ++k) table[b * per + k] = lut[(b >> (k * bits)) & mask];
+    return table;
+}
+
+// One token's codes -> their levels (out [r]): lut [2**bits] the side's level row; table: its `byte_levels`, or
+// nullptr (then each code is read through lut).
+inline void unpack_levels(const uint8_t* src, int bits, int r, const float* lut, const float* table, float* out) {
+    int done = 0;
+    if (bits == 8) {
+        for (int i = 0; i < r; ++i) out[i] = lut[src[i]];
+        return;
+    }
+    if (table && bits == 4) {
+        for (int j = 0; j < r / 2; ++j) std::memcpy(out + 2 * j, table + 2 * src[j], 2 * sizeof(float));
+        done = r / 2 * 2;
+    } else if (table && bits == 2) {
+        for (int j = 0; j < r / 4; ++j) std::memcpy(out + 4 * j, table + 4 * src[j], 4 * sizeof(float));
+        done = r / 4 * 4;
+    }
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    for (int i = done; i < r; ++i) out[i] = lut[(src[i / per] >> ((i % per) * bits)) & mask];
 }
 
 // Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r]. lut:
-// the side's level row, nullptr for uniform codes.
-void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out, const float* lut) {
+// the side's level row, nullptr for uniform codes; table: its `byte_levels` or nullptr.
+void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out, const float* lut,
+                const float* table) {
     const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
     const uint8_t* data = page + (which ? D.v_off : D.k_off);
     if (bits == 32) {
@@ -171,8 +205,8 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
         for (int i = 0; i < r; ++i) read_meta(meta + pair * i, D.meta8, bits, &s[i], &z[i]);
         for (int t = 0; t < count; ++t) {
             float* o = out + t * r;
-            unpack(data + t * nbytes, bits, r, o);
-            if (lut) to_levels(o, r, lut);
+            if (lut) unpack_levels(data + t * nbytes, bits, r, lut, table, o);
+            else unpack(data + t * nbytes, bits, r, o);
             for (int i = 0; i < r; ++i) o[i] = o[i] * s[i] + z[i];
         }
         return;
@@ -180,8 +214,8 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
     const int groups = which ? D.v_groups : D.k_groups, group = r / groups;
     for (int t = 0; t < count; ++t) {
         float* o = out + t * r;
-        unpack(data + t * nbytes, bits, r, o);
-        if (lut) to_levels(o, r, lut);
+        if (lut) unpack_levels(data + t * nbytes, bits, r, lut, table, o);
+        else unpack(data + t * nbytes, bits, r, o);
         for (int gi = 0; gi < groups; ++gi) {
             float s, z;
             read_meta(meta + pair * (t * groups + gi), D.meta8, bits, &s, &z);
@@ -355,6 +389,21 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H, qn = g * n;
 
+    // ---- the byte tables of the level rows at 2 and 4 bits, per (tier side, KV head, K or V): level_row's order
+    std::vector<std::vector<float>> tables(4 * H);
+    for (int side = 0; side < 2; ++side)
+        for (int64_t h = 0; h < H; ++h)
+            for (int which = 0; which < 2; ++which) {
+                const Desc& D = descs[2 * head_group[h] + side];
+                const float* lut = level_row(luts, D, side, H, h, which);
+                const int bits = which ? D.v_bits : D.k_bits;
+                if (lut && (bits == 2 || bits == 4)) tables[(side * H + h) * 2 + which] = byte_levels(lut, bits);
+            }
+    auto table_of = [&](int side, int64_t h, int which) -> const float* {
+        const std::vector<float>& t = tables[(side * H + h) * 2 + which];
+        return t.empty() ? nullptr : t.data();
+    };
+
     // ---- the pages of every item, high section then low, and their tasks (split-K when items are few)
     std::vector<PageRef> pages;
     std::vector<int64_t> item_start(W + 1, 0);
@@ -418,7 +467,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const Desc& D = descs[ref.desc];
                 const uint8_t* page = arena + ref.off;
                 const int cnt = ref.count, side = ref.desc & 1;
-                dequantize(page, D, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0));
+                dequantize(page, D, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0), table_of(side, w % H, 0));
                 bool any = false;
                 if (D.pos_off < 0) {                                  // untracked tier: no holes below the fill
                     for (int t = 0; t < cnt; ++t) valid[t] = true;
@@ -434,7 +483,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 }
                 if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
-                dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1));
+                dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1), table_of(side, w % H, 1));
                 for (int64_t row = 0; row < qn; ++row) {
                     const float* xr = &x[row * t_max];
                     float* er = &e[row * t_max];
