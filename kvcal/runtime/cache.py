@@ -354,15 +354,16 @@ class CompressedKV:
             rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
             sealed = is_low & (rank < (n_pages * T)[..., None])
             tier[:, hs] = torch.where(is_low & ~sealed, torch.full_like(tier[:, hs], TIER_HIGH), tier[:, hs])
-            # sealed tokens are written here, page by page; TIER_PRUNED keeps _write_prompt from appending them again
+            # sealed tokens are written here, every page in one call; TIER_PRUNED keeps _write_prompt from appending
+            # them again
             tier[:, hs] = torch.where(sealed, torch.full_like(tier[:, hs], TIER_PRUNED), tier[:, hs])
-            for p in range(int(n_pages.max())):
-                eb, eh = torch.nonzero(n_pages > p, as_tuple=True)                     # entries with a page p
-                idx = order[eb, eh, p * T:(p + 1) * T]              # [e, T] their page p: ranks p*T .. (p+1)*T - 1
-                gh = hs[eh]
-                self.store.write_pages(layer, eb, gh, k_rot[eb[:, None], gh[:, None], idx],
-                                       v_proj[eb[:, None], gh[:, None], idx], pos[eb[:, None], gh[:, None], idx],
-                                       score[eb[:, None], gh[:, None], idx])
+            eb, eh, p = torch.nonzero(n_pages[..., None] > torch.arange(int(n_pages.max()), device=tier.device),
+                                      as_tuple=True)           # [pages]: entry and page number, pages in order
+            idx = order[eb[:, None], eh[:, None], p[:, None] * T + torch.arange(T, device=tier.device)]  # [pages, T]
+            gh = hs[eh]
+            self.store.write_pages(layer, eb, gh, k_rot[eb[:, None], gh[:, None], idx],
+                                   v_proj[eb[:, None], gh[:, None], idx], pos[eb[:, None], gh[:, None], idx],
+                                   score[eb[:, None], gh[:, None], idx])
         return tier
 
     def _decode_step(self, layer, q, key, value, scale):

@@ -180,12 +180,27 @@ class PageTable:
         self.page_seconds += time.perf_counter() - t0
 
     def reserve_low_page(self, layer: int, b: torch.Tensor, h: torch.Tensor, lay: PageLayout) -> torch.Tensor:
-        """Per-channel low tier: the bookkeeping of one whole new low page per entry (b, h) [n] of one head group
-        (pages allocated, slots counted as filled). Returns each new page's byte offset [n] for the writer."""
+        """Per-channel low tier: the bookkeeping of one whole new low page per row (b, h) [n] of one head group
+        (pages allocated, slots counted as filled). An entry may appear in several rows: its new pages follow each
+        other in row order. Returns each row's new page's byte offset [n] for the writer."""
         T = lay.tokens
-        start = self.fill[layer, b, h, LOW]
-        self.reserve_pages(layer, LOW, b, h, start + T, lay)
-        self.fill[layer, b, h, LOW] = start + T
+        entry = b * self.num_kv_heads + h
+        unique, first, count = torch.unique(entry, return_inverse=True, return_counts=True)
+        if len(unique) == len(entry):                 # one page per entry (decode): no ranks to count
+            start = self.fill[layer, b, h, LOW]
+            self.reserve_pages(layer, LOW, b, h, start + T, lay)
+            self.fill[layer, b, h, LOW] = start + T
+        else:
+            # the k-th row of an entry takes its k-th new page: k = the row's rank among its entry's rows
+            order = torch.argsort(entry, stable=True)
+            starts = torch.cumsum(count, 0) - count                                   # each entry's first sorted row
+            k = torch.empty_like(entry)
+            k[order] = torch.arange(len(entry), device=self.device) - starts.repeat_interleave(count)
+            ub, uh = unique // self.num_kv_heads, unique % self.num_kv_heads
+            before = self.fill[layer, ub, uh, LOW]
+            self.reserve_pages(layer, LOW, ub, uh, before + count * T, lay)
+            self.fill[layer, ub, uh, LOW] = before + count * T
+            start = before[first] + k * T
         self._forget_room(layer, LOW)
         return self.page_of(layer, LOW, b, h, start, lay)[0]
 

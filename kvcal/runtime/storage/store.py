@@ -197,8 +197,8 @@ class CompressedStore(Scores):
 
     def write_pages(self, layer: int, b: torch.Tensor, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Per-channel low tier: append one whole new low page per entry. b, h [n]; keys [n, T, >= r_k];
-        values [n, T, >= r_v]; pos, score [n, T] (T = the group's low-page capacity)."""
+        """Per-channel low tier: append one whole new low page per row (an entry's rows: its new pages, in row order).
+        b, h [n]; keys [n, T, >= r_k]; values [n, T, >= r_v]; pos, score [n, T] (T = the group's low-page capacity)."""
         if self.writer is not None:
             self.writer.write_pages(self, layer, b, h, keys, values, pos, score)
         else:
