@@ -20,6 +20,7 @@ from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.policies.diffkv import TieringConfig
 from kvcal.runtime.policies.fastgen import FastGenConfig
+from kvcal.runtime.storage.codec import HELD
 from kvcal.runtime.storage.layout import TierFormat
 from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.store import CompressedStore
@@ -395,3 +396,91 @@ def test_flash_prefill_equals_the_reference_prefill(padded):
     else:
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(score, want_score, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- store reads and writes
+
+
+@pytest.mark.parametrize("low,tracked", [("K4cV2", True), ("K2V2", True), ("K4cV2", False)])
+def test_every_section_reads_what_the_general_path_reads(low, tracked):
+    """The decode step's read of every entry (one cached gather across the layer's rank groups) gives the scores,
+    positions and score words that the per-group path gives for the same entries; an untracked low tier reads as
+    held tokens with score 0 and no score word."""
+    store = random_store("K8V4", low, seed=3) if tracked else _untracked_store(seed=3)
+    assert len(store.groups[0]) > 1
+    b, h = store.every_entry()
+    for side in (HIGH, LOW):
+        fast = store.section_scores(0, side, b, h)
+        slow = store.section_scores(0, side, b.clone(), h.clone())      # not every_entry's tensors: per group
+        assert fast[0].shape == slow[0].shape and torch.equal(fast[1], slow[1])
+        held = slow[1] != -1
+        assert torch.equal(fast[0][held], slow[0][held]) and torch.equal(fast[2][held], slow[2][held])
+    if not tracked:
+        score, pos, word = store.section_scores(0, LOW, b, h)
+        held = pos == HELD
+        assert bool(held.any()) and bool((score[held] == 0).all()) and bool((word[held] == -1).all())
+
+
+def _untracked_store(seed: int) -> CompressedStore:
+    """Three rank groups, per-token high pages and per-channel low pages that hold no scores or positions."""
+    gen = torch.Generator().manual_seed(seed)
+    d, B, H = 16, 2, 3
+    store = CompressedStore(torch.tensor([[16, 8, 12]]), torch.tensor([[12, 16, 8]]), [0],
+                            high=TierFormat.parse("K8V4"), low=TierFormat.parse("K4cV2"), head_dim=d, batch=B,
+                            page_bytes=512, initial_pages=4, low_tracked=False)
+    pos = 0
+    for bi in range(B):
+        for hi in range(H):
+            b, h = torch.tensor([bi]), torch.tensor([hi])
+            T = next(g for g in store.groups[0] if hi in g.heads.tolist()).layouts[LOW].tokens
+            pages = (bi + hi) % 3
+            if pages:
+                store.write_pages(0, b.repeat(pages), h.repeat(pages), torch.randn(pages, T, d, generator=gen),
+                                  torch.randn(pages, T, d, generator=gen), torch.arange(pos, pos + pages * T).view(
+                                      pages, T), torch.rand(pages, T, generator=gen))
+                pos += pages * T
+            n = 5 + 7 * hi
+            store.append(0, HIGH, b.repeat(n), h.repeat(n), torch.randn(n, d, generator=gen),
+                         torch.randn(n, d, generator=gen), torch.arange(pos, pos + n), torch.rand(n, generator=gen))
+            pos += n
+    return store
+
+
+@pytest.mark.parametrize("writer", [None, CpuBackend, "emulated-cuda"])
+def test_write_pages_takes_several_pages_of_one_entry_in_one_call(writer):
+    """A prefill seals an entry's low pages in one call: the store then holds byte for byte what one call per page
+    (in the same order) writes, with the same fill."""
+    if writer == "emulated-cuda":
+        from kvcal.runtime.backends.cuda.emulate import EmulatedCudaBackend
+        writer = EmulatedCudaBackend
+    gen = torch.Generator().manual_seed(0)
+    rank = torch.tensor([[16, 16, 16]])
+    stores = [CompressedStore(rank, rank, [0], high=TierFormat.parse("K8V4"), low=TierFormat.parse("K4cV2"),
+                              head_dim=16, batch=2, page_bytes=512, initial_pages=2, writer=writer) for _ in range(2)]
+    T = stores[0].groups[0][0].layouts[LOW].tokens
+    b, h = torch.tensor([0, 1, 0, 0, 1]), torch.tensor([2, 0, 2, 2, 0])       # entry (0, 2): three pages
+    n = len(b)
+    k, v = torch.randn(n, T, 16, generator=gen), torch.randn(n, T, 16, generator=gen)
+    pos, score = torch.arange(n * T).view(n, T), torch.rand(n, T, generator=gen)
+    stores[0].write_pages(0, b, h, k, v, pos, score)
+    for i in range(n):
+        stores[1].write_pages(0, b[i:i + 1], h[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i:i + 1], score[i:i + 1])
+    assert torch.equal(stores[0].fill, stores[1].fill)
+    for side in (HIGH, LOW):
+        e_b, e_h = stores[0].every_entry()
+        for s in stores:
+            s._words.clear()
+        got, want = (s.section_scores(0, side, e_b.clone(), e_h.clone()) for s in stores)
+        assert torch.equal(got[1], want[1])
+    keys = [s.read(0, LOW, b.repeat_interleave(T), h.repeat_interleave(T), _slots(s, b, h, T))[0] for s in stores]
+    assert torch.equal(keys[0], keys[1])
+
+
+def _slots(store, b, h, T):
+    """The slots of each row's page in row order: an entry's k-th row is its k-th page."""
+    seen: dict = {}
+    out = []
+    for bi, hi in zip(b.tolist(), h.tolist()):
+        k = seen[bi, hi] = seen.get((bi, hi), -1) + 1
+        out.append(torch.arange(k * T, (k + 1) * T))
+    return torch.cat(out)
