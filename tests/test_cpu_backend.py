@@ -402,7 +402,7 @@ def test_flash_prefill_equals_the_reference_prefill(padded):
 
 
 @pytest.mark.parametrize("low,tracked", [("K4cV2", True), ("K2V2", True), ("K4cV2", False)])
-def test_every_section_reads_what_the_general_path_reads(low, tracked):
+def test_cached_section_read_equals_the_uncached_read(low, tracked):
     """The decode step's read of every entry (one cached gather across the layer's rank groups) gives the scores,
     positions and score words that the per-group path gives for the same entries; an untracked low tier reads as
     held tokens with score 0 and no score word."""

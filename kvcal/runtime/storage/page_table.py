@@ -90,10 +90,10 @@ class PageTable:
         # reuse only there, so the common decode step (no tiers, no eviction) never reads `holes`
         self._holey: set[tuple[int, int]] = set()
         self._every: tuple[torch.Tensor, torch.Tensor] | None = None       # every_entry, until the batch changes
-        # (layer, side) -> arena word indices of every entry's slots (`Scores.every_section`): the decode step reads
+        # (layer, side) -> arena word indices of every entry's slots (`Scores.section_scores`): the decode step reads
         # each layer's scores and positions twice per token, and the indices change only when pages are reserved,
         # copied or freed (`_forget_words` at each of those)
-        self._words: dict[tuple[int, int], tuple] = {}     # `Scores._every_words` of (layer, side)
+        self._words: dict[tuple[int, int], tuple] = {}     # `Scores._entry_words` of every entry, per (layer, side)
 
     def rank_k_of(self, layer: int) -> torch.Tensor:
         """int64 [H]: stored key rank of each KV head of `layer`."""
@@ -221,7 +221,7 @@ class PageTable:
             self._room.pop((layer, side, i), None)
 
     def _forget_words(self, layer: int | None = None, side: int | None = None) -> None:
-        """Drop the cached slot words (`Scores.every_section`) of (layer, side), of both sides of `layer`, or of
+        """Drop the cached slot words (`Scores.section_scores`) of (layer, side), of both sides of `layer`, or of
         everything (None): their pages changed."""
         if layer is None:
             self._words.clear()

@@ -30,61 +30,31 @@ class Scores(PageTable):
 
     def section_scores(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
         """`section_meta` and where each score lives: (score float32 [n, S], pos int64 [n, S], word int64 [n, S]
-        the score's index in the arena as float32 words, for `set_scores`)."""
-        if self._every is not None and b is self._every[0] and h is self._every[1]:
-            return self.every_section(layer, side)
-        groups = self.groups[layer]
-        parts = []
-        rows = [(groups[0], None)] if len(groups) == 1 else self.group_rows(layer, h)
-        for g, sel in rows:
-            lay = g.layouts[side]
-            eb, eh = (b, h) if sel is None else (b[sel], h[sel])
-            pages = self.section_pages(layer, side, eb, eh)
-            word = self._score_words(pages, lay)
-            if lay.tracked:
-                score = self._read_words(torch.float32, word)
-                pos = self._read_words(torch.int32, self._slot_words(pages, lay) + lay.pos_off // 4).long()
-            else:
-                score, pos = torch.zeros(word.shape, device=self.device), torch.full_like(word, HELD)
-            fill = self.fill[layer, eb, eh, side]
-            pos = torch.where(torch.arange(word.shape[1], device=self.device) < fill[:, None], pos, -1)
-            if sel is None:
-                return score, pos, word
-            parts.append((sel, score, pos, word))
-        width = max([score.shape[1] for _, score, _, _ in parts], default=0)
-        out_s = torch.zeros(len(b), width, device=self.device)
-        out_p = torch.full((len(b), width), -1, dtype=torch.int64, device=self.device)
-        out_w = torch.zeros((len(b), width), dtype=torch.int64, device=self.device)
-        for sel, score, pos, word in parts:
-            out_s[sel, :score.shape[1]] = score
-            out_p[sel, :pos.shape[1]] = pos
-            out_w[sel, :word.shape[1]] = word
-        return out_s, out_p, out_w
-
-    def every_section(self, layer: int, side: int):
-        """`section_scores` of every entry (`every_entry` order): the decode step's read, one gather per word kind
-        whatever the layer's head groups. The slots' word indices are made once per page change (`_words`), not on
-        every read."""
-        words = self._words.get((layer, side))
-        if words is None:
-            words = self._words[layer, side] = self._every_words(layer, side)
+        the score's index in the arena as float32 words, for `set_scores`; -1 in an untracked tier). Slots with pos
+        -1 hold no token: their score and word are not to be read. For every entry (`every_entry`'s own tensors, the
+        decode step's read) the word indices are made once per page change (`_words`), not on every read."""
+        every = self._every is not None and b is self._every[0] and h is self._every[1]
+        if not every:
+            words = self._entry_words(layer, side, b, h)
+        elif (words := self._words.get((layer, side))) is None:
+            words = self._words[layer, side] = self._entry_words(layer, side, b, h)
         score_at, pos_at, word, untracked = words
         score, pos = self._read_words(torch.float32, score_at), self._read_words(torch.int32, pos_at).long()
         if untracked is not None:
             score, pos = score.masked_fill(untracked, 0.0), pos.masked_fill(untracked, HELD)
-        fill = self.fill[layer, :, :, side].reshape(-1, 1)
+        fill = self.fill[layer, :, :, side].reshape(-1, 1) if every else self.fill[layer, b, h, side][:, None]
         return score, torch.where(torch.arange(word.shape[1], device=self.device) < fill, pos, -1), word
 
-    def _every_words(self, layer: int, side: int):
-        """Where `every_section` reads: (score word int64 [n, S], position word int64 [n, S], both >= 0 so a gather
-        can read them; the score word for `set_scores`, -1 in untracked rows; untracked rows bool [n, 1] or None).
-        A row's slots past its group's pages read word 0 and are masked by the fill."""
-        b, h = self.every_entry()
+    def _entry_words(self, layer: int, side: int, b: torch.Tensor, h: torch.Tensor):
+        """Where `section_scores` reads for entries (b, h) [n], whatever the layer's head groups: (score word int64
+        [n, S], position word int64 [n, S], both >= 0 so a gather can read them; the score word for `set_scores`,
+        -1 in untracked rows; untracked rows bool [n, 1] or None). A row's slots past its group's pages read word 0
+        and are masked by the fill."""
         groups = self.groups[layer]
         rows = [(groups[0], None)] if len(groups) == 1 else list(self.group_rows(layer, h))
         slots = [(sel, g.layouts[side], self._slot_words(self.section_pages(
             layer, side, *((b, h) if sel is None else (b[sel], h[sel]))), g.layouts[side])) for g, sel in rows]
-        width = max(s.shape[1] for _, _, s in slots)
+        width = max((s.shape[1] for _, _, s in slots), default=0)
         score_at = torch.zeros((len(b), width), dtype=torch.int64, device=self.device)
         pos_at = torch.zeros_like(score_at)
         untracked = torch.zeros((len(b), 1), dtype=torch.bool, device=self.device)
