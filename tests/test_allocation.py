@@ -168,3 +168,32 @@ def test_confirmation_steps_back_by_the_measured_gap():
     searched = [Probe(i, "search", _fid(0.985 - 0.001 * i), True) for i in (10, 20, 30)]
     index, checks = confirm(30, searched, lambda i: _fid(0.94), target, max_checks=3)
     assert [c.index for c in checks] == [30, 10, 5]
+
+
+def test_gauges_spend_the_misses_and_a_check_confirms():
+    """With a gauge (the coded probe on evaluation text), points the evaluation text defeats cost a gauge each, the
+    gauge's miss steps back by the measured gap just as a check's does, and the runtime checks only the point whose
+    gauge met; a check that misses after its gauge met steps back and gauges again."""
+    from kvcal.eval import QualityTarget
+    from kvcal.profile.budget import Probe, confirm
+
+    target = QualityTarget(0.97, 1.02, 0.0)
+    searched = [Probe(i, "search", _fid(1.0 - 0.005 * i), True) for i in (0, 2, 4, 6)]
+    evaluation = {i: _fid(1.0 - 1.6 * 0.005 * i) for i in range(10)}
+    checked, gauged = [], []
+    index, rows = confirm(6, searched, lambda i: checked.append(i) or evaluation[i], target, 3,
+                          lambda i: gauged.append(i) or evaluation[i], max_gauges=4)
+    assert index == 3 and gauged == [6, 3] and checked == [3]
+    assert [r.split for r in rows] == ["evaluation, coded", "evaluation, coded", "evaluation"] and rows[-1].met
+    # the runtime is harder than its gauge: 6 and 3 pass their gauges, the check at 3 misses by a wider gap
+    stepwise = {i: _fid(1.0 - 2.2 * 0.005 * i) for i in range(10)}
+    gauges = {i: _fid(1.0 - 0.005 * i) for i in range(10)}
+    index, rows = confirm(6, searched, stepwise.__getitem__, target, 3, gauges.__getitem__, max_gauges=4)
+    assert [(r.index, r.split) for r in rows] == [(6, "evaluation, coded"), (6, "evaluation"),
+                                                  (2, "evaluation, coded"), (2, "evaluation")]
+    assert index == 2 and rows[-1].met
+    # no gauges left: checks as without them; every gauge missing down to the end: the best gauged point is checked
+    index, rows = confirm(6, searched, evaluation.__getitem__, target, 3, evaluation.__getitem__, max_gauges=0)
+    assert [r.split for r in rows] == ["evaluation"] * 2 and index == 3
+    index, rows = confirm(6, searched, lambda i: _fid(0.5), target, 3, lambda i: _fid(0.6 - 0.01 * i), max_gauges=4)
+    assert [r.split for r in rows][-1] == "evaluation" and index == 0 and not rows[-1].met

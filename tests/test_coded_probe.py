@@ -181,3 +181,30 @@ def test_the_held_prompt_tokens_are_those_the_runtime_places_low_at_prefill(alph
         model(input_ids=ids[:, :P], cache=cache, use_cache=True)
     placed = len(rec.held) * a.num_kv_heads * (P - window)
     assert 0 < predicted < placed and predicted == cache.kv.tier_counts()["low"]
+
+
+def test_prompts_the_runtime_recorded_serve_the_coded_probe_as_the_search_recording_does():
+    """The confirmation gauges points by the coded probe on the evaluation windows that its checks recorded
+    (`recorded_prompts`, no backward). On the same windows it must hold the same tokens in the allocated formats as
+    the search's recording and measure the same quality; a rule that reads the wrong significance, queries or layers
+    changes the held tokens, and this fails."""
+    from kvcal.profile.recording import recorded_prompts
+
+    model, tok, bundle, ids, base, costs, probe = _setup(sharp=True)
+    a = adapter_for(model.config)
+    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
+    rec = recorded_prompts(model, runtime.prompt, runtime.continuation, runtime.records, runtime.ref, base,
+                           list(a.layer_types), probe.recording.levels)
+    assert rec.held.keys() == probe.held.keys()
+    for layer, held in rec.held.items():
+        assert held.shape == probe.held[layer].shape and 0 < int(held.sum()) < held.numel()
+        # the two recordings run the continuation through different attention code (SDPA in one pass, the search's
+        # own in chunks with gradients): a token whose mean sits on a threshold may fall either side in float order
+        assert (held != probe.held[layer]).float().mean() < 1e-3, layer
+    gauge = CodedProbe(model, rec, probe.served, base, list(a.layer_types), a.head_dim)
+    g = torch.Generator().manual_seed(1)
+    for bits in (torch.full((4, 2), 4), torch.tensor(BITS)[torch.randint(3, (4, 2, 2), generator=g)]):
+        allocation = Allocation.of(costs, bits)
+        there, here = probe.measure(costs, allocation), gauge.measure(costs, allocation)
+        assert here.top1 == there.top1 and here.kl == pytest.approx(there.kl, rel=1e-3, abs=1e-7)
+        assert here.memory["ratio_to_fp16"] == pytest.approx(there.memory["ratio_to_fp16"], rel=1e-3)

@@ -99,6 +99,8 @@ def calibrate(
                                             "the predicted frontier).")] = CalibrationConfig.max_probes,
     max_checks: Annotated[int, typer.Option(help="Checks on evaluation text, stepping the budget back on a miss.")]
     = CalibrationConfig.max_checks,
+    max_gauges: Annotated[int, typer.Option(help="Coded probes on evaluation text that a point must pass before it is "
+                                            "checked stepwise (0: check at once).")] = CalibrationConfig.max_gauges,
     accept_best: Annotated[bool, typer.Option("--accept-best", help="If no point checked on evaluation text meets "
                                               "the target, keep the best one and exit 0.")]
     = CalibrationConfig.accept_best,

@@ -12,6 +12,9 @@ to the most (fewest bytes). Measured quality falls along it, so:
    does, the safest point probed, or halfway to the safest end), and that one is confirmed, up to `max_checks` checks
    in all. The gap is a ratio, not a difference, because both disagreements vanish together as the coding error
    does: a harder text multiplies the errors a format causes, it does not add errors where there are none.
+   With a `gauge` (the coded probe on the evaluation windows, a sixth of a check's time), a point is checked only
+   once its gauge meets the target: a gauge's miss measures the gap and steps back just as a check's miss does, so
+   the checks that the search text's optimism would have spent on misses are gauges instead.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -66,30 +69,57 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6)
     return lo, probes
 
 
-def confirm(start: int, searched: list[Probe], measure: Measure, target: QualityTarget,
-            max_checks: int = 3) -> tuple[int, list[Probe]]:
-    """Check hull index `start` on evaluation text; on a miss step back (module docstring). Returns (the index
-    whose check met, or the best checked if none did, and every check)."""
-    checks: list[Probe] = []
+def confirm(start: int, searched: list[Probe], measure: Measure, target: QualityTarget, max_checks: int = 3,
+            gauge: Measure | None = None, max_gauges: int = 0) -> tuple[int, list[Probe]]:
+    """Check hull index `start` on evaluation text; on a miss step back (module docstring), gauging each point first
+    while fewer than `max_gauges` gauges were spent. Returns (the index whose check met, or the best checked if none
+    did, and every gauge and check in order; a gauge's split is "evaluation, coded")."""
+    rows: list[Probe] = []
     gap, i = 1.0, start
-    while len(checks) < max_checks and i >= 0:
-        fid = measure(i)
-        checks.append(Probe(i, "evaluation", fid, target.met(fid), gap))
-        if checks[-1].met:
-            return i, checks
-        on_search = search_quality(searched, i)
-        if on_search is not None:                        # the search-vs-evaluation gap at this point
-            # a search disagreement of 0 is one in `predictions` at most: the ratio stays finite
-            floor = 1.0 / max(on_search.get("predictions") or 1, 1)
-            gap = max(gap, (1.0 - fid["top1"]) / max(1.0 - on_search["top1"], floor))
-        n = fid.get("predictions", 0)
-        safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
-                 and target.met(on_evaluation(q, gap, n))]
-        probed = [p.index for p in searched if p.index < i]
-        # none meets with the gap: the safest point the search measured, else halfway to the safest end
-        i = safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
+
+    def measured(how: Measure, split: str) -> bool:
+        nonlocal gap, i
+        fid = how(i)
+        rows.append(Probe(i, split, fid, target.met(fid), gap))
+        if not rows[-1].met:
+            gap = max(gap, measured_gap(searched, i, fid))
+            i = step_back(searched, i, gap, fid.get("predictions", 0), target)
+        return rows[-1].met
+
+    while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
+        if gauge is not None and sum(p.split != "evaluation" for p in rows) < max_gauges:
+            if not measured(gauge, "evaluation, coded"):
+                continue
+        if measured(measure, "evaluation"):
+            return rows[-1].index, rows
+    checks = [p for p in rows if p.split == "evaluation"]
+    if not checks:              # every gauge missed down to the safest end: check the best gauged point once
+        best = max(rows, key=lambda p: (p.fidelity["top1"], -p.index))
+        fid = measure(best.index)
+        rows.append(Probe(best.index, "evaluation", fid, target.met(fid), gap))
+        return best.index, rows
     best = max(checks, key=lambda p: (p.fidelity["top1"], -p.index))
-    return best.index, checks
+    return best.index, rows
+
+
+def measured_gap(searched: list[Probe], i: int, fid: dict) -> float:
+    """Evaluation / search top-1 disagreement at hull index i (1 where the search did not measure around i)."""
+    on_search = search_quality(searched, i)
+    if on_search is None:
+        return 1.0
+    # a search disagreement of 0 is one in `predictions` at most: the ratio stays finite
+    floor = 1.0 / max(on_search.get("predictions") or 1, 1)
+    return (1.0 - fid["top1"]) / max(1.0 - on_search["top1"], floor)
+
+
+def step_back(searched: list[Probe], i: int, gap: float, predictions: int, target: QualityTarget) -> int:
+    """The next point to try after index i missed on evaluation text: the cheapest safer point whose search quality
+    times `gap` meets the target over `predictions`; when none does, the safest point the search measured, else
+    halfway to the safest end (-1: none is left)."""
+    safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
+             and target.met(on_evaluation(q, gap, predictions))]
+    probed = [p.index for p in searched if p.index < i]
+    return safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
 
 
 def search_quality(searched: list[Probe], j: int) -> dict | None:

@@ -106,6 +106,7 @@ class CalibrationConfig:
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_probes: int = 6                 # decode probes on search text that set the budget (a bisection)
     max_checks: int = 3                 # checks on evaluation text (stepping the budget back), before giving up
+    max_gauges: int = 4                 # coded probes on evaluation text that a point passes before its check
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
     window: int | None = None           # recent tokens always at 16 bits; default: the allocation's (allocate.WINDOW)
     fastgen_windows: int = 2            # calibration windows profiled for FastGen statistics
@@ -141,6 +142,8 @@ class CalibrationConfig:
         if not (0 < self.target_top1 <= 1 and 1 <= self.target_ppl_ratio < math.inf):     # NaN fails every test
             raise ValueError(f"quality target needs 0 < top-1 <= 1 and perplexity ratio >= 1 (got "
                              f"{self.target_top1}, {self.target_ppl_ratio})")
+        if self.max_gauges < 0:
+            raise ValueError(f"`--max-gauges {self.max_gauges}` must be at least 0 (0: check without gauging)")
         if not 0 <= self.target_z < math.inf:
             raise ValueError(f"`--target-z {self.target_z:g}` must be a finite number >= 0 (standard errors; 0: as "
                              f"measured), e.g. {QualityTarget.z:g}, the default")

@@ -7,7 +7,9 @@
 3. `bisect` (kvcal.profile.budget): at most `max_probes` coded probes on the search windows (kvcal.profile.
    coded_probe: the model over the K/V as the allocation codes them, without the runtime's per-token policy steps)
    find the cheapest of them that meets the target at its bounds;
-4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss.
+4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss;
+   each point is gauged first by the coded probe on the same evaluation windows (`recorded_prompts` reuses the
+   check's recorded prefills), so a point the evaluation text defeats costs a gauge, not a check.
 
 The number of measurements is known before the first one (`planned_steps`), so the progress bar shows one ETA.
 Every measurement is checkpointed by its settings, so an interrupted run resumes without measuring again.
@@ -33,18 +35,19 @@ from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
 from kvcal.profile.quality_model import ALPHAS, HIGH, bundle_levels
 from kvcal.profile.ranks import ranks_of
-from kvcal.profile.recording import record_search
+from kvcal.profile.recording import record_search, recorded_prompts
 from kvcal.runtime.storage.bases import served_bases
 
 # The stages of choosing, in order, and what each measures (the progress bar's names for them)
-STAGES = {"record": "quality model", "probe": "budget probes", "confirm": "evaluation text"}
+STAGES = {"record": "quality model", "probe": "budget probes", "gauge": "evaluation, coded",
+          "confirm": "evaluation text"}
 # (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row)
 Progress = Callable[[str, str, dict | None], None]
 
 
 def planned_steps(cfg) -> dict[str, int]:
-    """Steps of each stage, known before the first: recording windows, probes, confirmations (at most)."""
-    return {"record": cfg.search_windows, "probe": cfg.max_probes, "confirm": cfg.max_checks}
+    """Steps of each stage, known before the first: recording windows, probes, gauges and checks (at most)."""
+    return {"record": cfg.search_windows, "probe": cfg.max_probes, "gauge": cfg.max_gauges, "confirm": cfg.max_checks}
 
 
 def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, predicted: float) -> dict:
@@ -132,6 +135,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
     index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i])),
                              target, cfg.max_probes)
+    levels = recording.levels
     probe = recording = None        # the recorded prompts: hundreds of MB
     release_memory()
     seconds["probes"] = time.perf_counter() - t
@@ -141,10 +145,15 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                                  P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
     eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
     release_memory()                # the prefills' float32 K/V and references, freed
+    gauge = CodedProbe(lm.model, recorded_prompts(lm.model, eval_probe.prompt, eval_probe.continuation,
+                                                  eval_probe.records, eval_probe.ref, base, list(a.layer_types),
+                                                  levels), served, base, list(a.layer_types), a.head_dim)
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
-                            target, cfg.max_checks)
-    eval_probe = None
+                            target, cfg.max_checks,
+                            measured("gauge", lambda i, config: gauge.measure(costs, hull[i])), cfg.max_gauges)
+    eval_probe = gauge = None
+    checks = [p for p in checks if p.split == "evaluation"]          # the runtime's own: gauges only led to them
     seconds["confirmation"] = time.perf_counter() - t
 
     chosen = to_config(base, costs, hull[index])

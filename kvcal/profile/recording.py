@@ -20,6 +20,9 @@ attention over the whole context.
     rec.costs                     # the quality model's table (FormatCosts)
     rec.records, rec.ref, rec.held  # the coded probe's inputs
     rec.levels                    # the calibrated levels the costs of `LEVELED` formats used (bundle `levels.*`)
+
+    ev = recorded_prompts(model, probe.prompt, probe.continuation, probe.records, probe.ref, base, layer_types,
+                          rec.levels)   # prompts the runtime recorded (a DecodeProbe's), for the coded probe
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Recording:
     ref: TopLogits                # the dense reference [B, M, k]
     held: dict                    # paged layer -> bool [len(ALPHAS), B, H, P + M]: the tokens it holds in its
                                   # allocated format by the end, per heavy-hitter threshold
-    costs: FormatCosts            # summed over the windows
+    costs: FormatCosts | None     # summed over the windows (None: `recorded_prompts`, no backward)
     levels: dict                  # paged layer -> {(side, bits): float32 [H, 2**bits]}: its calibrated levels, fitted
                                   # on the first window (`fit_layer_levels`)
 
@@ -233,6 +236,51 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
     return Recording(prompt, continuation, records, ref, held_by_end,
                      FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)
+
+
+class _HeldCollector:
+    """A capture collector (kvcal.profile.capture) that turns each paged layer's continuation queries and keys into
+    its held masks (`held_masks`) against the recorded prefill significance `scores` (layer -> [H, P])."""
+
+    def __init__(self, scores: dict, window: int):
+        self.scores, self.window, self.held = scores, window, {}
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if layer in self.scores:
+            self.held[layer] = held_masks(self.scores[layer], query, key, self.window, False)
+
+
+@torch.inference_mode()
+def recorded_prompts(model, prompt: torch.Tensor, continuation: torch.Tensor, records: SpilledRecords | dict,
+                     ref: TopLogits, base: CompressionConfig, layer_types: list[str], levels: dict) -> Recording:
+    """A Recording of prompts [B, P] that the runtime recorded already (`KvcalCache.record_prompt`'s records, a
+    window each in `records`, or the batch in one dict: per paged layer key, value [1, H, P, d], the prefill
+    significance [1, H, P], ...), with their dense reference `ref` and continuations [B, M + 1], for the coded
+    probe on other text: the held masks come from one forward of each continuation over its recorded prompt (no
+    backward, so no costs); `levels` are the search recording's, which the allocation's formats decode with."""
+    from kvcal.eval.fidelity import dense_cache
+    from kvcal.profile.capture import capturing
+
+    sliding = [t == "sliding_attention" for t in layer_types]
+    B, M = len(prompt), continuation.shape[1] - 1
+    held: dict = {}
+    if not isinstance(records, SpilledRecords):      # the whole batch in memory (a DecodeProbe of one window)
+        records, batch = SpilledRecords(), records
+        for b in range(B):
+            records.append({i: tuple(x[b:b + 1] if torch.is_tensor(x) else x for x in record)
+                            for i, record in batch.items()})
+    for b in range(B):
+        window = records.window(b)
+        collector = _HeldCollector({i: window[i][2][0] for i in range(len(sliding)) if not sliding[i]},
+                                   base.tiering.window)
+        with capturing(model, collector):
+            model.model(input_ids=continuation[b:b + 1, :M], cache=dense_cache(model, window, keep=False),
+                        use_cache=True)
+        for layer, mask in collector.held.items():                                             # [A, H, S]
+            held.setdefault(layer, torch.zeros(mask.shape[0], B, *mask.shape[1:], dtype=torch.bool))[:, b] = mask
+        del window, collector
+        trim_heap()
+    return Recording(prompt, continuation, records, ref, held, None, levels)
 
 
 class _InPlaceLayer(DynamicLayer):

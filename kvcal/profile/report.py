@@ -9,8 +9,9 @@ from pathlib import Path
 from kvcal.eval import QualityTarget
 from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW
 
-STAGE_COLORS = {"probe": "tab:blue", "confirm": "tab:green"}
-STAGE_NAMES = {"probe": "budget probe, search text", "confirm": "check, evaluation text"}
+STAGE_COLORS = {"probe": "tab:blue", "gauge": "tab:orange", "confirm": "tab:green"}
+STAGE_NAMES = {"probe": "budget probe, search text", "gauge": "gauge, evaluation text (coded)",
+               "confirm": "check, evaluation text"}
 
 
 def report_paths(bundle_path: Path) -> dict[str, Path]:
