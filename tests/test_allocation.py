@@ -150,6 +150,35 @@ def test_the_budget_bisection_finds_the_last_point_that_meets_in_few_probes():
     assert index == -1 and probes[-1].index == 0                         # nothing meets: the safest end was tried
 
 
+
+def test_predicted_losses_place_the_probes_and_the_bytes_end_the_search():
+    """Where measured disagreement follows the predicted loss (as the quality model's Spearman table shows), cutting
+    the bracket where the line through its ends crosses the target lands next to the last point that meets, in fewer
+    probes than halving; the search ends once the bracket is finer than `RESOLUTION` in bytes; and predictions that
+    say nothing (flat) leave halving's answer."""
+    import math
+    import types
+
+    from kvcal.eval import QualityTarget
+    from kvcal.profile.budget import RESOLUTION, bisect
+
+    target = QualityTarget(0.97, 1.02, 1.5)
+    n = 200
+    predicted = [0.05 * math.exp(i / 25) for i in range(n)]                 # 0.05 .. 139, rising along the hull
+    quality = [max(1.0 - 0.004 * p ** 0.8, 0.0) for p in predicted]        # disagreement ~ a power of the loss
+    held = [1.0 - 0.004 * i for i in range(n)]                             # bytes fall along the hull
+    met = [target.met(types.SimpleNamespace(**_fid(q))) for q in quality]
+    last = max(i for i in range(n) if met[i])
+
+    halving, plain = bisect(n, lambda i: _fid(quality[i]), target, max_probes=6)
+    guided, probes = bisect(n, lambda i: _fid(quality[i]), target, 6, predicted, held)
+    assert met[guided] and held[guided] - held[last] <= RESOLUTION * held[guided] + 1e-12
+    assert len(probes) < len(plain) == 6 and held[guided] <= held[halving] + 1e-12
+    # a flat prediction cannot place a probe: halving, as without predictions
+    flat, probes = bisect(n, lambda i: _fid(quality[i]), target, 6, [1.0] * n)
+    assert (flat, [p.index for p in probes]) == (halving, [p.index for p in plain])
+
+
 def test_confirmation_steps_back_by_the_measured_gap():
     from kvcal.eval import QualityTarget
     from kvcal.profile.budget import Probe, confirm

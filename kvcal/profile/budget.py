@@ -4,7 +4,12 @@ The allocation's hull (kvcal.profile.allocate.frontier) orders candidates from t
 to the most (fewest bytes). Measured quality falls along it, so:
 
 1. `bisect`: end-to-end probes on the search windows (the batched probe) bisect the hull for the cheapest point
-   that meets the target at its Wilson bound, in at most `max_probes` probes;
+   that meets the target at its Wilson bound, in at most `max_probes` probes. Once a point that meets and one that
+   misses are known, the next probe goes where the line through them in (log predicted loss, log shortfall) crosses
+   the target (`shortfall`: 1 at the target), not to the middle: the predicted loss tracks the measured error over
+   the hull, so the crossing lands near the boundary where halving would need several probes. It stops once the
+   points left between them would hold at most `RESOLUTION` fewer bytes than the one that meets: the evaluation
+   text moves the choice by more than that;
 2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the ratio of its top-1
    disagreement with dense on evaluation text to that on search text is the gap: the budget steps back to the
    cheapest point whose search disagreement, scaled by that ratio, meets the target at the evaluation's bounds (search
@@ -22,12 +27,14 @@ memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcal.eval import QualityTarget
 
 Measure = Callable[[int], dict]
+RESOLUTION = 0.02      # the bisection stops once the bracket's cheapest point could save at most this share of bytes
 
 
 @dataclass
@@ -47,9 +54,25 @@ def on_evaluation(search: dict, gap: float, predictions: int) -> dict:
             "top1_windows": None}
 
 
-def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6) -> tuple[int, list[Probe]]:
+def shortfall(fid: dict, target: QualityTarget) -> float:
+    """How far `fid` is from missing `target`, as a ratio that is 1 at the target and grows with the error: the larger
+    of top-1's bound disagreement (1 - its lower bound) over the disagreement the target allows, and the perplexity
+    ratio's excess over the excess it allows."""
+    from types import SimpleNamespace
+
+    measured = SimpleNamespace(top1=fid["top1"], predictions=fid.get("predictions", 0),
+                               top1_windows=fid.get("top1_windows"))
+    top1 = (1.0 - target.top1_bound(measured)) / max(1.0 - target.top1, 1e-12)
+    ppl = (fid["ppl_ratio"] - 1.0) / max(target.ppl_ratio - 1.0, 1e-12)
+    return max(top1, ppl, 1e-6)
+
+
+def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6, predicted: list[float] | None = None,
+           held: list[float] | None = None) -> tuple[int, list[Probe]]:
     """The largest hull index in [0, n) whose probe meets `target` (taking quality to fall with the index), found
-    in at most `max_probes` probes; -1 if the safest point (index 0) misses. Returns (index, probes)."""
+    in at most `max_probes` probes; -1 if the safest point (index 0) misses. Returns (index, probes). With the hull's
+    `predicted` losses, a bracket is cut where its ends' shortfalls cross the target (module docstring); with its
+    `held` bytes, the search stops once the bracket is finer than `RESOLUTION`."""
     probes: list[Probe] = []
     lo, hi = -1, n                       # lo: the largest index known to meet; hi: the smallest known to miss
 
@@ -58,15 +81,49 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6)
         probes.append(Probe(i, "search", fid, target.met(fid)))
         return probes[-1].met
 
-    while hi - lo > 1 and len(probes) < max_probes:
+    def fine() -> bool:
+        return held is not None and 0 <= lo < hi < n and held[lo] - held[hi - 1] <= RESOLUTION * held[lo]
+
+    while hi - lo > 1 and len(probes) < max_probes and not fine():
         # the first probe goes to the middle; once a miss is known, the safest end is worth checking only if
         # nothing met yet and one probe is left
         mid = 0 if (lo < 0 and len(probes) == max_probes - 1) else (lo + hi) // 2
+        if predicted is not None and 0 <= lo < hi < n:
+            if held is not None and probes[-1].met == probes[-2].met:
+                mid = _resolution_step(lo, hi, held, probes[-1].met)
+            else:
+                mid = _crossing(lo, hi, predicted, {p.index: p.fidelity for p in probes}, target, probes)
         if probe(mid):
             lo = mid
         else:
             hi = mid
     return lo, probes
+
+
+def _resolution_step(lo: int, hi: int, held: list[float], met: bool) -> int:
+    """After two probes on one side, the line keeps landing near that end: the next probe is the point just past
+    `RESOLUTION` of it, so that one more probe on the other side ends the search. `met`: the last probe was lo."""
+    inside = range(lo + 1, hi)
+    if met:
+        return next((j for j in inside if held[lo] - held[j] > RESOLUTION * held[lo]), hi - 1)
+    return next((j for j in inside if held[j] - held[hi - 1] <= RESOLUTION * held[j]), lo + 1)
+
+
+def _crossing(lo: int, hi: int, predicted: list[float], at: dict, target: QualityTarget, probes: list[Probe]) -> int:
+    """The index in (lo, hi) whose predicted loss is nearest where log shortfall, taken linear in log predicted loss
+    through the bracket's ends, reaches 1; halfway when the last two probes fell on the same side and no bytes are
+    known (`_resolution_step`), or the predictions do not rise across the bracket."""
+    middle = (lo + hi) // 2
+    if probes[-1].met == probes[-2].met:
+        return middle
+    a, b = predicted[lo], predicted[hi]
+    if not 0 < a < b:
+        return middle
+    ra, rb = math.log(shortfall(at[lo], target)), math.log(shortfall(at[hi], target))
+    if not ra <= 0 <= rb or ra == rb:
+        return middle
+    goal = math.log(a) + (math.log(b) - math.log(a)) * (-ra) / (rb - ra)
+    return min(range(lo + 1, hi), key=lambda j: abs(math.log(max(predicted[j], 1e-30)) - goal))
 
 
 def confirm(start: int, searched: list[Probe], measure: Measure, target: QualityTarget, max_checks: int = 3,

@@ -134,7 +134,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     t = time.perf_counter()
     probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
     index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i])),
-                             target, cfg.max_probes)
+                             target, cfg.max_probes, [h.predicted for h in hull], [h.held_bytes for h in hull])
     levels = recording.levels
     probe = recording = None        # the recorded prompts: hundreds of MB
     release_memory()
