@@ -208,3 +208,27 @@ def test_prompts_the_runtime_recorded_serve_the_coded_probe_as_the_search_record
         there, here = probe.measure(costs, allocation), gauge.measure(costs, allocation)
         assert here.top1 == there.top1 and here.kl == pytest.approx(there.kl, rel=1e-3, abs=1e-7)
         assert here.memory["ratio_to_fp16"] == pytest.approx(there.memory["ratio_to_fp16"], rel=1e-3)
+
+
+def test_a_one_pass_dense_cache_is_freed_when_dropped():
+    """The probes build a one-pass cache of a window's prompt per window (`dense_cache(keep=False)`); dropping it must
+    free its K/V at once. A reference cycle would keep every window's float32 K/V (177 MB a window at 4k on
+    smollm2-135m) until the garbage collector happens to run, which raised the calibration's peak."""
+    import gc
+    import weakref
+
+    from kvcal.eval.fidelity import dense_cache
+
+    model, tok = make_model("llama", num_hidden_layers=2)
+    records = {i: (torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), None) for i in range(2)}
+    cache = dense_cache(model, records, keep=False)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[-2] == 16                  # the new tokens passed through, not kept
+    held = weakref.ref(cache.layers[0].keys)
+    gc.disable()
+    try:
+        del cache
+        assert held() is None
+    finally:
+        gc.enable()

@@ -74,11 +74,12 @@ class _PassThrough:
     prompt (`dense_cache(keep=False)`)."""
 
     def __init__(self, layer):
-        self.layer = layer
+        # the prompt's tensors, not the layer: the layer holds this as its `update`, and a reference back would make
+        # a cycle that keeps every layer's K/V alive until the garbage collector happens to run
+        self.keys, self.values = layer.keys, layer.values
 
     def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return (torch.cat([self.layer.keys, key_states], dim=-2),
-                torch.cat([self.layer.values, value_states], dim=-2))
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
 @torch.inference_mode()
