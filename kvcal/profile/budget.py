@@ -19,9 +19,7 @@ to the most (fewest bytes). Measured quality falls along it, so:
    does: a harder text multiplies the errors a format causes, it does not add errors where there are none.
    With a `gauge` (the coded probe on the evaluation windows, a sixth of a check's time), a point is checked only
    once its gauge meets the target: a gauge's miss measures the gap and steps back just as a check's miss does, so
-   the checks that the search text's optimism would have spent on misses are gauges instead. The gauge leaves out
-   the runtime's decode-time choices, so it can read better than the check of the same point: once a point has both,
-   later gauges are read with their disagreement times that ratio.
+   the checks that the search text's optimism would have spent on misses are gauges instead.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -135,20 +133,14 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     did, and every gauge and check in order; a gauge's split is "evaluation, coded")."""
     rows: list[Probe] = []
     gap, i = 1.0, start
-    optimism = 1.0           # the runtime's top-1 disagreement over its gauge's, where a point had both (at least 1)
 
     def measured(how: Measure, split: str) -> bool:
-        nonlocal gap, i, optimism
+        nonlocal gap, i
         fid = how(i)
-        n = fid.get("predictions", 0)
-        gauged = next((p.fidelity for p in rows if p.index == i and p.split != "evaluation"), None)
-        if split == "evaluation" and gauged is not None:
-            optimism = max(optimism, measured_gap([Probe(i, split, gauged, True)], i, fid))
-        expected = on_evaluation(fid, optimism, n) if split != "evaluation" else fid    # what the runtime would read
-        rows.append(Probe(i, split, fid, target.met(expected), gap))
+        rows.append(Probe(i, split, fid, target.met(fid), gap))
         if not rows[-1].met:
-            gap = max(gap, measured_gap(searched, i, expected))
-            i = step_back(searched, i, gap, n, target)
+            gap = max(gap, measured_gap(searched, i, fid))
+            i = step_back(searched, i, gap, fid.get("predictions", 0), target)
         return rows[-1].met
 
     while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
