@@ -222,6 +222,7 @@ def test_a_one_pass_dense_cache_is_freed_when_dropped():
     model, tok = make_model("llama", num_hidden_layers=2)
     records = {i: (torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), None) for i in range(2)}
     cache = dense_cache(model, records, keep=False)
+    del records                                                  # the cache holds the recorded tensors themselves
     with torch.inference_mode():
         model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
     assert cache.layers[0].keys.shape[-2] == 16                  # the new tokens passed through, not kept

@@ -43,8 +43,15 @@ def dense_logits(model, ids: torch.Tensor, start: int = 0, chunk: int = 64) -> t
     """Logits [B, S - start, vocab] (float32) at positions start.. of one dense forward over ids [B, S]; the head
     runs a few positions at a time, only where logits are needed (a [S, vocab] tensor costs GBs on big vocabularies)."""
     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, start:]
-    head = model.get_output_embeddings()
-    return torch.cat([head(hidden[:, i:i + chunk]).float() for i in range(0, hidden.shape[1], chunk)], dim=1)
+    return torch.cat([head_logits(model, hidden[:, i:i + chunk]) for i in range(0, hidden.shape[1], chunk)], dim=1)
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's head over hidden [B, c, D] -> float32 logits [B, c, vocab], with the final soft-capping some
+    models apply in their forward."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def dense_cache(model, records: dict, keep: bool = True):
@@ -63,7 +70,11 @@ def dense_cache(model, records: dict, keep: bool = True):
             layer.update(keys, values)
             layer.cumulative_length = seen
         else:
-            layer.update(records[i][0].to(dtype), records[i][1].to(dtype))
+            # the recorded tensors themselves, not a copy by update's cat: a DynamicLayer never writes into its
+            # tensors (each update makes new ones), so the records stay as they were
+            key, value = records[i][0].to(dtype), records[i][1].to(dtype)
+            layer.lazy_initialization(key, value)
+            layer.keys, layer.values = key, value
             if not keep:
                 layer.update = _PassThrough(layer)
     return cache
@@ -85,15 +96,16 @@ class _PassThrough:
 @torch.inference_mode()
 def reference_top(model, records: dict, continuation: torch.Tensor, chunk: int = 64) -> TopLogits:
     """The dense reference of continuation[:, :M] (continuation [B, M + 1]) after a recorded prompt, as TopLogits
-    [B, M, k] for the true next tokens continuation[:, 1:]: a transformers `DynamicCache` filled with the prompt's exact
-    K/V from `records` (`DecodeProbe`'s, taken from the recording prefill), then `chunk` tokens per forward pass. Equal
-    to one dense forward over prompt + continuation up to float rounding, at the cost of the continuation alone: the
-    prompt is not run a second time."""
-    cache = dense_cache(model, records)
+    [B, M, k] for the true next tokens continuation[:, 1:]: one forward of the whole continuation through a
+    transformers `DynamicCache` of the prompt's exact K/V from `records` (`DecodeProbe`'s, taken from the recording
+    prefill) that keeps no new tokens, then the head `chunk` positions at a time. Equal to one dense forward over
+    prompt + continuation up to float rounding, at the cost of the continuation alone, and with no K/V copied per
+    chunk: the prompt is not run a second time."""
     M = continuation.shape[1] - 1
-    parts = [TopLogits.of(model(input_ids=continuation[:, t:min(t + chunk, M)], cache=cache, use_cache=True).logits,
-                          continuation[:, t + 1:min(t + chunk, M) + 1]) for t in range(0, M, chunk)]
-    return TopLogits.cat(parts)
+    hidden = model.model(input_ids=continuation[:, :M], cache=dense_cache(model, records, keep=False),
+                         use_cache=True).last_hidden_state
+    return TopLogits.cat([TopLogits.of(head_logits(model, hidden[:, t:t + chunk]), continuation[:, t + 1:t + chunk + 1])
+                          for t in range(0, M, chunk)])
 
 
 def teacher_force(model, cache, continuation: torch.Tensor,

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvcal.eval.fidelity import Fidelity, LogitScores, TopLogits, reference_top, teacher_force
@@ -23,9 +25,10 @@ class DecodeProbe:
 
     @torch.inference_mode()
     def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor, *, tokenizer=None,
-                 fastgen=None):
+                 fastgen=None, on_window: Callable[[], None] | None = None):
         """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
-        FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`."""
+        FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`. `on_window()`: called as
+        each window's recording is put away (a caller's heap trim: a window's prefill frees hundreds of MB)."""
         from kvcal.runtime.adapters import adapter_for
         from kvcal.runtime.config import CompressionConfig
         from kvcal.runtime.hf import KvcalCache
@@ -53,6 +56,9 @@ class DecodeProbe:
             if self.ref is None:                 # the whole batch's reference, filled a window at a time
                 self.ref = TopLogits.empty(len(prompt), *ref.logp.shape[1:])
             self.ref[part] = ref
+            del records, ref
+            if on_window:
+                on_window()
 
     @torch.inference_mode()
     def measure(self, config, bundle=None, serve=None) -> Fidelity:

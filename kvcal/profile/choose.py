@@ -77,6 +77,20 @@ def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
     return recording
 
 
+def _evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict):
+    """The evaluation windows recorded once for both of the confirmation's measurements: (the runtime's stepwise
+    check, `DecodeProbe`; its gauge, the coded probe over the same recorded prompts)."""
+    a = lm.adapter
+    windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
+                            P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
+    check = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
+                        on_window=release_memory)
+    recorded = recorded_prompts(lm.model, check.prompt, check.continuation, check.records, check.ref, base,
+                                list(a.layer_types), levels)
+    release_memory()                # the prefills' float32 K/V and the held-token pass, freed
+    return check, CodedProbe(lm.model, recorded, served, base, list(a.layer_types), a.head_dim)
+
+
 def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
                     prompt: int) -> dict:
     """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
@@ -141,13 +155,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     seconds["probes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    eval_windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
-                                 P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
-    eval_probe = DecodeProbe(lm.model, bundle, eval_windows[:, :P], eval_windows[:, P:], tokenizer=lm.tokenizer)
-    release_memory()                # the prefills' float32 K/V and references, freed
-    gauge = CodedProbe(lm.model, recorded_prompts(lm.model, eval_probe.prompt, eval_probe.continuation,
-                                                  eval_probe.records, eval_probe.ref, base, list(a.layer_types),
-                                                  levels), served, base, list(a.layer_types), a.head_dim)
+    eval_probe, gauge = _evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks,

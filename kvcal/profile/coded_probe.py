@@ -28,7 +28,7 @@ from contextvars import ContextVar
 
 import torch
 
-from kvcal.eval.fidelity import LogitScores, dense_cache
+from kvcal.eval.fidelity import LogitScores, dense_cache, head_logits
 from kvcal.profile.allocate import Allocation
 from kvcal.profile.capture import attending_by
 from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, layer_format
@@ -168,12 +168,6 @@ class CodedProbe:
         total = (per_token * held + per_high * in_high + (S - held - in_high) * dense_token).sum()
         return float(total / (len(self.sliding) * S * dense_token))
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's head over hidden [B, c, D] -> float32 logits (with the final soft-capping some models have)."""
-        logits = self.model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
-
     @torch.inference_mode()
     def measure(self, costs: FormatCosts, allocation: Allocation):
         """An allocation (bits per layer and KV head, entries of BITS; high tier; heavy-hitter threshold) -> a
@@ -195,7 +189,7 @@ class CodedProbe:
                 hidden = self.model.model(input_ids=self.continuation[rows, :M], cache=cache,
                                           use_cache=True).last_hidden_state
             for t in range(0, M, self.chunk):          # the head a few positions at a time: no [M, vocab] copy
-                scores.add(self.ref[rows, t:t + self.chunk], self._logits(hidden[:, t:t + self.chunk]),
+                scores.add(self.ref[rows, t:t + self.chunk], head_logits(self.model, hidden[:, t:t + self.chunk]),
                            target[rows, t:t + self.chunk], rows)
             del cache, hidden
         fid = scores.fidelity(self.prompt.shape[1], time.perf_counter() - t0)
