@@ -27,15 +27,17 @@ class QualityTarget:
         The search keeps the cheapest point that passes, so a point that passes by luck is exactly what it would
         pick; the bound asks for more evidence the closer a point sits to the target (docs/calibration.md).
         """
-        if isinstance(measured, Mapping):
-            measured = SimpleNamespace(top1=measured["top1"], predictions=measured.get("predictions", 0),
-                                       ppl_ratio=measured["ppl_ratio"], top1_windows=measured.get("top1_windows"))
-        return self.top1_bound(measured) >= self.top1 and measured.ppl_ratio <= self.ppl_ratio
+        ppl_ratio = measured["ppl_ratio"] if isinstance(measured, Mapping) else measured.ppl_ratio
+        return self.top1_bound(measured) >= self.top1 and ppl_ratio <= self.ppl_ratio
 
     def top1_bound(self, measured) -> float:
         """The lower of two bounds on top-1: Wilson over all predictions (binomial noise), and, with two or more
         windows, the mean of per-window top-1 less z standard errors of that mean (variation between documents,
-        which the binomial bound does not see: a point can pass on one set of windows and miss on another)."""
+        which the binomial bound does not see: a point can pass on one set of windows and miss on another).
+        `measured`: a `Fidelity`, or its dict."""
+        if isinstance(measured, Mapping):
+            measured = SimpleNamespace(top1=measured["top1"], predictions=measured.get("predictions", 0),
+                                       top1_windows=measured.get("top1_windows"))
         bound = wilson_lower(measured.top1, measured.predictions, self.z)
         return min(bound, window_lower(getattr(measured, "top1_windows", None) or [], self.z))
 

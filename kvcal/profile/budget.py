@@ -58,11 +58,7 @@ def shortfall(fid: dict, target: QualityTarget) -> float:
     """How far `fid` is from missing `target`, as a ratio that is 1 at the target and grows with the error: the larger
     of top-1's bound disagreement (1 - its lower bound) over the disagreement the target allows, and the perplexity
     ratio's excess over the excess it allows."""
-    from types import SimpleNamespace
-
-    measured = SimpleNamespace(top1=fid["top1"], predictions=fid.get("predictions", 0),
-                               top1_windows=fid.get("top1_windows"))
-    top1 = (1.0 - target.top1_bound(measured)) / max(1.0 - target.top1, 1e-12)
+    top1 = (1.0 - target.top1_bound(fid)) / max(1.0 - target.top1, 1e-12)
     ppl = (fid["ppl_ratio"] - 1.0) / max(target.ppl_ratio - 1.0, 1e-12)
     return max(top1, ppl, 1e-6)
 
