@@ -92,6 +92,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(store, layer, query, new_keys, new_values, scale, track_scores=True): ...
 
+    @staticmethod
+    def low_pages_due(store, layer: int, n_pad: torch.Tensor, length: int, tiering) -> bool:
+        """Whether some entry of `layer` may hold a whole per-channel low page of pending high tokens (the check of
+        `DiffKVTiers._seal_pending`, n_pad [B], length: the cache length, tiering: its `TieringConfig`). False only
+        when none does, so the policy skips its check; the default cannot tell without that check."""
+        return True
+
 
 def _probs(query, keys, allowed, scale):
     """query [B, H, g, n, r]; keys [B, H, S, r]; allowed bool broadcastable to [B, H, g, n, S] -> probabilities

@@ -203,13 +203,15 @@ class DiffKVTiers(CachePolicy):
         store = kv.store
         b, h = kv.every_entry()
         length, taus = self._step_constants(kv.length[layer])
-        hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
         channel = kv.config.low.k_mode == "channel"
         if channel and tiering.alpha_low == 0:
             # nothing is ever pruned and per-channel low pages are written whole: Algorithm 1's actions are all
-            # empty (`decode_actions`), only the pending low page matters
-            self._seal_pending(layer, b, h, length, hi_s, hi_p, taus)
+            # empty (`decode_actions`), only the pending low page matters, and most steps none is due
+            if kv.backend.low_pages_due(store, layer, kv.n_pad, kv.length[layer], tiering):
+                hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
+                self._seal_pending(layer, b, h, length, hi_s, hi_p, taus)
             return
+        hi_s, hi_p = (t.view(B, H, -1) for t in store.section_meta(layer, HIGH, b, h))
         if kv.config.low_tracked:
             lo_s, lo_p = (t.view(B, H, -1) for t in store.section_meta(layer, LOW, b, h))
         else:                                   # nothing is pruned: no low token is ever a victim

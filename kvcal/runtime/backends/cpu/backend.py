@@ -40,6 +40,9 @@ DESC_FIELDS = ("tokens", "r_k", "r_v", "k_bits", "v_bits", "k_channel", "k_group
                "k_groups", "v_groups", "k_off", "k_meta_off", "v_off", "v_meta_off", "score_off", "pos_off",
                "raw_bf16", "meta8", "k_levels", "v_levels")
 GRAIN = 1 << 17       # multiply-adds per thread below which a layer's decode uses fewer threads
+# relative widening of the thresholds in `low_pages_due`, far above the ulp or two by which its float order differs
+# from the torch policy's, so the kernel never reports no page due where the policy would seal one
+DUE_SLACK = 1e-5
 MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
 
 _FP16_MAX = 65504.0
@@ -191,6 +194,16 @@ class CpuBackend(AttentionBackend):
         if rc != 0:
             raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
         return out, new_score
+
+    @staticmethod
+    def low_pages_due(store, layer, n_pad, length, tiering) -> bool:
+        """As AttentionBackend.low_pages_due, by `kvcal_low_pages_due` in one call: the torch check is a score and
+        position read of every high slot and a dozen tensor ops, per layer and decode step."""
+        n_pad = n_pad.to(torch.int64).contiguous()
+        due = load_library().kvcal_low_pages_due(*_layer_args(store, layer), _ptr(n_pad), length, tiering.window,
+                                                 tiering.alpha_high, tiering.alpha_low,
+                                                 int(tiering.threshold_base == "position"), DUE_SLACK, None)
+        return due != 0                         # -1: the kernel cannot tell (an untracked high tier)
 
     @staticmethod
     def write(store, layer, side, b, h, slot, keys, values, pos, score) -> None:

@@ -752,4 +752,45 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
     return 0;
 }
 
+// Whether a decode step may have a per-channel low page to seal (DiffKVTiers._seal_pending): the number of entries
+// w = b * H + h of `layer` whose high section holds at least a low page's worth (the LOW descriptor's tokens) of
+// pending tokens: out of the window (position < length - window), mean significance score / max(length - position,
+// 1) below alpha_high / base and at or above alpha_low / base, with base = max(length - n_pad[b], 1) ("length") or
+// max(position - n_pad[b] + 1, 1) (position_base); each bound is (1 / base) * alpha, as torch's `alpha / tensor`
+// rounds it. slack widens both bounds by that relative amount, so that the count never falls below the torch
+// policy's own: 0 means no entry has a page due. counts [B * H], if not null, receives each entry's pending tokens.
+// Returns -1 where the high tier keeps no positions or a page is missing (the caller then takes the torch path).
+int64_t kvcal_low_pages_due(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
+                            const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                            int64_t page_bytes, const int64_t* n_pad, int64_t length, int64_t window,
+                            float alpha_high, float alpha_low, int position_base, float slack, int64_t* counts) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    int64_t due = 0;
+    for (int64_t w = 0; w < B * H; ++w) {
+        const int64_t b = w / H, h = w % H;
+        const Desc& D = descs[2 * head_group[h] + HIGH];
+        const int64_t low_tokens = descs[2 * head_group[h] + 1].tokens, filled = lay.filled(b, h, HIGH);
+        if (D.pos_off < 0) return -1;
+        int64_t pending = 0;
+        for (int64_t k = 0; k * D.tokens < filled; ++k) {
+            const int32_t id = lay.page(b, h, HIGH, k);
+            if (id < 0) return -1;
+            const uint8_t* page = arena + (int64_t)id * page_bytes;
+            const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
+            const float* score = reinterpret_cast<const float*>(page + D.score_off);
+            for (int64_t t = 0; t < D.tokens && k * D.tokens + t < filled; ++t) {
+                const int64_t p = pos[t];
+                if (p < 0 || p >= length - window) continue;
+                const float base = (float)std::max<int64_t>(position_base ? p - n_pad[b] + 1 : length - n_pad[b], 1);
+                const float mean = score[t] / (float)std::max<int64_t>(length - p, 1), inv = 1.0f / base;
+                pending += mean < inv * alpha_high * (1 + slack) && mean >= inv * alpha_low * (1 - slack);
+            }
+        }
+        due += pending >= low_tokens;
+        if (counts) counts[w] = pending;
+    }
+    return due;
+}
+
 }  // extern "C"
