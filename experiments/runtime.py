@@ -3,7 +3,7 @@
     python experiments/runtime.py --model smollm2-135m --contexts 1024 4096 \
         [--json docs/results/runtime-smollm2-135m.json]
     python experiments/runtime.py --model smollm2-135m --bundle artifacts/smollm2-135m.kvcal.safetensors \
-        --speed-only --speed-contexts 1024 4096 8192 --batches 1 8 [--json out/speed-smollm2-135m.json]
+        --speed-only --speed-contexts 1024 4096 8192 --batches 1 8 [--speed-configs K8V4 bundle] [--json ...]
 
 For each context length P: a prompt of P held-out tokens (text disjoint from calibration), then M teacher-forced
 decode steps through each cache (kvcal.eval). Reported per configuration: KV bytes per token actually held
@@ -12,11 +12,12 @@ top-1 agreement, continuation-perplexity ratio, tier fractions, passkey accuracy
 ms/step, and the page-management share of a decode step (time in page allocation / step time).
 
 Decode speed (`--speed-only` runs only this part): for each context P in `--speed-contexts` and batch in `--batches`,
-dense (transformers' DynamicCache in the model dtype) and each compressed configuration of `--speed-configs` decode
-the same held-out tokens, one step at a time, interleaved (dense step, compressed step, dense step, ...) so that load
-from other processes hits both alike. The prompt is prefilled once at batch 1 and its K/V replicated into every row
-of the batch (prefill at 8k x 8 costs minutes on 2 cores and is not what is measured). Reported: median ms per step,
-the ratio to dense, and the page-management share (time in page allocation / step time).
+dense (transformers' DynamicCache in the model dtype) and each compressed configuration of `--speed-configs` (`bundle`:
+the bundle's calibrated settings, the formats a calibration chose) decode the same held-out tokens, one step at a time,
+interleaved (dense step, compressed step, dense step, ...) so that load from other processes hits both alike. The prompt
+is prefilled once at batch 1 and its K/V replicated into every row of the batch (prefill at 8k x 8 costs minutes on 2
+cores and is not what is measured). Reported: median ms per step, the ratio to dense, and the page-management share
+(time in page allocation / step time).
 
 The bundle is calibrated on the fly (`--calib-tokens` random + text tokens, 8192 by default) unless `--bundle` is
 given. Configurations use the bundle's rotations at full rank: rank search is the calibration stage's job.
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--speed-steps", type=int, default=16, help="timed decode steps per (context, batch)")
     ap.add_argument("--speed-configs", nargs="+", default=["K8V4"], help="compressed configurations to time (names "
-                    "from the fidelity table) against dense")
+                    "from the fidelity table, or `bundle`: the bundle's calibrated settings) against dense")
     ap.add_argument("--backend", default="auto", help="attention backend of the compressed caches")
     ap.add_argument("--prefill-threads", type=int, help="threads for the untimed prefill of the speed part")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="random and text tokens of an on-the-fly bundle")
@@ -146,9 +147,10 @@ def main() -> None:
 
     print(f"threads {use_threads(args.threads)}", flush=True)
     serve = ServeOptions(args.backend)
-    timed = {name: cfg for name, cfg in configs().items() if name in args.speed_configs}
+    choices = {name: cfg for name, cfg in configs().items() if cfg} | {"bundle": None}    # None: the bundle's own
+    timed = {name: cfg for name, cfg in choices.items() if name in args.speed_configs}
     if len(timed) != len(args.speed_configs):
-        raise SystemExit(f"--speed-configs: choose from {', '.join(n for n, c in configs().items() if c)}")
+        raise SystemExit(f"--speed-configs: choose from {', '.join(choices)}")
     torch.manual_seed(args.seed)
 
     lm = load_model(args.model, dtype=args.dtype)
