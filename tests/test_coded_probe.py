@@ -188,13 +188,14 @@ def test_prompts_the_runtime_recorded_serve_the_coded_probe_as_the_search_record
     (`recorded_prompts`, no backward). On the same windows it must hold the same tokens in the allocated formats as
     the search's recording and measure the same quality; a rule that reads the wrong significance, queries or layers
     changes the held tokens, and this fails."""
-    from kvcal.profile.recording import recorded_prompts
+    from kvcal.profile.recording import HeldTokens, recorded_prompts
 
     model, tok, bundle, ids, base, costs, probe = _setup(sharp=True)
     a = adapter_for(model.config)
-    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
-    rec = recorded_prompts(model, runtime.prompt, runtime.continuation, runtime.records, runtime.ref, base,
-                           list(a.layer_types), probe.recording.levels)
+    held = HeldTokens(model, base, list(a.layer_types), len(ids))
+    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok, on_reference=held.capture)
+    rec = recorded_prompts(runtime.prompt, runtime.continuation, runtime.records, runtime.ref, held,
+                           probe.recording.levels)
     assert rec.held.keys() == probe.held.keys()
     for layer, held in rec.held.items():
         assert held.shape == probe.held[layer].shape and 0 < int(held.sum()) < held.numel()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -25,10 +26,15 @@ class DecodeProbe:
 
     @torch.inference_mode()
     def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor, *, tokenizer=None,
-                 fastgen=None, on_window: Callable[[], None] | None = None):
+                 fastgen=None, on_window: Callable[[], None] | None = None,
+                 on_reference: Callable[[int, dict], AbstractContextManager] | None = None):
         """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
         FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`. `on_window()`: called as
-        each window's recording is put away (a caller's heap trim: a window's prefill frees hundreds of MB)."""
+        each window's recording is put away (a caller's heap trim: a window's prefill frees hundreds of MB).
+        `on_reference(b, records)`: a context window b's reference forward runs in, given its recorded prefill (a
+        caller's capture of the continuation's queries and keys; a window at a time, so not with `fastgen`)."""
+        if on_reference is not None and fastgen is not None:
+            raise ValueError("`on_reference` sees one window at a time; FastGen's statistics record the whole batch")
         from kvcal.runtime.adapters import adapter_for
         from kvcal.runtime.config import CompressionConfig
         from kvcal.runtime.hf import KvcalCache
@@ -43,7 +49,8 @@ class DecodeProbe:
         self.ref, self.records = None, SpilledRecords()
         for part in parts:
             records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
-            ref = reference_top(model, records, continuation[part])
+            with on_reference(part.start, records) if on_reference else nullcontext():
+                ref = reference_top(model, records, continuation[part])
             # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more
             # than fp16 once the reference is made. Sliding layers keep their window as the model's cache held it.
             records = {i: (key.half(), value.half(), *rest) if not sliding[i] else (key, value, *rest)

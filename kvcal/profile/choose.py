@@ -9,7 +9,8 @@
    find the cheapest of them that meets the target at its bounds;
 4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss;
    each point is gauged first by the coded probe on the same evaluation windows (`recorded_prompts` reuses the
-   check's recorded prefills), so a point the evaluation text defeats costs a gauge, not a check.
+   check's recorded prefills, and the tokens each layer holds are captured in its reference's forward), so a point
+   the evaluation text defeats costs a gauge, not a check.
 
 The number of measurements is known before the first one (`planned_steps`), so the progress bar shows one ETA.
 Every measurement is checkpointed by its settings, so an interrupted run resumes without measuring again.
@@ -35,7 +36,7 @@ from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
 from kvcal.profile.quality_model import ALPHAS, HIGH, bundle_levels
 from kvcal.profile.ranks import ranks_of
-from kvcal.profile.recording import record_search, recorded_prompts
+from kvcal.profile.recording import HeldTokens, record_search, recorded_prompts
 from kvcal.runtime.storage.bases import served_bases
 
 # The stages of choosing, in order, and what each measures (the progress bar's names for them)
@@ -83,11 +84,10 @@ def _evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: di
     a = lm.adapter
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                             P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
+    held = HeldTokens(lm.model, base, list(a.layer_types), len(windows))
     check = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
-                        on_window=release_memory)
-    recorded = recorded_prompts(lm.model, check.prompt, check.continuation, check.records, check.ref, base,
-                                list(a.layer_types), levels)
-    release_memory()                # the prefills' float32 K/V and the held-token pass, freed
+                        on_window=release_memory, on_reference=held.capture)
+    recorded = recorded_prompts(check.prompt, check.continuation, check.records, check.ref, held, levels)
     return check, CodedProbe(lm.model, recorded, served, base, list(a.layer_types), a.head_dim)
 
 

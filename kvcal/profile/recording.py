@@ -21,14 +21,16 @@ attention over the whole context.
     rec.records, rec.ref, rec.held  # the coded probe's inputs
     rec.levels                    # the calibrated levels the costs of `LEVELED` formats used (bundle `levels.*`)
 
-    ev = recorded_prompts(model, probe.prompt, probe.continuation, probe.records, probe.ref, base, layer_types,
-                          rec.levels)   # prompts the runtime recorded (a DecodeProbe's), for the coded probe
+    held = HeldTokens(model, base, layer_types, B)          # prompts the runtime recorded, for the coded probe:
+    probe = DecodeProbe(model, bundle, prompt, continuation, on_reference=held.capture)
+    ev = recorded_prompts(probe.prompt, probe.continuation, probe.records, probe.ref, held, rec.levels)
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -250,37 +252,48 @@ class _HeldCollector:
             self.held[layer] = held_masks(self.scores[layer], query, key, self.window, False)
 
 
-@torch.inference_mode()
-def recorded_prompts(model, prompt: torch.Tensor, continuation: torch.Tensor, records: SpilledRecords | dict,
-                     ref: TopLogits, base: CompressionConfig, layer_types: list[str], levels: dict) -> Recording:
-    """A Recording of prompts [B, P] that the runtime recorded already (`KvcalCache.record_prompt`'s records, a
-    window each in `records`, or the batch in one dict: per paged layer key, value [1, H, P, d], the prefill
-    significance [1, H, P], ...), with their dense reference `ref` and continuations [B, M + 1], for the coded
-    probe on other text: the held masks come from one forward of each continuation over its recorded prompt (no
-    backward, so no costs); `levels` are the search recording's, which the allocation's formats decode with."""
-    from kvcal.eval.fidelity import dense_cache
-    from kvcal.profile.capture import capturing
+class HeldTokens:
+    """The tokens each paged layer holds in its allocated format, for B recorded prompts, from a capture of one
+    forward of each window's continuation over its prompt (`capture`): the dense reference's forward serves
+    (`DecodeProbe(on_reference=held.capture)`), so no forward runs for them alone.
 
-    sliding = [t == "sliding_attention" for t in layer_types]
-    B, M = len(prompt), continuation.shape[1] - 1
-    held: dict = {}
-    if not isinstance(records, SpilledRecords):      # the whole batch in memory (a DecodeProbe of one window)
-        records, batch = SpilledRecords(), records
-        for b in range(B):
-            records.append({i: tuple(x[b:b + 1] if torch.is_tensor(x) else x for x in record)
-                            for i, record in batch.items()})
-    for b in range(B):
-        window = records.window(b)
-        collector = _HeldCollector({i: window[i][2][0] for i in range(len(sliding)) if not sliding[i]},
-                                   base.tiering.window)
-        with capturing(model, collector):
-            model.model(input_ids=continuation[b:b + 1, :M], cache=dense_cache(model, window, keep=False),
-                        use_cache=True)
+        held = HeldTokens(model, base, layer_types, B)
+        probe = DecodeProbe(model, bundle, prompt, continuation, on_reference=held.capture)
+        held.masks        # paged layer -> bool [len(ALPHAS), B, H, P + M]
+    """
+
+    def __init__(self, model, base: CompressionConfig, layer_types: list[str], windows: int):
+        self.model, self.window, self.windows = model, base.tiering.window, windows
+        self.paged = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
+        self.masks: dict = {}
+        self.seen: set = set()
+
+    @contextmanager
+    def capture(self, b: int, records: dict):
+        """The context window b's continuation runs in over its prompt's `records` (the runtime's recorded prefill:
+        per layer key, value, significance [1, H, P], ...)."""
+        from kvcal.profile.capture import capturing
+
+        collector = _HeldCollector({i: records[i][2][0] for i in self.paged}, self.window)
+        with capturing(self.model, collector):
+            yield
         for layer, mask in collector.held.items():                                             # [A, H, S]
-            held.setdefault(layer, torch.zeros(mask.shape[0], B, *mask.shape[1:], dtype=torch.bool))[:, b] = mask
-        del window, collector
-        trim_heap()
-    return Recording(prompt, continuation, records, ref, held, None, levels)
+            self.masks.setdefault(layer, torch.zeros(mask.shape[0], self.windows, *mask.shape[1:],
+                                                     dtype=torch.bool))[:, b] = mask
+        self.seen.add(b)
+
+
+def recorded_prompts(prompt: torch.Tensor, continuation: torch.Tensor, records: SpilledRecords, ref: TopLogits,
+                     held: HeldTokens, levels: dict) -> Recording:
+    """A Recording of prompts [B, P] that the runtime recorded already (`KvcalCache.record_prompt`'s records, a
+    window each in `records`: per paged layer key, value [1, H, P, d], the prefill significance [1, H, P], ...),
+    with their dense reference `ref`, continuations [B, M + 1] and the tokens each layer holds (`held`, captured
+    while `ref` was made), for the coded probe on other text (no backward, so no costs); `levels` are the search
+    recording's, which the allocation's formats decode with."""
+    if held.seen != set(range(len(prompt))):
+        raise ValueError(f"held tokens were captured for windows {sorted(held.seen)} of {len(prompt)}: pass "
+                         "`on_reference=held.capture` to the DecodeProbe that recorded these prompts")
+    return Recording(prompt, continuation, records, ref, held.masks, None, levels)
 
 
 class _InPlaceLayer(DynamicLayer):
