@@ -238,23 +238,56 @@ inline float dot(const float* a, const float* b, int r) {
     return (acc[0] + acc[2]) + (acc[1] + acc[3]);
 }
 
-// a[c] += sum over valid t of e[t] * v[t, c], c < rv (v [cnt, rv]): 16 columns at a time over every token, so the
-// partial sums stay in a register instead of being loaded and stored once per token.
-inline void weighted_sum(float* a, const float* e, const float* v, const char* valid, int cnt, int rv) {
+// acc [qn, rv] += e [qn, t_stride] . v [cnt, rv] over a page's tokens, NR rows and 16 columns at a time: each load of
+// v serves every row, and the partial sums stay in registers (GCC vectorized the token loop instead when written as
+// plain loops, with gathers). The rows of holes must be zero in v: their weights are 0, but stale bytes may be NaN.
+typedef float v8f __attribute__((vector_size(32)));    // 8 floats: GCC/Clang lower it to what the CPU has
+
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+template <int NR>
+inline void weighted_rows(float* acc, int64_t a_stride, const float* e, int64_t t_stride, const float* v, int cnt,
+                          int rv) {
     int c = 0;
     for (; c + 16 <= rv; c += 16) {
-        float s[16];
-        for (int j = 0; j < 16; ++j) s[j] = a[c + j];
-        for (int t = 0; t < cnt; ++t) {
-            if (!valid[t]) continue;                              // holes may hold stale bytes (NaN when raw)
-            const float et = e[t];
-            for (int j = 0; j < 16; ++j) s[j] += et * v[t * rv + c + j];
+        v8f s[NR][2];
+        for (int i = 0; i < NR; ++i) {
+            s[i][0] = load8(acc + i * a_stride + c);
+            s[i][1] = load8(acc + i * a_stride + c + 8);
         }
-        for (int j = 0; j < 16; ++j) a[c + j] = s[j];
+        for (int t = 0; t < cnt; ++t) {
+            const v8f a = load8(v + t * rv + c), b = load8(v + t * rv + c + 8);
+            for (int i = 0; i < NR; ++i) {
+                const float et = e[i * t_stride + t];
+                s[i][0] += et * a;
+                s[i][1] += et * b;
+            }
+        }
+        for (int i = 0; i < NR; ++i) {
+            store8(acc + i * a_stride + c, s[i][0]);
+            store8(acc + i * a_stride + c + 8, s[i][1]);
+        }
     }
     for (; c < rv; ++c)
-        for (int t = 0; t < cnt; ++t)
-            if (valid[t]) a[c] += e[t] * v[t * rv + c];
+        for (int i = 0; i < NR; ++i)
+            for (int t = 0; t < cnt; ++t) acc[i * a_stride + c] += e[i * t_stride + t] * v[t * rv + c];
+}
+
+// weighted_rows over qn rows: acc [qn, a_stride], e [qn, t_stride], v [cnt, rv] (rv <= a_stride columns summed).
+inline void weighted_sums(float* acc, int64_t a_stride, const float* e, int64_t t_stride, const float* v, int cnt,
+                          int rv, int64_t qn) {
+    int64_t row = 0;
+    for (; row + 4 <= qn; row += 4)
+        weighted_rows<4>(acc + row * a_stride, a_stride, e + row * t_stride, t_stride, v, cnt, rv);
+    float* a = acc + row * a_stride;
+    const float* er = e + row * t_stride;
+    switch (qn - row) {
+        case 3: weighted_rows<3>(a, a_stride, er, t_stride, v, cnt, rv); break;
+        case 2: weighted_rows<2>(a, a_stride, er, t_stride, v, cnt, rv); break;
+        case 1: weighted_rows<1>(a, a_stride, er, t_stride, v, cnt, rv); break;
+        default: break;
+    }
 }
 
 // exp(x) for x <= 0 (softmax weights), 0 below -87 (and for -inf). Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2,
@@ -468,13 +501,14 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const uint8_t* page = arena + ref.off;
                 const int cnt = ref.count, side = ref.desc & 1;
                 dequantize(page, D, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0), table_of(side, w % H, 0));
-                bool any = false;
+                bool any = false, holes = false;
                 if (D.pos_off < 0) {                                  // untracked tier: no holes below the fill
                     for (int t = 0; t < cnt; ++t) valid[t] = true;
                     any = cnt > 0;
                 } else {
                     const int32_t* pos = reinterpret_cast<const int32_t*>(page + D.pos_off);
                     for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
+                    for (int t = 0; t < cnt; ++t) holes |= !valid[t];
                 }
                 for (int64_t row = 0; row < qn; ++row) {
                     float* xr = &x[row * t_max];
@@ -502,8 +536,10 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                     l[row] = l[row] * alpha + sum;
                     m[row] = m_new;
                 }
-                for (int64_t row = 0; row < qn; ++row)
-                    weighted_sum(acc + row * rv, &e[row * t_max], vbuf.data(), valid.data(), cnt, D.r_v);
+                if (holes)
+                    for (int t = 0; t < cnt; ++t)
+                        if (!valid[t]) std::fill(&vbuf[t * D.r_v], &vbuf[(t + 1) * D.r_v], 0.f);
+                weighted_sums(acc, rv, e.data(), t_max, vbuf.data(), cnt, D.r_v, qn);
             }
         }
 
