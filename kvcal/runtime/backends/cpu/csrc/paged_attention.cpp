@@ -290,6 +290,58 @@ inline void weighted_sums(float* acc, int64_t a_stride, const float* e, int64_t 
     }
 }
 
+// Sum of a vector's 8 lanes, as a halving tree.
+inline float hsum8(v8f v) {
+    float a[8];
+    std::memcpy(a, &v, sizeof a);
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// x [NR, t_stride] = scale * q [NR, q_stride] . k [cnt, rk] over a page's tokens, NEG_INF for holes: two tokens at a
+// time against NR query rows, 8 channels a step, so each key load serves every row and 2 * NR independent sums hide
+// the multiply-add latency (one dot at a time was a chain of dependent adds and a reduction per row and token).
+template <int NR>
+inline void logit_rows(float* x, int64_t t_stride, const float* q, int64_t q_stride, const float* k, int rk,
+                       int cnt, const char* valid, float scale) {
+    const int body = rk / 8 * 8;
+    for (int t = 0; t < cnt; t += 2) {
+        const int tn = std::min(2, cnt - t);
+        v8f s[2][NR];
+        for (int u = 0; u < 2; ++u)
+            for (int i = 0; i < NR; ++i) s[u][i] = v8f{};
+        for (int c = 0; c < body; c += 8) {
+            const v8f k0 = load8(k + t * rk + c), k1 = tn > 1 ? load8(k + (t + 1) * rk + c) : v8f{};
+            for (int i = 0; i < NR; ++i) {
+                const v8f qi = load8(q + i * q_stride + c);
+                s[0][i] += qi * k0;
+                s[1][i] += qi * k1;
+            }
+        }
+        for (int u = 0; u < tn; ++u)
+            for (int i = 0; i < NR; ++i) {
+                float d = hsum8(s[u][i]);
+                for (int c = body; c < rk; ++c) d += q[i * q_stride + c] * k[(t + u) * rk + c];
+                x[i * t_stride + t + u] = valid[t + u] ? d * scale : NEG_INF;
+            }
+    }
+}
+
+// logit_rows over qn rows.
+inline void logits_of(float* x, int64_t t_stride, const float* q, int64_t q_stride, const float* k, int rk, int cnt,
+                      const char* valid, float scale, int64_t qn) {
+    int64_t row = 0;
+    for (; row + 4 <= qn; row += 4)
+        logit_rows<4>(x + row * t_stride, t_stride, q + row * q_stride, q_stride, k, rk, cnt, valid, scale);
+    float* xr = x + row * t_stride;
+    const float* qr = q + row * q_stride;
+    switch (qn - row) {
+        case 3: logit_rows<3>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
+        case 2: logit_rows<2>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
+        case 1: logit_rows<1>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
+        default: break;
+    }
+}
+
 // exp(x) for x <= 0 (softmax weights), 0 below -87 (and for -inf). Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2,
 // exp(f) by a degree-6 polynomial, 2^n through the exponent bits; within 2 ulp of std::exp. Pure arithmetic with no
 // call and no branch, so that loops over a page's tokens vectorize (std::exp stays a scalar libm call per token).
@@ -510,11 +562,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                     for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
                     for (int t = 0; t < cnt; ++t) holes |= !valid[t];
                 }
-                for (int64_t row = 0; row < qn; ++row) {
-                    float* xr = &x[row * t_max];
-                    for (int t = 0; t < cnt; ++t)
-                        xr[t] = valid[t] ? dot(q + row * r, &kbuf[t * D.r_k], D.r_k) * scale : NEG_INF;
-                }
+                logits_of(x.data(), t_max, q, r, kbuf.data(), D.r_k, cnt, valid.data(), scale, qn);
                 if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
                 dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1), table_of(side, w % H, 1));
