@@ -283,16 +283,21 @@ class HeldTokens:
         self.seen.add(b)
 
 
-def recorded_prompts(prompt: torch.Tensor, continuation: torch.Tensor, records: SpilledRecords, ref: TopLogits,
-                     held: HeldTokens, levels: dict) -> Recording:
+def recorded_prompts(prompt: torch.Tensor, continuation: torch.Tensor, records: SpilledRecords | dict,
+                     ref: TopLogits, held: HeldTokens, levels: dict) -> Recording:
     """A Recording of prompts [B, P] that the runtime recorded already (`KvcalCache.record_prompt`'s records, a
-    window each in `records`: per paged layer key, value [1, H, P, d], the prefill significance [1, H, P], ...),
-    with their dense reference `ref`, continuations [B, M + 1] and the tokens each layer holds (`held`, captured
-    while `ref` was made), for the coded probe on other text (no backward, so no costs); `levels` are the search
-    recording's, which the allocation's formats decode with."""
+    window each in `records`, or the batch in one dict: per paged layer key, value [1, H, P, d], the prefill
+    significance [1, H, P], ...), with their dense reference `ref`, continuations [B, M + 1] and the tokens each
+    layer holds (`held`, captured while `ref` was made), for the coded probe on other text (no backward, so no
+    costs); `levels` are the search recording's, which the allocation's formats decode with."""
     if held.seen != set(range(len(prompt))):
         raise ValueError(f"held tokens were captured for windows {sorted(held.seen)} of {len(prompt)}: pass "
                          "`on_reference=held.capture` to the DecodeProbe that recorded these prompts")
+    if not isinstance(records, SpilledRecords):      # the whole batch in memory (a DecodeProbe of one window)
+        records, batch = SpilledRecords(), records
+        for b in range(len(prompt)):
+            records.append({i: tuple(x[b:b + 1] if torch.is_tensor(x) else x for x in record)
+                            for i, record in batch.items()})
     return Recording(prompt, continuation, records, ref, held.masks, None, levels)
 
 
