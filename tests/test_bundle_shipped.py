@@ -46,6 +46,10 @@ def test_shipped_bundle_serves_the_recorded_logits(smollm2):
     assert [counts["high"], counts["low"]] == want["tier_counts"].tolist()
     assert int(cache.memory()["total_bytes"]) == int(want["total_bytes"])
     got = torch.stack(logits, 1).float()
-    # the recorded top 64 must still hold those values (float order only: matmul kernels differ between CPUs)
+    # the recorded top 64 must still hold those values, up to float order: the file was written on an AVX2 CPU, and
+    # on another instruction set the matmuls and reductions sum in another order, so K/V that sit on a rounding
+    # boundary of their 4- or 2-bit grid may take the next code. One step of a code moves these logits by about 0.02
+    # (the largest deviation measured on an AVX-512 Xeon, under ATEN_CPU_CAPABILITY avx512, avx2 and default), far
+    # below what a changed format, level table or tier would (the tier counts and bytes above are exact)
     assert torch.equal(got.argmax(-1), want["top_indices"][..., 0])
-    torch.testing.assert_close(got.gather(-1, want["top_indices"]), want["top_values"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.gather(-1, want["top_indices"]), want["top_values"], rtol=0, atol=0.05)
