@@ -15,6 +15,7 @@ from kvcal.profile.quality_model import BITS, bundle_levels, spearman
 from kvcal.profile.ranks import ranks_of
 from kvcal.profile.recording import record_search
 from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.layout import TierFormat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,30 +158,36 @@ def test_a_higher_threshold_holds_more_tokens_in_the_allocated_formats():
 
 
 @pytest.mark.parametrize("alpha", [0, 1])
-def test_the_held_prompt_tokens_are_those_the_runtime_places_low_at_prefill(alpha):
-    """The recording classifies the prompt's tokens by the runtime's own rule: its count of prompt tokens held in the
-    allocated format (out of the window at prefill) equals the tokens the runtime's DiffKV prefill puts in the low
-    tier, with the same threshold (per-token low tier: no tokens wait for a page)."""
+def test_the_held_tokens_are_those_the_runtime_holds_low_after_the_continuation(alpha):
+    """The recording classifies tokens by the runtime's own rule: its count of tokens held in the allocated format
+    equals the runtime's low tier after the prefill and the continuation, decoded a token at a time with the same
+    threshold, up to the tokens that wait in the high tier for a low page. The prefill's heavy hitters that the
+    continuation demotes count too (`python experiments/held_tokens.py` measures both rules on a packaged model)."""
     from kvcal.profile.quality_model import ALPHAS
     from kvcal.runtime.hf import KvcalCache
-    from kvcal.runtime.storage.layout import TierFormat
 
     model, tok = _sharp_model()
     a = adapter_for(model.config)
     bundle = random_bundle(model, tok)
     ids = tok([random_text(400, seed=5)], return_tensors="pt").input_ids[:, :161]
-    P, window = 112, 8
-    base = base_settings(a.layer_types).with_tiering(window=window).with_(low=TierFormat.parse("K4V4"),
-                                                                          page_tokens=None)
+    P, window, page = 112, 8, 4
+    base = base_settings(a.layer_types).with_tiering(window=window).with_(low=TierFormat.parse("K4cV4"),
+                                                                          page_tokens=page)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
     rec = record_search(model, ids[:, :P], ids[:, P:], served, base, list(a.layer_types), a.head_dim)
-    predicted = sum(int(held[alpha, 0, :, :P - window].sum()) for held in rec.held.values())
-    config = base.with_tiering(alpha_high=ALPHAS[alpha])
-    cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok)
+    predicted = sum(int(held[alpha, 0].sum()) for held in rec.held.values())
+    cache = KvcalCache.from_bundle(bundle, model, base.with_tiering(alpha_high=ALPHAS[alpha]), tokenizer=tok)
     with torch.inference_mode():
         model(input_ids=ids[:, :P], cache=cache, use_cache=True)
-    placed = len(rec.held) * a.num_kv_heads * (P - window)
-    assert 0 < predicted < placed and predicted == cache.kv.tier_counts()["low"]
+        placed = cache.kv.tier_counts()["low"]
+        for t in range(P, ids.shape[1] - 1):
+            model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+    low = cache.kv.tier_counts()["low"]
+    waiting = len(rec.held) * a.num_kv_heads * (page - 1)
+    # the end state is modelled: tokens wait in the high tier for a page (fewer than a page per layer and head), and
+    # the runtime keeps low a token it demoted while its mean dipped below the threshold and then recovered (here 18
+    # of 1120 at alpha 8). With the prefill's placement alone for prompt tokens, the count was 32 short
+    assert 0 < placed < low and abs(predicted - low) <= waiting             # placed < low: the continuation demoted
 
 
 def test_prompts_the_runtime_recorded_serve_the_coded_probe_as_the_search_recording_does():

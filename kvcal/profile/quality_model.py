@@ -9,11 +9,13 @@ that format would hold under the base settings:
 
 - a paged layer holds in its low tier every token that leaves the window before the last scored query and is not a
   heavy hitter; the others stay in the high tier. Heavy hitters follow the runtime's rule (kvcal.runtime.policies.
-  diffkv, threshold base "length"): a prompt token that is out of the window at prefill is one when its mean prefill
-  attention (summed over the prompt's queries, max over a KV head's query heads, divided by the queries that saw it)
-  reaches alpha / P; a token that leaves the window during the continuation, when its mean over every query that saw
-  it reaches alpha / S (the runtime places it as it leaves and then swaps its least significant high token out one
-  step at a time; the end state is modelled, not the steps). The threshold alpha is a choice of the allocation
+  diffkv, threshold base "length"): a token is one while its mean attention (summed over the queries that saw it,
+  max over a KV head's query heads, divided by their number) reaches alpha / N in a cache of N tokens. A prompt token
+  out of the window at prefill is placed by its prefill mean against alpha / P, and a heavy hitter then is demoted
+  (the policy's pending low tokens, sealed a page at a time) when its mean over every query, continuation included,
+  falls below alpha / S; a token that leaves the window during the continuation is placed by that end mean too. The
+  end state is modelled, not the steps: a token the runtime demoted while its mean dipped is high here if it
+  recovered. The threshold alpha is a choice of the allocation
   (`ALPHAS`), one for every layer, like the high tier's format (`HIGH`). A token's gradient sums only the queries
   after it, so a token that ages into the low tier during the scored continuation is weighted by the queries that read
   it there, plus its first `window` ones (a small overcount);
@@ -226,8 +228,8 @@ def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: tor
     attention = logits.masked_fill_(causal, float("-inf")).softmax(-1)                # [Hq, M, S]
     continuation = attention.view(H, -1, M, S).amax(1).sum(1)                         # [H, S]
     at = torch.arange(S, dtype=torch.float64)
-    # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P; any other by
-    # its mean over every query that saw it against alpha / S
+    # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P, and every
+    # token is held low at the end when its mean over every query that saw it falls below alpha / S
     at_prefill = at[:P] < P - window
     mean_prefill = prefill_score.double() / (P - at[:P])
     mean_end = (torch.cat([prefill_score.double(), torch.zeros(H, M, dtype=torch.float64)], 1)
@@ -236,7 +238,8 @@ def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: tor
     held = []
     for alpha in ALPHAS:
         low = mean_end < alpha / S
-        low[:, :P] = torch.where(at_prefill, mean_prefill < alpha / P, low[:, :P])
+        # a token placed low stays low
+        low[:, :P] |= at_prefill & (mean_prefill < alpha / P)
         held.append(low & aged)
     return torch.stack(held)
 
