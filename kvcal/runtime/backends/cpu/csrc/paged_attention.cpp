@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef __F16C__
@@ -238,7 +239,7 @@ inline float dot(const float* a, const float* b, int r) {
     return (acc[0] + acc[2]) + (acc[1] + acc[3]);
 }
 
-// acc [qn, rv] += e [qn, t_stride] . v [cnt, rv] over a page's tokens, NR rows and 16 columns at a time: each load of
+// acc [NR, a_stride] += e [NR, t_stride] . v [cnt, rv] over a page's tokens, 16 columns at a time: each load of
 // v serves every row, and the partial sums stay in registers (GCC vectorized the token loop instead when written as
 // plain loops, with gathers). The rows of holes must be zero in v: their weights are 0, but stale bytes may be NaN.
 typedef float v8f __attribute__((vector_size(32)));    // 8 floats: GCC/Clang lower it to what the CPU has
@@ -272,22 +273,6 @@ inline void weighted_rows(float* acc, int64_t a_stride, const float* e, int64_t 
     for (; c < rv; ++c)
         for (int i = 0; i < NR; ++i)
             for (int t = 0; t < cnt; ++t) acc[i * a_stride + c] += e[i * t_stride + t] * v[t * rv + c];
-}
-
-// weighted_rows over qn rows: acc [qn, a_stride], e [qn, t_stride], v [cnt, rv] (rv <= a_stride columns summed).
-inline void weighted_sums(float* acc, int64_t a_stride, const float* e, int64_t t_stride, const float* v, int cnt,
-                          int rv, int64_t qn) {
-    int64_t row = 0;
-    for (; row + 4 <= qn; row += 4)
-        weighted_rows<4>(acc + row * a_stride, a_stride, e + row * t_stride, t_stride, v, cnt, rv);
-    float* a = acc + row * a_stride;
-    const float* er = e + row * t_stride;
-    switch (qn - row) {
-        case 3: weighted_rows<3>(a, a_stride, er, t_stride, v, cnt, rv); break;
-        case 2: weighted_rows<2>(a, a_stride, er, t_stride, v, cnt, rv); break;
-        case 1: weighted_rows<1>(a, a_stride, er, t_stride, v, cnt, rv); break;
-        default: break;
-    }
 }
 
 // Sum of a vector's 8 lanes, as a halving tree.
@@ -326,18 +311,16 @@ inline void logit_rows(float* x, int64_t t_stride, const float* q, int64_t q_str
     }
 }
 
-// logit_rows over qn rows.
-inline void logits_of(float* x, int64_t t_stride, const float* q, int64_t q_stride, const float* k, int rk, int cnt,
-                      const char* valid, float scale, int64_t qn) {
+// f(rows, row) over qn query rows in blocks of up to 4, rows a compile-time constant (std::integral_constant), so
+// that the kernels above keep a block's sums in registers.
+template <class F>
+inline void by_row_blocks(int64_t qn, F f) {
     int64_t row = 0;
-    for (; row + 4 <= qn; row += 4)
-        logit_rows<4>(x + row * t_stride, t_stride, q + row * q_stride, q_stride, k, rk, cnt, valid, scale);
-    float* xr = x + row * t_stride;
-    const float* qr = q + row * q_stride;
+    for (; row + 4 <= qn; row += 4) f(std::integral_constant<int, 4>{}, row);
     switch (qn - row) {
-        case 3: logit_rows<3>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
-        case 2: logit_rows<2>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
-        case 1: logit_rows<1>(xr, t_stride, qr, q_stride, k, rk, cnt, valid, scale); break;
+        case 3: f(std::integral_constant<int, 3>{}, row); break;
+        case 2: f(std::integral_constant<int, 2>{}, row); break;
+        case 1: f(std::integral_constant<int, 1>{}, row); break;
         default: break;
     }
 }
@@ -562,7 +545,10 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                     for (int t = 0; t < cnt; ++t) any |= (valid[t] = pos[t] >= 0);
                     for (int t = 0; t < cnt; ++t) holes |= !valid[t];
                 }
-                logits_of(x.data(), t_max, q, r, kbuf.data(), D.r_k, cnt, valid.data(), scale, qn);
+                by_row_blocks(qn, [&](auto rows, int64_t row) {
+                    logit_rows<decltype(rows)::value>(&x[row * t_max], t_max, q + row * r, r, kbuf.data(), D.r_k,
+                                                      cnt, valid.data(), scale);
+                });
                 if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
                 dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1), table_of(side, w % H, 1));
@@ -587,7 +573,10 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 if (holes)
                     for (int t = 0; t < cnt; ++t)
                         if (!valid[t]) std::fill(&vbuf[t * D.r_v], &vbuf[(t + 1) * D.r_v], 0.f);
-                weighted_sums(acc, rv, e.data(), t_max, vbuf.data(), cnt, D.r_v, qn);
+                by_row_blocks(qn, [&](auto rows, int64_t row) {
+                    weighted_rows<decltype(rows)::value>(acc + row * rv, rv, &e[row * t_max], t_max, vbuf.data(),
+                                                         cnt, D.r_v);
+                });
             }
         }
 
