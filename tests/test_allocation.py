@@ -199,6 +199,35 @@ def test_confirmation_steps_back_by_the_measured_gap():
     assert [c.index for c in checks] == [30, 10, 5]
 
 
+def test_a_check_that_one_document_defeats_steps_back_by_the_between_window_shortfall():
+    """A check whose plain top-1 is as good as the search text's but whose windows spread (one document far below the
+    others) misses by the between-window bound: the step back is sized by that bound's shortfall, not by the plain
+    top-1 ratio (near 1 here, a step of one hull point), and stops where the scaled search bound is within the
+    target's."""
+    from kvcal.eval import QualityTarget
+    from kvcal.profile.budget import Probe, confirm, measured_gap
+
+    target = QualityTarget(0.97, 1.02, 1.5)
+
+    def fid(top1: float, windows: list[float] | None = None) -> dict:
+        return {**_fid(top1, 1024), "top1_windows": windows or []}
+
+    searched = [Probe(i, "search", fid(1.0 - 0.0008 * i), True) for i in (0, 10, 20, 30)]
+    # at 30: search 0.976; evaluation 0.979 overall, but windows 0.98 0.996 0.945 0.996 (qwen2.5-coder-1.5b's check)
+    spread = fid(0.979, [0.98, 0.996, 0.945, 0.996])
+    assert target.top1_bound(spread) < 0.97 < target.top1_bound({**spread, "top1_windows": []})
+    gap = measured_gap(searched, 30, spread, target)
+    assert gap > 1.2 * (1 - 0.979) / (1 - 0.976)                 # the plain ratio is below 1
+    checked = []
+    index, rows = confirm(30, searched, lambda i: checked.append(i) or (spread if i == 30 else fid(0.99)), target)
+    assert checked[0] == 30 and rows[0].met is False
+    step = checked[1]
+    for j in range(step, 30):        # every point skipped would, scaled by the gap, still miss at its bound
+        q = {**_fid(1.0 - 0.0008 * j, 1024), "top1_windows": []}
+        assert (j == step) == (gap * (1 - target.top1_bound(q)) <= 0.03)
+    assert step < 29 and rows[1].met and index == step
+
+
 def test_gauges_spend_the_misses_and_a_check_confirms():
     """With a gauge (the coded probe on evaluation text), points the evaluation text defeats cost a gauge each, the
     gauge's miss steps back by the measured gap just as a check's does, and the runtime checks only the point whose

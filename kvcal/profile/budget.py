@@ -11,12 +11,15 @@ to the most (fewest bytes). Measured quality falls along it, so:
    points left between them would hold at most `RESOLUTION` fewer bytes than the one that meets: the evaluation
    text moves the choice by more than that;
 2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the ratio of its top-1
-   disagreement with dense on evaluation text to that on search text is the gap: the budget steps back to the
-   cheapest point whose search disagreement, scaled by that ratio, meets the target at the evaluation's bounds (search
-   quality measured where it was probed, interpolated along the hull between probed points elsewhere; when none
-   does, the safest point probed, or halfway to the safest end), and that one is confirmed, up to `max_checks` checks
-   in all. The gap is a ratio, not a difference, because both disagreements vanish together as the coding error
-   does: a harder text multiplies the errors a format causes, it does not add errors where there are none.
+   disagreement at the target's bound (1 - `QualityTarget.top1_bound`: Wilson's, or the between-window bound where
+   that is lower) on evaluation text to the same on search text is the gap: the budget steps back to the cheapest
+   point whose search bound disagreement, scaled by that ratio, is within the target's (search quality measured where
+   it was probed, interpolated along the hull between probed points elsewhere; when none is, the safest point
+   probed, or halfway to the safest end), and that one is confirmed, up to `max_checks` checks in all. The gap is a
+   ratio, not a difference, because both disagreements vanish together as the coding error does: a harder text
+   multiplies the errors a format causes, it does not add errors where there are none. It is taken at the bounds,
+   not of plain top-1, so that a check that misses because one document reads far below the others steps back by
+   that shortfall: plain top-1 can then be as good as the search text's, a gap near 1 and a step of one hull point.
    With a `gauge` (the coded probe on the evaluation windows, a sixth of a check's time), a point is checked only
    once its gauge meets the target: a gauge's miss measures the gap and steps back just as a check's miss does, so
    the checks that the search text's optimism would have spent on misses are gauges instead.
@@ -44,14 +47,6 @@ class Probe:
     fidelity: dict
     met: bool                  # at the target's bounds
     gap: float = 1.0           # evaluation / search top-1 disagreement assumed when this point was picked
-
-
-def on_evaluation(search: dict, gap: float, predictions: int) -> dict:
-    """The evaluation-text quality expected of a point whose search-text quality is `search`: its top-1
-    disagreement times `gap`, over the evaluation's `predictions` (no per-window spread: that is measured, not
-    expected)."""
-    return {**search, "top1": max(1.0 - gap * (1.0 - search["top1"]), 0.0), "predictions": predictions,
-            "top1_windows": None}
 
 
 def shortfall(fid: dict, target: QualityTarget) -> float:
@@ -135,8 +130,8 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
         fid = how(i)
         rows.append(Probe(i, split, fid, target.met(fid), gap))
         if not rows[-1].met:
-            gap = max(gap, measured_gap(searched, i, fid))
-            i = step_back(searched, i, gap, fid.get("predictions", 0), target)
+            gap = max(gap, measured_gap(searched, i, fid, target))
+            i = step_back(searched, i, gap, target)
         return rows[-1].met
 
     while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
@@ -155,22 +150,27 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     return best.index, rows
 
 
-def measured_gap(searched: list[Probe], i: int, fid: dict) -> float:
-    """Evaluation / search top-1 disagreement at hull index i (1 where the search did not measure around i)."""
+def measured_gap(searched: list[Probe], i: int, fid: dict, target: QualityTarget) -> float:
+    """Evaluation / search top-1 disagreement at the target's bound at hull index i (1 where the search did not
+    measure around i)."""
     on_search = search_quality(searched, i)
     if on_search is None:
         return 1.0
     # a search disagreement of 0 is one in `predictions` at most: the ratio stays finite
     floor = 1.0 / max(on_search.get("predictions") or 1, 1)
-    return (1.0 - fid["top1"]) / max(1.0 - on_search["top1"], floor)
+    return (1.0 - target.top1_bound(fid)) / max(1.0 - target.top1_bound(on_search), floor)
 
 
-def step_back(searched: list[Probe], i: int, gap: float, predictions: int, target: QualityTarget) -> int:
-    """The next point to try after index i missed on evaluation text: the cheapest safer point whose search quality
-    times `gap` meets the target over `predictions`; when none does, the safest point the search measured, else
-    halfway to the safest end (-1: none is left)."""
+def step_back(searched: list[Probe], i: int, gap: float, target: QualityTarget) -> int:
+    """The next point to try after index i missed on evaluation text: the cheapest safer point whose search bound
+    disagreement times `gap` is within the target's, at a perplexity ratio the target allows; when none is, the safest
+    point the search measured, else halfway to the safest end (-1: none is left)."""
+    def expected_to_meet(q: dict) -> bool:
+        return (gap * (1.0 - target.top1_bound(q)) <= 1.0 - target.top1 + 1e-12
+                and q["ppl_ratio"] <= target.ppl_ratio)
+
     safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
-             and target.met(on_evaluation(q, gap, predictions))]
+             and expected_to_meet(q)]
     probed = [p.index for p in searched if p.index < i]
     return safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
 
