@@ -190,7 +190,7 @@ def test_confirmation_steps_back_by_the_measured_gap():
     # between the probed 2 and 4, index 3's interpolated search disagreement (0.015) times the gap is 0.024 <= 0.03;
     # index 4's (0.02 x 1.6 = 0.032) is not. A gap taken as a difference (0.018) would have stepped back to index 2
     assert [c.index for c in checks] == [6, 3] and checks[-1].met and index == 3
-    assert checks[1].gap == pytest.approx(1.6)
+    assert checks[1].gap.top1 == pytest.approx(1.6)
     index, checks = confirm(6, searched, lambda i: _fid(0.5), target, max_checks=3)
     assert [c.index for c in checks] == [6, 0] and not any(c.met for c in checks)   # nothing safer than index 0
     # a gap no probed point covers: the safest probed point next, not a jump past everything measured
@@ -205,7 +205,7 @@ def test_a_check_that_one_document_defeats_steps_back_by_the_between_window_shor
     top-1 ratio (near 1 here, a step of one hull point), and stops where the scaled search bound is within the
     target's."""
     from kvcal.eval import QualityTarget
-    from kvcal.profile.budget import Probe, confirm, measured_gap
+    from kvcal.profile.budget import Gap, Probe, confirm, search_quality, step_back
 
     target = QualityTarget(0.97, 1.02, 1.5)
 
@@ -216,16 +216,22 @@ def test_a_check_that_one_document_defeats_steps_back_by_the_between_window_shor
     # at 30: search 0.976; evaluation 0.979 overall, but windows 0.98 0.996 0.945 0.996 (qwen2.5-coder-1.5b's check)
     spread = fid(0.979, [0.98, 0.996, 0.945, 0.996])
     assert target.top1_bound(spread) < 0.97 < target.top1_bound({**spread, "top1_windows": []})
-    gap = measured_gap(searched, 30, spread, target)
-    assert gap > 1.2 * (1 - 0.979) / (1 - 0.976)                 # the plain ratio is below 1
+    gap = Gap.measured(search_quality(searched, 30), spread, target)
+    assert gap.top1 < 1 < gap.bound                              # the plain ratio alone would step one point back
     checked = []
     index, rows = confirm(30, searched, lambda i: checked.append(i) or (spread if i == 30 else fid(0.99)), target)
     assert checked[0] == 30 and rows[0].met is False
     step = checked[1]
     for j in range(step, 30):        # every point skipped would, scaled by the gap, still miss at its bound
         q = {**_fid(1.0 - 0.0008 * j, 1024), "top1_windows": []}
-        assert (j == step) == (gap * (1 - target.top1_bound(q)) <= 0.03)
+        assert (j == step) == (gap.bound * (1 - target.top1_bound(q)) <= 0.03)
     assert step < 29 and rows[1].met and index == step
+    # a plain miss over every window alike: the bound ratio is pulled towards 1 by the bound's noise term, so the step
+    # goes at least as far back as the plain ratio alone takes it
+    plain = fid(1 - 1.6 * 0.024)
+    gap = Gap.measured(search_quality(searched, 30), plain, target)
+    assert 1 < gap.bound < gap.top1 == pytest.approx(1.6)
+    assert step_back(searched, 30, gap, 1024, target) <= step_back(searched, 30, Gap(gap.top1, 0.0), 1024, target) < 29
 
 
 def test_gauges_spend_the_misses_and_a_check_confirms():

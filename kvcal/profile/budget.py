@@ -10,16 +10,17 @@ to the most (fewest bytes). Measured quality falls along it, so:
    the hull, so the crossing lands near the boundary where halving would need several probes. It stops once the
    points left between them would hold at most `RESOLUTION` fewer bytes than the one that meets: the evaluation
    text moves the choice by more than that;
-2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the ratio of its top-1
-   disagreement at the target's bound (1 - `QualityTarget.top1_bound`: Wilson's, or the between-window bound where
-   that is lower) on evaluation text to the same on search text is the gap: the budget steps back to the cheapest
-   point whose search bound disagreement, scaled by that ratio, is within the target's (search quality measured where
-   it was probed, interpolated along the hull between probed points elsewhere; when none is, the safest point
-   probed, or halfway to the safest end), and that one is confirmed, up to `max_checks` checks in all. The gap is a
-   ratio, not a difference, because both disagreements vanish together as the coding error does: a harder text
-   multiplies the errors a format causes, it does not add errors where there are none. It is taken at the bounds,
-   not of plain top-1, so that a check that misses because one document reads far below the others steps back by
-   that shortfall: plain top-1 can then be as good as the search text's, a gap near 1 and a step of one hull point.
+2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between the texts
+   is measured there (`Gap`): the ratio of its top-1 disagreement with dense on evaluation text to that on search
+   text, and the same ratio of the disagreements at the target's bound (1 - `QualityTarget.top1_bound`: Wilson's, or
+   the between-window bound where that is lower). The budget steps back to the cheapest point that meets the target
+   under both (search quality measured where it was probed, interpolated along the hull between probed points
+   elsewhere; when none does, the safest point probed, or halfway to the safest end), and that one is confirmed, up
+   to `max_checks` checks in all. A ratio, not a difference, because both disagreements vanish together as the
+   coding error does: a harder text multiplies the errors a format causes, it does not add errors where there are
+   none. Two ratios, because each misses what the other sees: the plain one scales the errors themselves (a bound's
+   noise term, the same on both texts, pulls the bound ratio towards 1), and the bound one sees a check that one
+   document defeats (plain top-1 can then be as good as the search text's: a ratio near 1, a step of one hull point).
    With a `gauge` (the coded probe on the evaluation windows, a sixth of a check's time), a point is checked only
    once its gauge meets the target: a gauge's miss measures the gap and steps back just as a check's miss does, so
    the checks that the search text's optimism would have spent on misses are gauges instead.
@@ -46,7 +47,37 @@ class Probe:
     split: str                 # "search" or "evaluation"
     fidelity: dict
     met: bool                  # at the target's bounds
-    gap: float = 1.0           # evaluation / search top-1 disagreement assumed when this point was picked
+    gap: Gap | None = None     # the gap between the texts assumed when this point was picked
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Evaluation / search top-1 disagreement, plain (`top1`) and at the target's bound (`bound`)."""
+
+    top1: float = 1.0
+    bound: float = 1.0
+
+    @classmethod
+    def measured(cls, on_search: dict | None, on_evaluation: dict, target: QualityTarget) -> Gap:
+        """Both ratios of one point's two measurements (1 where the search did not measure around it)."""
+        if on_search is None:
+            return cls()
+        # a search disagreement of 0 is one in `predictions` at most: the ratios stay finite
+        floor = 1.0 / max(on_search.get("predictions") or 1, 1)
+        return cls((1.0 - on_evaluation["top1"]) / max(1.0 - on_search["top1"], floor),
+                   (1.0 - target.top1_bound(on_evaluation)) / max(1.0 - target.top1_bound(on_search), floor))
+
+    def __or__(self, other: Gap) -> Gap:
+        return Gap(max(self.top1, other.top1), max(self.bound, other.bound))
+
+    def expects_met(self, on_search: dict, target: QualityTarget, predictions: int) -> bool:
+        """Whether a point of search quality `on_search` should meet `target` on evaluation text over `predictions`:
+        its top-1 disagreement times `top1` at the Wilson bound, its bound disagreement times `bound` within the
+        target's, its perplexity ratio as measured."""
+        plain = {**on_search, "top1": max(1.0 - self.top1 * (1.0 - on_search["top1"]), 0.0),
+                 "predictions": predictions, "top1_windows": None}
+        return (target.met(plain)
+                and self.bound * (1.0 - target.top1_bound(on_search)) <= 1.0 - target.top1 + 1e-12)
 
 
 def shortfall(fid: dict, target: QualityTarget) -> float:
@@ -123,15 +154,15 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     while fewer than `max_gauges` gauges were spent. Returns (the index whose check met, or the best checked if none
     did, and every gauge and check in order; a gauge's split is "evaluation, coded")."""
     rows: list[Probe] = []
-    gap, i = 1.0, start
+    gap, i = Gap(), start
 
     def measured(how: Measure, split: str) -> bool:
         nonlocal gap, i
         fid = how(i)
         rows.append(Probe(i, split, fid, target.met(fid), gap))
         if not rows[-1].met:
-            gap = max(gap, measured_gap(searched, i, fid, target))
-            i = step_back(searched, i, gap, target)
+            gap = gap | Gap.measured(search_quality(searched, i), fid, target)
+            i = step_back(searched, i, gap, fid.get("predictions", 0), target)
         return rows[-1].met
 
     while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
@@ -150,27 +181,12 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
     return best.index, rows
 
 
-def measured_gap(searched: list[Probe], i: int, fid: dict, target: QualityTarget) -> float:
-    """Evaluation / search top-1 disagreement at the target's bound at hull index i (1 where the search did not
-    measure around i)."""
-    on_search = search_quality(searched, i)
-    if on_search is None:
-        return 1.0
-    # a search disagreement of 0 is one in `predictions` at most: the ratio stays finite
-    floor = 1.0 / max(on_search.get("predictions") or 1, 1)
-    return (1.0 - target.top1_bound(fid)) / max(1.0 - target.top1_bound(on_search), floor)
-
-
-def step_back(searched: list[Probe], i: int, gap: float, target: QualityTarget) -> int:
-    """The next point to try after index i missed on evaluation text: the cheapest safer point whose search bound
-    disagreement times `gap` is within the target's, at a perplexity ratio the target allows; when none is, the safest
-    point the search measured, else halfway to the safest end (-1: none is left)."""
-    def expected_to_meet(q: dict) -> bool:
-        return (gap * (1.0 - target.top1_bound(q)) <= 1.0 - target.top1 + 1e-12
-                and q["ppl_ratio"] <= target.ppl_ratio)
-
+def step_back(searched: list[Probe], i: int, gap: Gap, predictions: int, target: QualityTarget) -> int:
+    """The next point to try after index i missed on evaluation text: the cheapest safer point whose search quality
+    `gap` expects to meet the target over `predictions`; when none does, the safest point the search measured, else
+    halfway to the safest end (-1: none is left)."""
     safer = [j for j in range(i - 1, -1, -1) if (q := search_quality(searched, j)) is not None
-             and expected_to_meet(q)]
+             and gap.expects_met(q, target, predictions)]
     probed = [p.index for p in searched if p.index < i]
     return safer[0] if safer else min(probed) if probed else (i // 2 if i > 0 else -1)
 
