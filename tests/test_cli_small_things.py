@@ -123,9 +123,15 @@ def test_bench_without_a_bundle_names_the_shipped_one(tmp_path, monkeypatch):
     shutil.copyfile(ARTIFACT, tmp_path / "smollm2-135m.kvcal.safetensors")     # what `kvcal calibrate` writes here
     r = runner.invoke(app, ["bench", "--quick"])
     assert r.exit_code == 1 and "add `--bundle smollm2-135m.kvcal.safetensors`" in _line(r.stderr), r.stderr
-    r = runner.invoke(app, ["bench", "--quick", "--model", "qwen2.5-coder-1.5b"])     # no bundle of it anywhere
+    r = runner.invoke(app, ["bench", "--quick", "--model", "qwen2.5-coder-1.5b"])     # another model's shipped one
+    assert r.exit_code == 1 and f"add `--bundle {ROOT / 'artifacts' / 'qwen2.5-coder-1.5b.kvcal.safetensors'}`" \
+        in _line(r.stderr), r.stderr
+    from conftest import save_model
+
+    folder = save_model(tmp_path / "tiny", "llama")                 # a model with no bundle anywhere
+    r = runner.invoke(app, ["bench", "--quick", "--model", str(folder)])
     assert r.exit_code == 1 and "--bundle` (the model's bundle); create one with `kvcal calibrate --model " \
-        "qwen2.5-coder-1.5b`" in _line(r.stderr), r.stderr
+        f"{folder}`" in _line(r.stderr), r.stderr
 
 
 # --------------------------------------------------------------------------------------------- .gitignore
