@@ -43,6 +43,8 @@ SMOKE: dict[str, list[str]] = {
                       "{tmp}/out.json"],
     "format_swaps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--swap=-/-/-", "--swap=K8V4/K4cV2/K4V4+4",
                      "--windows", "1", "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
+    "gauge_gap": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "2", "--prompt", "48", "--steps",
+                  "8", "--json", "{tmp}/out.json"],
     "held_tokens": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "48", "--steps", "8",
                     "--json", "{tmp}/out.json"],
     "fp8_margin": ["--model", "{llama}", "--calib-tokens", "128", "--windows", "1", "--seq-len", "64",
