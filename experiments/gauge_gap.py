@@ -148,7 +148,6 @@ def main() -> None:
                                                levels), served, base, layer_types, a.head_dim)
     gauge.modelled_ratio = lambda costs, allocation: 0.0      # not reported: the runtime's rows count the bytes
     allocation = allocation_of(config, layer_types, a.num_kv_heads)
-    pages: list = []
     runs = {
         "gauge": lambda: gauge.measure(None, allocation),
         "runtime": lambda: check.measure(config),
@@ -166,6 +165,7 @@ def main() -> None:
                      "bytes_ratio": None if name == "gauge" else fid.memory["ratio_to_fp16"],
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
+    pages: list = []
     cache = check.replay(config)             # the prefill's pages are written here, outside the capture
     with sealed_pages(pages), torch.inference_mode():
         teacher_force(model, cache, check.continuation, on_logits=lambda t, logits: None)
