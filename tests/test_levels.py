@@ -91,6 +91,21 @@ def test_nearest_level_ties_go_to_the_lower_level():
     assert quant.nearest_level(u, levels).tolist() == [[0, 0, 1, 1, 2, 3, 3]]
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_nearest_level_is_the_binary_search_over_midpoints(bits):
+    """The counted comparisons (up to 4 bits) and the binary search (8 bits) give the same code as searchsorted over
+    the midpoints, including on the midpoints themselves and outside the grid."""
+    levels = random_levels((3,), bits, seed=bits)[:, None, None]                    # [H, 1, 1, K]
+    mid = (levels[..., 1:] + levels[..., :-1]) / 2
+    gen = torch.Generator().manual_seed(bits)
+    u = torch.rand(3, 5, 7, 64, generator=gen) * (1 << bits) * 1.2 - 0.1 * (1 << bits)
+    on = min(mid.shape[-1], 64)
+    u[..., :on] = mid.expand(3, 5, 7, -1)[..., :on]                                 # exactly on a boundary
+    want = torch.searchsorted(mid.expand(3, 5, 7, -1).contiguous(), u.contiguous())
+    got = quant.nearest_level(u, levels)
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), want)
+
+
 @pytest.mark.parametrize("bits,group,meta_bits", [(2, None, 16), (4, 4, 16), (2, 8, 8), (8, None, 16)])
 def test_per_token_round_trip_is_the_nearest_level(bits, group, meta_bits):
     gen = torch.Generator().manual_seed(bits)
@@ -373,6 +388,6 @@ def test_normalised_samples_code_as_the_store_codes():
     x = torch.randn(3, 8, 16, generator=gen)
     levels = random_levels((3,), 4, seed=4)
     codes = quant.quantize_per_token(x, 4, 8, levels=levels[:, None])[0]
-    assert torch.equal(quant.nearest_level(quant.normalised_per_token(x, 4, 8)[0], levels[:, None]), codes.long())
+    assert torch.equal(quant.nearest_level(quant.normalised_per_token(x, 4, 8)[0], levels[:, None]), codes)
     codes = quant.quantize_per_channel(x, 4, levels=levels[:, None])[0]
-    assert torch.equal(quant.nearest_level(quant.normalised_per_channel(x, 4)[0], levels[:, None]), codes.long())
+    assert torch.equal(quant.nearest_level(quant.normalised_per_channel(x, 4)[0], levels[:, None]), codes)

@@ -208,11 +208,18 @@ def _scale_zero_meta(mn: torch.Tensor, mx: torch.Tensor, bits: int, meta_bits: i
 # ----------------------------------------------------------------------------------------------- calibrated levels
 
 def nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """u float32 [..., n], sorted levels [..., K] broadcastable to u.shape[:-1] + (K,) -> codes int64 [..., n]: the
-    nearest level (ties to the lower: the decision boundaries are the midpoints, and u on one goes below)."""
-    mid = (levels[..., 1:] + levels[..., :-1]) / 2                                  # [..., K - 1]
-    mid = mid.float().expand(*u.shape[:-1], mid.shape[-1]).contiguous()
-    return torch.searchsorted(mid, u.contiguous(), right=False)
+    """u float32 [..., n], sorted levels [..., K] broadcastable to u.shape[:-1] + (K,) -> codes uint8 [..., n]: the
+    nearest level (ties to the lower: the decision boundaries are the midpoints, and u on one goes below), i.e. the
+    number of midpoints below u, as the CPU kernel counts them (paged_attention.cpp)."""
+    mid = ((levels[..., 1:] + levels[..., :-1]) / 2).float()                       # [..., K - 1]
+    if mid.shape[-1] > 15:          # 8-bit codes: one binary search per entry beats 255 passes over u
+        mid = mid.expand(*u.shape[:-1], mid.shape[-1]).contiguous()
+        return torch.searchsorted(mid, u.contiguous(), right=False).to(torch.uint8)
+    # up to 4-bit codes: K - 1 vectorised comparisons, several times faster than searchsorted's per-entry search
+    codes = torch.zeros(u.shape, dtype=torch.uint8, device=u.device)
+    for k in range(mid.shape[-1]):
+        codes += u > mid[..., k:k + 1]
+    return codes
 
 
 def level_values(codes: torch.Tensor, levels: torch.Tensor | None) -> torch.Tensor:
@@ -248,7 +255,7 @@ def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
     degenerate = s == 0
     u = (x - z) / torch.where(degenerate, 1.0, s)
     if levels is not None:
-        return torch.where(degenerate, 0, nearest_level(u, levels)).to(torch.uint8)
+        return nearest_level(u, levels).masked_fill_(degenerate.expand_as(u), 0)
     q = torch.round(u).clamp_(0, (1 << bits) - 1)
     return torch.where(degenerate, 0.0, q).to(torch.uint8)
 
