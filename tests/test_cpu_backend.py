@@ -374,13 +374,17 @@ def test_registry_names_the_backend():
     assert attention.BACKENDS["cpu"] == "kvcal.runtime.backends.cpu.backend:CpuBackend"
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_flash_prefill_equals_the_reference_prefill(padded):
+@pytest.mark.parametrize("padded,block", [(False, None), (True, None), (False, 2000)])
+def test_flash_prefill_equals_the_reference_prefill(padded, block, monkeypatch):
     """The CPU prefill (torch's flash attention, significance from its log-sum-exp) against the reference's blocked
     softmax: the same sums in another float order, so within 1e-5 relative (float32 eps 1.2e-7 times the few
     hundred terms a probability's exponent and sums gather); with left padding it is the reference itself."""
+    from kvcal.runtime.backends.cpu import backend
     from kvcal.runtime.backends.cpu.backend import flash_prefill
     from kvcal.runtime.backends.reference import TorchBackend
+
+    if block:                           # significance blocks of 16 rows: the causal mask of every diagonal block
+        monkeypatch.setattr(backend, "_SCORE_BLOCK_ELEMENTS", block)
 
     torch.manual_seed(0)
     B, H, g, n, d = 2, 2, 3, 97, 16
