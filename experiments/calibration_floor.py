@@ -23,6 +23,7 @@ import torch
 
 from kvcal.models import load_model
 from kvcal.profile.calibrate import CalibrationConfig
+from kvcal.runtime.backends.cpu.build import cpu_name
 
 
 def timed_forward(model, tokens: int, vocab: int, repeats: int) -> float:
@@ -69,7 +70,7 @@ def main() -> None:
     step_s = timed_decode_step(lm.model, max(context - 1 - cfg.search_steps, 1), cfg.eval_windows, vocab)
     passes = -(-cfg.random_tokens // window) + -(-cfg.text_tokens // window)
     prefills = cfg.search_windows + cfg.eval_windows
-    result = {"model": args.model, "threads": torch.get_num_threads(), "context": context,
+    result = {"model": args.model, "cpu": cpu_name(), "threads": torch.get_num_threads(), "context": context,
               "prefill_seconds": round(prefill_s, 2), "pass_window_seconds": round(pass_s, 2),
               "decode_step_seconds": round(step_s, 3), "prefills": prefills, "pass_windows": passes,
               "decode_steps": cfg.search_steps,

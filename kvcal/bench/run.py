@@ -55,6 +55,7 @@ from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget, passkey
 from kvcal.models import LoadedModel, fingerprint, weights_hash
 from kvcal.models.sources import file_sha256
+from kvcal.runtime.backends.cpu.build import cpu_name
 from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.policies.fastgen import FastGenConfig
 
@@ -66,16 +67,6 @@ Progress = Callable[[str, int, int], None]     # (what is running, units done, u
 # --------------------------------------------------------------------------------------------- provenance
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(backend_name: str) -> dict:
     import transformers
 
@@ -83,7 +74,7 @@ def environment(backend_name: str) -> dict:
 
     return {"kvcal": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-            "cpu": _cpu_name(), "cpu_count": os.cpu_count() or 0, "torch_threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "cpu_count": os.cpu_count() or 0, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available(), "attention_backend": backend_name,
             # `kvcal bench` replaces this with why it runs that many (`--threads`, kvcal.cli._threads)
             "threads": f"{torch.get_num_threads()} (the caller's torch setting)"}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import socket
 import statistics
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kvcal.runtime.adapters import adapter_for
+from kvcal.runtime.backends.cpu.build import cpu_name
 from kvcal.runtime.disk_cache import cache_dir
 from kvcal.runtime.offload.kvpr import Hardware
 
@@ -40,22 +40,11 @@ FORMAT_VERSION = 1
 _FRACTIONS = (0.125, 0.25, 0.5, 1.0)   # the l / s at which transfers and GEMMs are timed
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_identity(device: str | torch.device = "cpu") -> dict[str, str]:
     """What a cached profile must match: hostname, CPU model, GPU name (or "none"), torch version, device type."""
     device = torch.device(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    return {"hostname": socket.gethostname(), "cpu": _cpu_name(), "gpu": gpu, "torch": torch.__version__,
+    return {"hostname": socket.gethostname(), "cpu": cpu_name(), "gpu": gpu, "torch": torch.__version__,
             "device": device.type, "threads": str(torch.get_num_threads())}
 
 

@@ -46,6 +46,18 @@ def compiler() -> str | None:
     return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (reports and machine identities), or what `platform` knows of it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (what -march=native compiles for)."""
     try:
