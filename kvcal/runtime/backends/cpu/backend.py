@@ -47,8 +47,8 @@ MAX_RANK = 512        # per-channel key scales live in a stack buffer of this ma
 
 _FP16_MAX = 65504.0
 # elements of one significance block [B, H, g, rows, w] (6 MB): blocks this small stay in cache between the GEMM
-# that writes them and the max that reads them back; at 4k the whole significance pass ran twice as fast as with the
-# reference prefill's blocks (`prefill_rows`), measured on 2 cores
+# that writes them and the max that reads them back, where the reference prefill's larger blocks (`prefill_rows`) go
+# out to memory and back
 _SCORE_BLOCK_ELEMENTS = 3 << 19
 
 
