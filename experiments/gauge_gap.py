@@ -3,8 +3,8 @@
     python experiments/gauge_gap.py --bundle artifacts/smollm2-135m.kvcal.safetensors [--model smollm2-135m]
         [--windows 4 --prompt 3839 --steps 256] [--json docs/results/gauge-gap-smollm2-135m.json]
 
-The windows, the recorded prompts and the held tokens are the confirmation's (`choose._evaluation_probes`' recipe:
-evaluation text, seed + 2, the longest documents first). Measured at the bundle's settings:
+The windows, the recorded prompts and the held tokens are the confirmation's (`choose.evaluation_probes`: evaluation
+text, seed + 2, the longest documents first). Measured at the bundle's settings:
 
 - `gauge`: the coded probe over the recorded prompts (what `kvcal calibrate` gauges a point with);
 - `runtime`: the runtime's stepwise check (`DecodeProbe`, what it confirms with);
@@ -26,17 +26,13 @@ from contextlib import contextmanager
 
 import torch
 
-from kvcal.data import load_corpus, token_windows
-from kvcal.eval import DecodeProbe
 from kvcal.eval.fidelity import teacher_force
 from kvcal.models import load_model
 from kvcal.profile.allocate import Allocation, base_settings
-from kvcal.profile.coded_probe import CodedProbe
-from kvcal.profile.heap import release_memory
+from kvcal.profile.calibrate import CalibrationConfig
+from kvcal.profile.choose import evaluation_probes
 from kvcal.profile.quality_model import ALPHAS, HIGH, coded_keys
 from kvcal.profile.ranks import ranks_of
-from kvcal.profile.recording import HeldTokens, recorded_prompts
-from kvcal.runtime.adapters import adapter_for
 from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.policies.diffkv import DiffKVTiers
@@ -130,7 +126,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     lm = load_model(args.model, dtype="float32")
-    model, a, bundle = lm.model, adapter_for(lm.model.config), load_bundle(args.bundle)
+    model, a, bundle = lm.model, lm.adapter, load_bundle(args.bundle)
     layer_types, P, M = list(a.layer_types), args.prompt, args.steps
     config = CompressionConfig.from_dict(bundle.settings)
     if "search" not in bundle.calibration:      # calibrated without the search: the allocation's frame, uniform codes
@@ -139,13 +135,8 @@ def main() -> None:
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
     levels = bundle_levels_by_layer(bundle, layer_types, a.num_kv_heads)
-    windows = token_windows(lm.tokenizer, load_corpus("default", "eval"), args.windows, P + M + 1, args.seed + 2,
-                            long_first=True)
-    held = HeldTokens(model, base, layer_types, len(windows))
-    check = DecodeProbe(model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
-                        on_window=release_memory, on_reference=held.capture)
-    gauge = CodedProbe(model, recorded_prompts(check.prompt, check.continuation, check.records, check.ref, held,
-                                               levels), served, base, layer_types, a.head_dim)
+    cfg = CalibrationConfig(model=args.model, seed=args.seed, eval_windows=args.windows, search_steps=M)
+    check, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
     gauge.modelled_ratio = lambda costs, allocation: 0.0      # not reported: the runtime's rows count the bytes
     allocation = allocation_of(config, layer_types, a.num_kv_heads)
     runs = {

@@ -78,7 +78,7 @@ def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
     return recording
 
 
-def _evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict):
+def evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict):
     """The evaluation windows recorded once for both of the confirmation's measurements: (the runtime's stepwise
     check, `DecodeProbe`; its gauge, the coded probe over the same recorded prompts)."""
     a = lm.adapter
@@ -155,7 +155,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     seconds["probes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    eval_probe, gauge = _evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
+    eval_probe, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks,
