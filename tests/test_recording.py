@@ -34,6 +34,40 @@ def test_reference_is_the_dense_forward(model_type):
     assert (ref.target_logp - want.gather(-1, ids[:, P + 1:, None])[..., 0]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
+def test_continuation_score_is_the_attention_of_one_dense_forward(model_type):
+    """The attention each paged layer's keys get from the continuation's queries, summed by the recording's own
+    forward chunk by chunk, is `continuation_score` of one dense forward's queries and keys over prompt +
+    continuation, to float order (the softmax's sums run over other blocks); a sliding layer's is zero."""
+    from kvcal.profile.capture import capturing
+    from kvcal.profile.quality_model import continuation_score
+
+    class Keep:
+        def __init__(self):
+            self.qk = {}
+
+        def add(self, layer, query, key, value):
+            self.qk[layer] = (query.detach(), key.detach())
+
+    model, tok = make_model(model_type)
+    ids = _ids(tok)
+    P = 60
+    sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
+    window = _record_window(model, ids[:, :P], ids[:, P:], sliding, chunk=8)
+    keep = Keep()
+    with torch.no_grad(), capturing(model, keep):
+        model(input_ids=ids[:, :-1])
+    M = ids.shape[1] - 1 - P
+    for layer, (query, key) in keep.qk.items():
+        got = window["continuation_score"][layer]
+        if sliding[layer]:
+            assert not got.any()
+            continue
+        want = continuation_score(query[:, :, P:], key)
+        assert want.sum() > M * 0.99          # each query's row sums to one, and the max over heads adds to it
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_gradients_are_those_of_the_cached_prompt():
     """In one chunk, the recorded gradient of every prompt key and value is autograd's through transformers' own
     attention over a cache whose prompt K/V are leaves: dL/dK of what decode queries read, nothing else."""
@@ -91,7 +125,7 @@ def test_fitted_levels_predict_less_loss_than_uniform_codes():
     window = _record_window(model, ids[:, :P], ids[:, P:], [False] * L, chunk=64)
     for layer in range(L):
         key, value, g_key, g_value = window["kv"][layer]
-        held = held_masks(window["prefill_score"][layer], window["queries"][layer], key, 8, False)
+        held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer], 8, False)
         fitted = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base, layer, a.head_dim)
         uniform = {k: torch.arange(t.shape[-1], dtype=torch.float32).expand_as(t) for k, t in fitted.items()}
         costs = []

@@ -211,22 +211,32 @@ def _served(x: torch.Tensor, g: torch.Tensor, served: ServedBases, layer: int, s
 
 
 @torch.no_grad()
-def held_masks(prefill_score: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, window: int,
-               sliding: bool) -> torch.Tensor:
-    """The tokens a layer holds in its allocated format, for every heavy-hitter threshold of `ALPHAS` (module
-    docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
-    prompt's queries, max over a KV head's query heads (the runtime's prefill significance); query [1, Hq, M, d] of
-    the M scored positions (the last M of the key's); key [1, H, S, d]. A sliding layer holds all its tokens."""
-    H, S = key.shape[1], key.shape[2]
-    if sliding:
-        return torch.ones(len(ALPHAS), H, S, dtype=torch.bool)
-    M, P = query.shape[2], prefill_score.shape[1]
+def continuation_score(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """query [1, Hq, M, d] of the M scored positions (the last M of the key's), key [1, H, S, d] -> float32 [H, S]:
+    each key's attention summed over those queries (causal), max over a KV head's query heads per query, as the
+    runtime's significance sums it."""
+    H, S, M = key.shape[1], key.shape[2], query.shape[2]
     q = query[0].float()                                                              # [Hq, M, d]
     k = key[0].float().repeat_interleave(query.shape[1] // H, 0)                      # [Hq, S, d]
     logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    causal = torch.arange(S)[None, :] > torch.arange(P, S)[:, None]
+    causal = torch.arange(S)[None, :] > torch.arange(S - M, S)[:, None]
     attention = logits.masked_fill_(causal, float("-inf")).softmax(-1)                # [Hq, M, S]
-    continuation = attention.view(H, -1, M, S).amax(1).sum(1)                         # [H, S]
+    return attention.view(H, -1, M, S).amax(1).sum(1)
+
+
+@torch.no_grad()
+def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, window: int,
+               sliding: bool) -> torch.Tensor:
+    """The tokens a layer holds in its allocated format, for every heavy-hitter threshold of `ALPHAS` (module
+    docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
+    prompt's queries, max over a KV head's query heads (the runtime's prefill significance); continuation [H, S]:
+    the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M. A sliding layer holds
+    all its tokens."""
+    H, S = continuation.shape
+    if sliding:
+        return torch.ones(len(ALPHAS), H, S, dtype=torch.bool)
+    P = prefill_score.shape[1]
+    M = S - P
     at = torch.arange(S, dtype=torch.float64)
     # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P, and every
     # token is held low at the end when its mean over every query that saw it falls below alpha / S

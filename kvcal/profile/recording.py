@@ -7,9 +7,10 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
    `prefill`), which is exact and also gives each prompt token's significance, from which the runtime picks its heavy
    hitters. Only decode queries read coded K/V;
 2. the continuation runs through that cache `chunk` (32) tokens at a time, with gradients, scoring each next token.
-   This gives the dense reference (`TopLogits`), each layer's continuation queries (which tokens are heavy hitters),
-   and g = dL/dK, dL/dV for every cached token at the deployment context, where L is the continuation's summed
-   next-token loss. These are the gradients of the K/V that decode queries read, which is what coding them perturbs.
+   This gives the dense reference (`TopLogits`), the attention each key gets from the continuation's queries (which
+   tokens are heavy hitters; summed in the attention's own forward), and g = dL/dK, dL/dV for every cached token at
+   the deployment context, where L is the continuation's summed next-token loss. These are the gradients of the K/V
+   that decode queries read, which is what coding them perturbs.
 
 The cache is detached between chunks. A chunk's gradient reaches every token that chunk's queries read, but not the
 path from an earlier chunk's token through that chunk's hidden states into a later chunk. That path is a second-order
@@ -49,6 +50,7 @@ from kvcal.profile.quality_model import (
     SIDES,
     FormatCosts,
     add_layer_costs,
+    continuation_score,
     fit_layer_levels,
     held_masks,
     layer_format,
@@ -83,7 +85,9 @@ class _GroupedAttention(torch.autograd.Function):
     probabilities from the saved log-sum-exp (as flash attention's does): the graph keeps q, k, v, the output and the
     log-sum-exp of every layer, never a [g·n, S] probability block nor a repeated copy of K/V.
 
-    q [B, H, g, n, d]; k, v [B, H, S, d]; mask [B, 1, 1, n, S] float, added to the logits (or None) -> [B, H, g, n, d]
+    q [B, H, g, n, d]; k, v [B, H, S, d]; mask [B, 1, 1, n, S] float, added to the logits (or None) -> [B, H, g, n, d].
+    score float32 [B, H, >= S] (or None): each key's probability, max over the group, summed over the n queries, is
+    added into its first S columns (the significance `quality_model.held_masks` reads, from the forward's own block).
     """
 
     @staticmethod
@@ -101,9 +105,11 @@ class _GroupedAttention(torch.autograd.Function):
         return p.div_(total), top + total.log()
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
+    def forward(ctx, q, k, v, mask, scale, score):
         p, lse = _GroupedAttention._probs(q, k, mask, scale)
         B, H, g, n, S = p.shape
+        if score is not None:
+            score[..., :S] += p.amax(2).sum(2)
         out = (p.view(B, H, g * n, S) @ v).view(B, H, g, n, -1)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.scale = scale
@@ -119,22 +125,34 @@ class _GroupedAttention(torch.autograd.Function):
         d_s = p.mul_(d_p.sub_((d_out * out).sum(-1, keepdim=True))).mul_(ctx.scale).view(B, H, g * n, S)
         d_q = (d_s @ k).view(q.shape)
         d_k = d_s.transpose(-1, -2) @ q.reshape(B, H, g * n, -1)
-        return d_q, d_k, d_v, None, None
+        return d_q, d_k, d_v, None, None, None
 
 
 def _recording_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
     """transformers' attention-function signature (eager masks: a float mask [B, 1, n, S] added to the logits).
     query [B, Hq, n, d]; key, value [B, H, S, d]. Keeps each layer's query, key and value (with their graph) for the
-    recording, and attends by `_GroupedAttention`, whose graph holds no [n, S] block."""
-    _SEEN.get()[module.layer_idx] = (query, key, value)
+    recording, and attends by `_GroupedAttention`, whose graph holds no [n, S] block, adding each key's attention into
+    the layer's continuation score where the chunk keeps one."""
+    chunk = _SEEN.get()
+    chunk.kv[module.layer_idx] = (query, key, value)
     if getattr(getattr(module, "config", None), "attn_logit_softcapping", None):
         raise ValueError("the search's recording does not model attention logit soft-capping")
     B, Hq, n, d = query.shape
     H, S = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
     mask = attention_mask[:, :, None, :, -S:] if attention_mask is not None else None
-    out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale)
+    out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale,
+                                  chunk.scores.get(module.layer_idx))
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
+
+
+@dataclass
+class _Chunk:
+    """What `_recording_attention` keeps of a continuation chunk's forward."""
+
+    kv: dict                      # layer -> (query, key, value) of this chunk, with their graph
+    scores: dict                  # paged layer -> float32 [1, H, S]: each key's attention summed over the queries so
+                                  # far (`_GroupedAttention`'s score)
 
 
 def _prefill_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -164,9 +182,9 @@ def _prefilling(model, scores: dict):
     return attending_by(model, PREFILL_IMPL, _prefill_attention, "sdpa", _SEEN, scores)
 
 
-def _recording(model, seen: dict):
-    """Within the block, `model` attends by `_recording_attention`, which fills `seen` (layer -> q, k, v)."""
-    return attending_by(model, RECORDING_IMPL, _recording_attention, "eager", _SEEN, seen)
+def _recording(model, chunk: _Chunk):
+    """Within the block, `model` attends by `_recording_attention`, which fills `chunk`."""
+    return attending_by(model, RECORDING_IMPL, _recording_attention, "eager", _SEEN, chunk)
 
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
@@ -203,7 +221,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
             S = window["S"]
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
-                held = held_masks(window["prefill_score"][layer], window["queries"][layer], key,
+                held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer],
                                   base.tiering.window, sliding[layer])                         # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
                 if not sliding[layer]:
@@ -249,7 +267,7 @@ class _HeldCollector:
 
     def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         if layer in self.scores:
-            self.held[layer] = held_masks(self.scores[layer], query, key, self.window, False)
+            self.held[layer] = held_masks(self.scores[layer], continuation_score(query, key), self.window, False)
 
 
 class HeldTokens:
@@ -343,7 +361,8 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     """One window: prompt [1, P], continuation [1, M + 1]. Returns S = P + M; per layer the K/V of every token it
     reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding layer's tokens that
     no continuation query reads are zero in both), a paged layer's prefill significance ("prefill_score": [H, P]; a
-    sliding layer's None), the continuation's queries ("queries": [1, Hq, M, d]), the
+    sliding layer's None), a paged layer's attention summed over the continuation's queries ("continuation_score":
+    [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros), the
     prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
     from transformers import DynamicCache
 
@@ -363,13 +382,14 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
             _InPlaceLayer.adopt(layer, S)
     trim_heap()                             # the prefill's activations, freed
     grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
-    queries: dict[int, list[torch.Tensor]] = {i: [] for i in range(L)}
     refs = []
-    seen: dict = {}
+    chunk_state = _Chunk({}, {i: torch.zeros(1, cache.layers[i].keys.shape[1], S) for i in range(L)
+                              if kept[i][2] is None})
+    seen = chunk_state.kv
     embed = model.get_input_embeddings()
     for t in range(0, M, chunk):
         end = min(t + chunk, M)
-        with torch.enable_grad(), _recording(model, seen):
+        with torch.enable_grad(), _recording(model, chunk_state):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
             logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
             targets = continuation[:, t + 1:end + 1]
@@ -387,11 +407,10 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
             torch.autograd.backward(loss, inputs=[embeds])
         refs.append(TopLogits.of(logits.detach(), targets))
         for i in range(L):
-            query, key, value = (x.detach() for x in seen[i])
-            lo, hi = P + end - key.shape[2], P + end
             if kept[i][2] is not None:       # a sliding layer's cache keeps a window: the tokens it read are kept here
+                _, key, value = (x.detach() for x in seen[i])
+                lo, hi = P + end - key.shape[2], P + end
                 grads[i][2][:, :, lo:hi], grads[i][3][:, :, lo:hi] = key.float(), value.float()
-            queries[i].append(query)
         seen.clear()
         for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
             if isinstance(layer, _InPlaceLayer):
@@ -404,4 +423,6 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
           else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}
     return {"S": S, "kv": kv, "prefill_score": {i: scores[i][0] if i in scores else None for i in range(L)},
-            "queries": {i: torch.cat(q, dim=2) for i, q in queries.items()}, "prompt": kept, "ref": ref}
+            "continuation_score": {i: chunk_state.scores[i][0] if i in chunk_state.scores
+                                   else torch.zeros(kv[i][0].shape[1], S) for i in range(L)},
+            "prompt": kept, "ref": ref}
