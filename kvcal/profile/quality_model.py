@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcal.runtime.backends.cpu import coding
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.bases import ServedBases
@@ -120,26 +121,53 @@ def coded_keys(k: torch.Tensor, fmt: TierFormat, page_tokens: int, levels: torch
     """k float32 [H, S, r] in the served basis -> as `fmt` stores it: per-channel over whole pages of `page_tokens`
     tokens (a last partial page stays raw, as its tokens would wait in the high tier), or per token. levels [H, 2**b]:
     the calibrated levels of a format whose keys use them (`TierFormat.k_levels`)."""
-    if fmt.k_bits in RAW_BITS:
-        return k
-    lut = _levels(fmt.k_levels, levels)
-    if fmt.k_mode == "channel":
-        H, S, r = k.shape
-        n = S - S % page_tokens
-        pages = k[:, :n].reshape(H, n // page_tokens, page_tokens, r)
-        out = quant.round_trip_per_channel(pages, fmt.k_bits, fmt.meta_bits, None if lut is None else lut[:, None])
-        return torch.cat([out.reshape(H, n, r), k[:, n:]], dim=1)
-    if fmt.k_mode == "token":
-        return quant.round_trip_per_token(k, fmt.k_bits, fmt.k_group, fmt.meta_bits, lut)
-    raise ValueError(f"no prediction for {fmt.k_mode} keys")
+    return _coded(k, fmt, "k", page_tokens, levels)
 
 
 def coded_values(v: torch.Tensor, fmt: TierFormat, levels: torch.Tensor | None = None) -> torch.Tensor:
     """v float32 [H, S, r] in the served basis -> as `fmt` stores it (per token, groups of `v_group` channels).
     levels [H, 2**b]: the calibrated levels of a format whose values use them (`TierFormat.v_levels`)."""
-    if fmt.v_bits in RAW_BITS:
-        return v
-    return quant.round_trip_per_token(v, fmt.v_bits, fmt.v_group, fmt.meta_bits, _levels(fmt.v_levels, levels))
+    return _coded(v, fmt, "v", 1, levels)
+
+
+def coding_errors(x: torch.Tensor, g2: torch.Tensor, fmt: TierFormat, side: str, page_tokens: int,
+                  levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ g² δ² per token of side `side` of x float32 [H, S, r] coded as `coded_keys` / `coded_values` code it, g2
+    float64 [H, S, r] -> float64 [H, S] (0 for a raw format, and for the raw tail of per-channel keys)."""
+    return _coded(x, fmt, side, page_tokens, levels, g2)
+
+
+def _coded(x: torch.Tensor, fmt: TierFormat, side: str, page_tokens: int, levels: torch.Tensor | None,
+           g2: torch.Tensor | None = None) -> torch.Tensor:
+    """`coded_keys` or `coded_values` (g2 None), or `coding_errors`."""
+    bits, mode = (fmt.k_bits, fmt.k_mode) if side == "k" else (fmt.v_bits, "token")
+    H, S, r = x.shape
+    if bits in RAW_BITS:
+        return x if g2 is None else torch.zeros(H, S, dtype=torch.float64)
+    lut = _levels(fmt.k_levels if side == "k" else fmt.v_levels, levels)              # [H, 1, K] or None
+    if mode == "channel":
+        n = S - S % page_tokens
+        pages = x[:, :n].reshape(H, n // page_tokens, page_tokens, r)
+        out = _round_trip(pages, bits, fmt.meta_bits, None if lut is None else lut[:, None], True, None,
+                          None if g2 is None else g2[:, :n].reshape(pages.shape))
+        if g2 is None:
+            return torch.cat([out.reshape(H, n, r), x[:, n:]], dim=1)
+        return torch.cat([out.reshape(H, n), torch.zeros(H, S - n, dtype=torch.float64)], dim=1)
+    if mode == "token":
+        return _round_trip(x, bits, fmt.meta_bits, lut, False, fmt.k_group if side == "k" else fmt.v_group, g2)
+    raise ValueError(f"no prediction for {mode} keys")
+
+
+def _round_trip(x: torch.Tensor, bits: int, meta_bits: int, levels: torch.Tensor | None, channel: bool,
+                group: int | None, g2: torch.Tensor | None) -> torch.Tensor:
+    """x [..., T, n] coded per channel over T or per token (quant's round trips) -> float32 [..., T, n], or with g2
+    each token's Σ g2 δ², float64 [..., T]. By the CPU kernels where they load (one pass; equal codes, values to the
+    rounding of one multiply-add), else by quant's torch reference."""
+    if x.device.type == "cpu" and coding.available():
+        return coding.round_trip(x, bits, meta_bits, levels, channel=channel, group=group, g2=g2)
+    coded = (quant.round_trip_per_channel(x, bits, meta_bits, levels) if channel
+             else quant.round_trip_per_token(x, bits, group, meta_bits, levels))
+    return coded if g2 is None else (g2 * (coded - x).double() ** 2).sum(-1)
 
 
 def _levels(kind: str, levels: torch.Tensor | None) -> torch.Tensor | None:
@@ -275,22 +303,19 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
                 if s == 0 and fmt.k_mode == "channel" and bits not in RAW_BITS:
                     tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
                     for i, mask in enumerate(held[:, h]):
-                        xs, g2s = x[h, mask][None], g2[h, mask][None]                  # [1, n, d]: the held tokens
-                        error = coded_keys(xs, fmt, tokens, lut) - xs
-                        costs[h, s, b, i] += 0.5 * float((g2s * error.double() ** 2).sum())
+                        errors = coding_errors(x[h, mask][None], g2[h, mask][None], fmt, side, tokens, lut)
+                        costs[h, s, b, i] += 0.5 * float(errors.sum())           # the held tokens' pages
                     continue
-                coded = coded_keys(x[h][None], fmt, 1, lut)[0] if s == 0 else coded_values(x[h][None], fmt, lut)[0]
-                costs[h, s, b] += _masked_sums(g2[h], coded - x[h], held[:, h])
+                costs[h, s, b] += _masked_sums(coding_errors(x[h][None], g2[h][None], fmt, side, 1, lut)[0],
+                                               held[:, h])
             for b, spec in enumerate(HIGH):
-                fmt = TierFormat.parse(spec)
-                coded = coded_keys(x[h][None], fmt, 1)[0] if s == 0 else coded_values(x[h][None], fmt)[0]
-                high_costs[h, s, b] += _masked_sums(g2[h], coded - x[h], high[:, h])
+                errors = coding_errors(x[h][None], g2[h][None], TierFormat.parse(spec), side, 1)[0]
+                high_costs[h, s, b] += _masked_sums(errors, high[:, h])
 
 
-def _masked_sums(g2: torch.Tensor, error: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """½ Σ g² δ² per token (g2 float64, error [S, d]), summed under each of masks bool [A, S] -> float64 [A]."""
-    per_token = 0.5 * (g2 * error.double() ** 2).sum(-1)                                  # [S]
-    return (masks.double() * per_token).sum(-1)
+def _masked_sums(errors: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """½ of errors float64 [S] (Σ g² δ² per token), summed under each of masks bool [A, S] -> float64 [A]."""
+    return 0.5 * (masks.double() * errors).sum(-1)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -112,8 +112,8 @@ inline void read_meta(const uint8_t* pair, bool meta8, int bits, float* s, float
 inline void meta8_encode(float mn, float mx, int bits, uint8_t* pair, float* s, float* z) {
     const int top = (1 << bits) - 1;
     const float unit = meta8_unit(bits), step = (mx - mn) / (float)top;
-    int c = 0;
-    while (c < 255 && meta8_scale(c) < step) ++c;
+    // the first scale code whose scale reaches step (the table rises), as quant's searchsorted finds it
+    int c = (int)(std::lower_bound(META8_SCALES.begin(), META8_SCALES.begin() + 255, step) - META8_SCALES.begin());
     float zc;
     for (;; ++c) {
         *s = meta8_scale(c);
@@ -864,6 +864,90 @@ int64_t kvcal_low_pages_due(uint8_t* arena, const int32_t* descs_raw, const int3
         if (counts) counts[w] = pending;
     }
     return due;
+}
+
+// Quantize and dequantize without a page (quant.round_trip_per_token / round_trip_per_channel, bit for bit up to
+// the one rounding an FMA may save in zero + scale * level): what the calibration's quality model and coded probe
+// ask of every candidate format. x [blocks, T, n] float32: channel = 1 codes each block's n channels over its T
+// tokens (per-channel key pages), channel = 0 each of its T tokens in groups of `group` channels. luts: level rows
+// [blocks / blocks_per_lut, 2**bits] (nullptr: uniform codes). out (if not null) receives x as coded [blocks, T, n];
+// err (if not null) each token's sum over channels of g2 * (coded - x)^2, g2 float64 [blocks, T, n]. Returns 0, or
+// 1 (an entry not finite) / 2 (beyond the float16 range of scale and zero) with the bad value, as quant._check_values
+// finds them, and writes nothing. Each block is coded by one thread: the result does not depend on `threads`.
+int kvcal_round_trip(const float* x, int64_t blocks, int64_t T, int64_t n, int32_t channel, int32_t group,
+                     int32_t bits, int32_t meta8, const float* luts, int64_t blocks_per_lut, const double* g2,
+                     double* err, float* out, int32_t threads, float* bad_value) {
+    const int64_t count = blocks * T * n;
+    int bad = 0;               // any entry not finite or beyond fp16 (NaN fails the comparison), in one vector pass
+#pragma omp parallel for num_threads(threads) reduction(| : bad) schedule(static)
+    for (int64_t i = 0; i < count; ++i) bad |= !(std::fabs(x[i]) <= 65504.f);
+    if (bad) {                 // as quant._check_values words it: not finite anywhere first, else the largest value
+        float largest = 0.f;
+        for (int64_t i = 0; i < count; ++i) {
+            if (!std::isfinite(x[i])) { *bad_value = x[i]; return 1; }
+            largest = std::max(largest, std::fabs(x[i]));
+        }
+        *bad_value = largest;
+        return 2;
+    }
+    const int top = (1 << bits) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float* lut = luts ? luts + (b / blocks_per_lut) * (top + 1) : nullptr;
+        const float* xb = x + b * T * n;
+        std::vector<float> s(n), z(n), coded(n), u(n), mid(lut ? top : 0);
+        std::vector<int32_t> code(n);
+        for (int k = 0; k < (int)mid.size(); ++k) mid[k] = (lut[k] + lut[k + 1]) / 2.f;     // as encode's search
+        uint8_t pair[4];
+        if (channel)
+            for (int64_t c = 0; c < n; ++c) {
+                float mn = xb[c], mx = xb[c];
+                for (int64_t t = 1; t < T; ++t) {
+                    mn = std::min(mn, xb[t * n + c]);
+                    mx = std::max(mx, xb[t * n + c]);
+                }
+                put_meta(mn, mx, bits, meta8, pair, &s[c], &z[c]);
+            }
+        for (int64_t t = 0; t < T; ++t) {
+            const float* xt = xb + t * n;
+            if (!channel)
+                for (int64_t g0 = 0; g0 < n; g0 += group) {
+                    float mn = xt[g0], mx = xt[g0];
+                    for (int64_t c = g0 + 1; c < g0 + group; ++c) { mn = std::min(mn, xt[c]); mx = std::max(mx, xt[c]); }
+                    float sg, zg;
+                    put_meta(mn, mx, bits, meta8, pair, &sg, &zg);
+                    for (int64_t c = g0; c < g0 + group; ++c) { s[c] = sg; z[c] = zg; }
+                }
+            // encode's code without its branches (the number of midpoints below u, or u rounded), so that the loops
+            // vectorize; 0 where the scale is 0
+            if (lut) {
+                for (int64_t c = 0; c < n; ++c) {
+                    u[c] = (xt[c] - z[c]) / (s[c] == 0.f ? 1.f : s[c]);
+                    code[c] = 0;
+                }
+                for (int k = 0; k < top; ++k)
+                    for (int64_t c = 0; c < n; ++c) code[c] += u[c] > mid[k];
+                for (int64_t c = 0; c < n; ++c) coded[c] = lut[s[c] == 0.f ? 0 : code[c]] * s[c] + z[c];
+            } else
+                for (int64_t c = 0; c < n; ++c) {
+                    const float u = (xt[c] - z[c]) / (s[c] == 0.f ? 1.f : s[c]);
+                    const float code = std::min((float)top, std::max(0.f, std::nearbyint(u)));
+                    coded[c] = (s[c] == 0.f ? 0.f : code) * s[c] + z[c];
+                }
+            const int64_t row = b * T + t;
+            if (out) std::memcpy(out + row * n, coded.data(), sizeof(float) * n);
+            if (err) {
+                const double* g = g2 + row * n;
+                double e = 0.0;
+                for (int64_t c = 0; c < n; ++c) {
+                    const double d = (double)coded[c] - (double)xt[c];
+                    e += g[c] * d * d;
+                }
+                err[row] = e;
+            }
+        }
+    }
+    return 0;
 }
 
 }  // extern "C"
