@@ -296,15 +296,16 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
     for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)
         for h in range(x.shape[0]):
+            held_tokens = None          # per mask, the held tokens' x and g2 [1, n, d]: gathered once for every bits
             for b, bits in enumerate(BITS):
                 fmt = layer_format(base, sliding, bits, bits)
                 lut = (levels or {}).get((side, bits))
                 lut = None if lut is None else lut[h:h + 1]                                    # [1, 2**bits]
                 if s == 0 and fmt.k_mode == "channel" and bits not in RAW_BITS:
                     tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
-                    for i, mask in enumerate(held[:, h]):
-                        errors = coding_errors(x[h, mask][None], g2[h, mask][None], fmt, side, tokens, lut)
-                        costs[h, s, b, i] += 0.5 * float(errors.sum())           # the held tokens' pages
+                    held_tokens = held_tokens or [(x[h, mask][None], g2[h, mask][None]) for mask in held[:, h]]
+                    for i, (xs, g2s) in enumerate(held_tokens):
+                        costs[h, s, b, i] += 0.5 * float(coding_errors(xs, g2s, fmt, side, tokens, lut).sum())
                     continue
                 costs[h, s, b] += _masked_sums(coding_errors(x[h][None], g2[h][None], fmt, side, 1, lut)[0],
                                                held[:, h])
