@@ -64,7 +64,7 @@ def round_trip(x: torch.Tensor, bits: int, meta_bits: int, levels: torch.Tensor 
         return None if t is None else t.data_ptr()
 
     rc = load_library().kvcal_round_trip(ptr(x), blocks, T, n, int(channel), group, bits, int(meta_bits == 8),
-                                         ptr(lut), 1, ptr(g2), ptr(err), ptr(out), torch.get_num_threads(),
+                                         ptr(lut), ptr(g2), ptr(err), ptr(out), torch.get_num_threads(),
                                          ctypes.byref(bad))
     if rc == 1:
         raise ValueError("x must be finite, got NaN or inf")

@@ -869,13 +869,13 @@ int64_t kvcal_low_pages_due(uint8_t* arena, const int32_t* descs_raw, const int3
 // Quantize and dequantize without a page (quant.round_trip_per_token / round_trip_per_channel, bit for bit up to
 // the one rounding an FMA may save in zero + scale * level): what the calibration's quality model and coded probe
 // ask of every candidate format. x [blocks, T, n] float32: channel = 1 codes each block's n channels over its T
-// tokens (per-channel key pages), channel = 0 each of its T tokens in groups of `group` channels. luts: level rows
-// [blocks / blocks_per_lut, 2**bits] (nullptr: uniform codes). out (if not null) receives x as coded [blocks, T, n];
+// tokens (per-channel key pages), channel = 0 each of its T tokens in groups of `group` channels. luts: one level
+// row per block [blocks, 2**bits] (nullptr: uniform codes). out (if not null) receives x as coded [blocks, T, n];
 // err (if not null) each token's sum over channels of g2 * (coded - x)^2, g2 float64 [blocks, T, n]. Returns 0, or
 // 1 (an entry not finite) / 2 (beyond the float16 range of scale and zero) with the bad value, as quant._check_values
 // finds them, and writes nothing. Each block is coded by one thread: the result does not depend on `threads`.
 int kvcal_round_trip(const float* x, int64_t blocks, int64_t T, int64_t n, int32_t channel, int32_t group,
-                     int32_t bits, int32_t meta8, const float* luts, int64_t blocks_per_lut, const double* g2,
+                     int32_t bits, int32_t meta8, const float* luts, const double* g2,
                      double* err, float* out, int32_t threads, float* bad_value) {
     const int64_t count = blocks * T * n;
     int bad = 0;               // any entry not finite or beyond fp16 (NaN fails the comparison), in one vector pass
@@ -893,7 +893,7 @@ int kvcal_round_trip(const float* x, int64_t blocks, int64_t T, int64_t n, int32
     const int top = (1 << bits) - 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-        const float* lut = luts ? luts + (b / blocks_per_lut) * (top + 1) : nullptr;
+        const float* lut = luts ? luts + b * (top + 1) : nullptr;
         const float* xb = x + b * T * n;
         std::vector<float> s(n), z(n), coded(n), u(n), mid(lut ? top : 0);
         std::vector<int32_t> code(n);
