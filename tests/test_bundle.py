@@ -145,11 +145,18 @@ def test_interrupted_calibration_resumes(tiny_dir, text_file, tmp_path):
     result = calibrate(_cfg(tiny_dir, text_file, out), progress=lambda n, d, t: resumed.append((n, d)))
     assert resumed[0] == ("random-tokens", 4)            # the finished pass is not repeated
     assert resumed[1] == ("calibration-text", 2)         # the text pass restarts after its last finished window
+    # it skipped key-range windows the pass would have kept, so those run again: a bar that starts at 0
+    assert ("key-ranges", 0) in resumed
     assert not (tmp_path / "resume.kvcal.safetensors.ckpt").exists()
-    # and gives the same statistics as an uninterrupted run
-    fresh = calibrate(_cfg(tiny_dir, text_file, tmp_path / "fresh.kvcal.safetensors"))
+    # and gives the same statistics as an uninterrupted run, which reads its key-range windows from the text pass
+    fresh_seen = []
+    fresh = calibrate(_cfg(tiny_dir, text_file, tmp_path / "fresh.kvcal.safetensors"),
+                      progress=lambda n, d, t: fresh_seen.append((n, d)))
+    assert ("key-ranges", 0) not in fresh_seen and fresh_seen[-1][0] == "key-ranges"
     torch.testing.assert_close(result.bundle.qk_rotation, fresh.bundle.qk_rotation)
     torch.testing.assert_close(result.bundle.v_basis, fresh.bundle.v_basis)
+    for name in ("k.range_low", "k.range_high", "qk.smoothing"):
+        torch.testing.assert_close(result.bundle.extras[name], fresh.bundle.extras[name])
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])

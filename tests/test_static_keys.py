@@ -130,6 +130,35 @@ def test_calibration_ranges_clip_no_more_than_the_percentile(tiny_dir, text_file
     assert res.bundle.extras["k.range_low"].shape == bundle.qk_spectrum.shape
 
 
+def test_ranges_from_the_text_pass_captures_equal_those_of_their_own_pass(tiny_dir, text_file):
+    """`calibrate` reads the key-range windows' queries and keys from the text pass (`QueryKeyTap`) instead of
+    running them again: the ranges and smoothing factors are those of the pass, bit for bit. A tap that missed a
+    window (a resumed text pass) gives nothing, so the pass runs."""
+    from kvcal.data import load_corpus, position_offsets, token_windows
+    from kvcal.models import load_model
+    from kvcal.profile.calibrate import QueryKeyTap, key_range_pass, run_pass
+    from kvcal.profile.capture import GramCollector
+
+    lm = load_model(str(tiny_dir), dtype="float32")
+    ids = token_windows(lm.tokenizer, load_corpus(str(text_file), "calib"), 5, 64, 0)
+    offsets = position_offsets(5, 64, 512)
+    picked = spread_windows(5, 3)
+    tap = QueryKeyTap(picked)
+    run_pass(lm, "calibration-text", ids, offsets, GramCollector(lm.adapter), tap=tap)
+    captured = tap.captured(picked)
+    assert captured is not None and len(captured) == 3 and all(len(c) == lm.adapter.num_layers for c in captured)
+    R = torch.linalg.qr(torch.randn(lm.adapter.num_layers, lm.adapter.num_kv_heads, 16, 16,
+                                    generator=torch.Generator().manual_seed(0)))[0]
+    args = (lm, R, ids[picked], [offsets[i] for i in picked], 99.0)
+    for own, tapped in zip(key_range_pass(*args), key_range_pass(*args, captured=captured), strict=True):
+        assert torch.equal(own, tapped)
+    assert tap.captured([*picked, 1]) is None                  # window 1 was not kept
+    resumed = QueryKeyTap(picked)
+    resumed.start(picked[0])                                 # a text pass that ran only its first window
+    resumed.add(0, *captured[0][0], None)
+    assert resumed.captured(picked) is None
+
+
 # ---------------------------------------------------------------------------------------------- store
 
 

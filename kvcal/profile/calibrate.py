@@ -164,10 +164,36 @@ Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows
 SearchProgress = Callable[[str, str, Any], None]
 
 
+class QueryKeyTap:
+    """A capture collector that keeps what attention sees of some of a pass's windows: the post-RoPE queries
+    [1, Hq, S, d] and keys [1, H, S, d] of every layer, as the model hands them over (no copy). `run_pass` tells it
+    which window runs (`start`). A statistic that needs the bundle's rotation, known only after the pass, then reads
+    those windows (`captured`) instead of running the model over them again."""
+
+    def __init__(self, windows: list[int]):
+        self.windows, self.window = set(windows), -1
+        self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def start(self, window: int) -> None:
+        self.window = window
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.window in self.windows:
+            self.kept.setdefault(self.window, {})[layer] = (query, key)
+
+    def captured(self, windows: list[int]) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
+        """Each of `windows`' layers' (query, key), or None unless every one of them ran in full (a resumed pass
+        skips the windows its checkpoint holds)."""
+        layers = {len(self.kept.get(w, {})) for w in windows}
+        return [self.kept[w] for w in windows] if len(layers) == 1 and 0 not in layers else None
+
+
 @torch.inference_mode()
 def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[int], collector,
-             checkpoint: Checkpoint | None = None, progress: Progress | None = None) -> GramCollector:
-    """Forward every window [n, S] at its position offset, feeding `collector`; resumes from `checkpoint`."""
+             checkpoint: Checkpoint | None = None, progress: Progress | None = None,
+             tap: QueryKeyTap | None = None) -> GramCollector:
+    """Forward every window [n, S] at its position offset, feeding `collector` (and `tap`, which is not
+    checkpointed); resumes from `checkpoint`."""
     done = checkpoint.load(name, collector) if checkpoint else 0
     n, S = windows.shape
     if progress:
@@ -179,7 +205,9 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
         positions = torch.arange(offsets[i], offsets[i] + S)[None]
         if hasattr(collector, "set_tokens"):          # collectors that need the token ids (FastGen classes)
             collector.set_tokens(windows[i][None])
-        with capturing(lm.model, collector):
+        if tap is not None:
+            tap.start(i)
+        with capturing(lm.model, collector, *([tap] if tap is not None else [])):
             # logits_to_keep=1: only the captured statistics matter, and [S, vocab] logits cost GBs on big vocabularies
             lm.model(input_ids=windows[i][None].to(device), position_ids=positions.to(device), use_cache=False,
                      logits_to_keep=1)
@@ -191,14 +219,24 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
 
 
 def key_range_pass(lm: LoadedModel, rotation: torch.Tensor, windows: torch.Tensor, offsets: list[int],
-                   percentile: float, checkpoint: Checkpoint | None = None,
-                   progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   percentile: float, checkpoint: Checkpoint | None = None, progress: Progress | None = None,
+                   captured: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Static key ranges (kvcal.profile.key_ranges) and channel smoothing factors (kvcal.profile.smoothing) of
     K @ rotation [L, H, d, d] over calibration `windows` [n, S] at their position `offsets`: (low, high, D) float32
-    [L, H, d] each. A pass of its own, after the eigendecomposition, because both are per column of R."""
+    [L, H, d] each. Both are per column of R, so they come after the eigendecomposition: from the text pass's
+    `captured` queries and keys of these windows (`QueryKeyTap.captured`) where it kept them, else from a pass of
+    their own."""
     ranges = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
     queries = QueryAbsMax(lm.adapter, rotation)
-    run_pass(lm, "key-ranges", windows, offsets, CollectorSet(ranges=ranges, queries=queries), checkpoint, progress)
+    both = CollectorSet(ranges=ranges, queries=queries)
+    if captured is None:
+        run_pass(lm, "key-ranges", windows, offsets, both, checkpoint, progress)
+    else:
+        for i, layers in enumerate(captured):
+            for layer, (query, key) in layers.items():
+                both.add(layer, query, key, key)
+            if progress:
+                progress("key-ranges", i + 1, len(captured))
     return (*ranges.ranges(), smoothing_factors(ranges.absmax(), queries.q))
 
 
@@ -287,6 +325,8 @@ class Passes:
     text_stats: GramCollector
     fastgen_stats: FastGenStatsCollector
     seconds: float
+    key_windows: list[int]              # text windows of the key-range statistics (spread_windows)
+    key_captured: list[dict] | None     # their queries and keys, from the text pass (QueryKeyTap.captured)
 
 
 def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq_len: int, max_position: int,
@@ -298,31 +338,36 @@ def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, 
     random_offsets = position_offsets(len(random_ids), seq_len, max_position)
     text_offsets = position_offsets(len(text_ids), seq_len, max_position)
     random_stats = run_pass(lm, "random-tokens", random_ids, random_offsets, GramCollector(a), checkpoint, progress)
-    text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress)
+    # the text pass keeps the key-range windows' queries and keys: those statistics need the rotation it helps make
+    key_windows = spread_windows(len(text_ids), cfg.key_range_windows)
+    tap = QueryKeyTap(key_windows)
+    text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress, tap)
     # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
     # the pass keeps its older name "policy-statistics": it names the checkpoint file that an interrupted run resumes
     fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
                              FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
     return Passes(random_ids, text_ids, random_offsets, text_offsets, random_stats, text_stats, fastgen_stats,
-                  time.perf_counter() - t)
+                  time.perf_counter() - t, key_windows, tap.captured(key_windows))
 
 
 def make_bundle(cfg: CalibrationConfig, lm: LoadedModel, passes: Passes, corpus, max_position: int,
                 checkpoint: Checkpoint, progress: Progress | None, say: Callable[[str], None]) -> Bundle:
     """The bundle of the passes' statistics: rotations, bases, ranks at `cfg.removal_rate`, static key ranges and
-    smoothing (a pass of their own, after the eigendecomposition), FastGen statistics, the unsearched settings."""
+    smoothing (after the eigendecomposition, from the text pass's captured windows), FastGen statistics, the
+    unsearched settings."""
     a, text_ids, text_offsets = lm.adapter, passes.text_ids, passes.text_offsets
     say("eigendecomposing Gram matrices")
     (rotation, qk_spectrum), (v_basis, v_spectrum), independence = _bases(cfg, lm, passes.random_stats,
                                                                           passes.text_stats)
-    picked = spread_windows(len(text_ids), cfg.key_range_windows)
+    picked = passes.key_windows
     key_ids = text_ids[picked]
     key_range_key = checkpoint.key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked,
                                                  "query-absmax"])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
     range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids,
                                                       [text_offsets[i] for i in picked], cfg.key_percentile,
-                                                      key_checkpoint, progress)
+                                                      key_checkpoint, progress, passes.key_captured)
+    passes.key_captured = None                      # hundreds of MB of queries
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window or TieringConfig.window)
     calibration = {

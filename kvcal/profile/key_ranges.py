@@ -9,12 +9,13 @@ over N calibration rows, tail = 1 - percentile / 100. So at most m values (a fra
 at most m below low_c: the range never clips more calibration data than the percentile allows. The runtime rounds
 the fp16 scale and zero outwards (`quant.static_scale_zero`), so that bound holds for the stored codes too.
 
-Why a separate pass after the eigendecomposition, rather than the Gram pass: R is known only once the Gram matrices
-of both passes are summed and decomposed, and percentiles of K·R cannot be recovered from second moments. A pass
-over (a few of) the same calibration windows, at the same positions, is the simplest exact route: it needs no stored
-activations, only the m + 1 largest and smallest values per channel (`KeyRangeCollector`, O(L·H·d·m) memory), and it
-runs whether or not the search runs (the search probe's recorded K exists only with the search, and is held-out
-text the search measures on).
+Why after the eigendecomposition, not inside the Gram pass: R is known only once the Gram matrices of both passes
+are summed and decomposed, and percentiles of K·R cannot be recovered from second moments. So the calibration-text
+pass keeps the queries and keys of (a few of) its windows (`calibrate.QueryKeyTap`: about 0.1 GB per 1k-token window
+of a 135M model, 0.2 GB of a 1.5B one) and `KeyRangeCollector` reads them once R is known: the statistics of a pass
+over the same windows at the same positions, bit for bit, without running it. A resumed run whose text pass skipped
+some of them runs that pass. Calibration text, not the search's recorded K: that is held-out text the search
+measures on, and exists only with the search.
 
 Columns, not served coordinates: the runtime serves static keys in R's columns without the mixing rotation
 (kvcal.runtime.storage.bases), so a range fitted here holds at every rank (cutting to a rank drops columns).
