@@ -125,6 +125,51 @@ def test_flash_bulk_equals_the_plain_softmax():
     torch.testing.assert_close(flash, plain, rtol=1e-5, atol=1e-5)
 
 
+def test_the_window_is_read_in_the_high_tiers_format_as_the_runtime_serves_it():
+    """The runtime writes every new token to its high tier, so with an 8-bit high tier a query reads the keys of its
+    window at 8 bits, not exact. The coded attention against a query-by-query reference of that rule: its own key
+    exact, the rest of the window in the high tier's format, older keys in their held format. Checked to fail with
+    the window exact."""
+    from types import SimpleNamespace
+
+    from kvcal.profile.coded_probe import _STATE, _coded_attention, _Coding
+
+    model, tok, bundle, ids, base, costs, probe = _setup()
+    a = adapter_for(model.config)
+    B, n, prompt, window = 2, 24, probe.prompt.shape[1], base.tiering.window
+    S, g = prompt + n, a.num_q_heads // a.num_kv_heads
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
+    key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
+    causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
+    coding = _Coding(probe, Allocation.of(costs, torch.full((4, 2), 4), 1), slice(None))
+    assert coding.high.name == "K8V8"
+    token = _STATE.set(coding)
+    try:
+        got, _ = _coded_attention(SimpleNamespace(layer_idx=1), query, key, value, causal, scaling=0.125)
+        low, high = coding.held_tokens(1, B, a.num_kv_heads, S)
+        kc, vc = coding.coded_kv(1, key, value, low, high)
+        every = torch.ones_like(low)
+        kh, vh = coding.coded_kv(1, key, value, ~every, every)
+    finally:
+        _STATE.reset(token)
+    assert not torch.equal(kh, key) and not torch.equal(kc, kh)
+    want = torch.zeros(B, n, a.num_q_heads, a.head_dim)
+    for t in range(n):
+        i = prompt + t
+        j = torch.arange(i + 1)
+        aged, recent = j <= i - window, (j > i - window) & (j < i)
+        for b in range(B):
+            for hq in range(a.num_q_heads):
+                h = hq // g
+                k = torch.where(aged[:, None], kc[b, h, :i + 1], torch.where(recent[:, None], kh[b, h, :i + 1],
+                                                                              key[b, h, :i + 1]))
+                v = torch.where(aged[:, None], vc[b, h, :i + 1], torch.where(recent[:, None], vh[b, h, :i + 1],
+                                                                              value[b, h, :i + 1]))
+                want[b, t, hq] = ((query[b, hq, t] @ k.T) * 0.125).softmax(-1) @ v
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_an_8_bit_high_tier_is_priced_and_coded():
     """With heavy hitters (the lowest threshold of the catalogue), the 8-bit high tier is predicted to cost loss, the
     probe codes it and models fewer bytes."""

@@ -136,3 +136,28 @@ def test_fitted_levels_predict_less_loss_than_uniform_codes():
             costs.append(c[..., BASE_ALPHA])
         assert (costs[0][..., 1:] <= costs[1][..., 1:] * (1 + 1e-9)).all(), layer      # 4 and 2 bits
         assert costs[0][..., 2].sum() < costs[1][..., 2].sum(), layer
+
+
+def test_the_windows_tokens_are_charged_at_the_high_tiers_format():
+    """The runtime writes every new token to its high tier, so an 8-bit high tier codes what each query reads in its
+    window. At the catalogue's largest threshold no token of this short sequence is a heavy hitter (a mean attention
+    of ALPHAS[-1] / N is above 1), yet the 8-bit high tier must be charged for the windows of the scored queries; the
+    16-bit one costs nothing."""
+    from conftest import random_bundle
+
+    from kvcal.profile.allocate import base_settings
+    from kvcal.profile.quality_model import ALPHAS, HIGH
+    from kvcal.profile.ranks import ranks_of
+    from kvcal.profile.recording import record_search
+    from kvcal.runtime.storage.bases import served_bases
+
+    model, tok = make_model("llama")
+    a = adapter_for(model.config)
+    bundle = random_bundle(model, tok)
+    ids = _ids(tok)
+    assert ALPHAS[-1] > ids.shape[1] and HIGH == ("K16V16", "K8V8")
+    base = base_settings(a.layer_types).with_tiering(window=8)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
+    costs = record_search(model, ids[:, :60], ids[:, 60:], served, base, list(a.layer_types), a.head_dim).costs
+    assert (costs.high_tokens[:, -1] == 0).all()
+    assert (costs.high_costs[..., 1, -1] > 0).all() and (costs.high_costs[..., 0, :] == 0).all()

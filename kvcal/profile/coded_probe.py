@@ -11,7 +11,9 @@ allocation would hold them, the way the quality model itself reasons (kvcal.prof
 - for each allocation, the continuation is teacher-forced in one forward pass (`chunk` tokens at a time) with an
   attention in which query i meets key j coded in layer l's format (the runtime's coding in the served bases:
   `coded_keys`, `coded_values`) when j is held (prompt and continuation tokens alike, by the recorded rule) and left
-  the window before i, and exactly otherwise; a sliding-window layer holds every token but the query's own.
+  the window before i; in the high tier's format when j is older than i otherwise (the runtime writes every new
+  token to its high tier: with an 8-bit high tier the window is read at 8 bits too), exactly when it is i's own; a
+  sliding-window layer holds every token but the query's own.
 
 What it leaves out is what the runtime decides on the fly: heavy hitters found during decode, the exact page
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
@@ -88,8 +90,11 @@ class _Coding:
 
 def _coded_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
     """transformers' attention-function signature (eager masks: a float mask [B, 1, n, S] added to the logits).
-    query [B, Hq, n, d]; key, value [B, H, S, d], the last n of them the queries' own tokens. Query i meets key j
-    coded when j is held and out of the window at i (j <= i - window), in a sliding layer when j is older than i."""
+    query [B, Hq, n, d]; key, value [B, H, S, d], the last n of them the queries' own tokens. As the runtime serves
+    them: query i meets key j coded in its held format when j is held and out of the window at i (j <= i - window);
+    in a paged layer with a coded high tier, every other key older than i in the high tier's format (the runtime
+    writes each new token to its high tier, so the window is read there too); in a sliding layer, every key older
+    than i coded. Its own key, and with a 16-bit high tier the window's, exact."""
     state = _STATE.get()
     layer = module.layer_idx
     B, Hq, n, d = query.shape
@@ -107,15 +112,32 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     k_bulk = torch.where(held[..., :cut, None], kc[:, :, :cut], key[:, :, :cut]).float()        # [B, H, cut, d]
     v_bulk = torch.where(held[..., :cut, None], vc[:, :, :cut], value[:, :, :cut]).float()
     qpos = torch.arange(n) + S - n
-    aged = torch.arange(cut, S)[None, :] <= qpos[:, None] - window                        # [n, S - cut]
+    kpos = torch.arange(cut, S)[None, :]
+    aged = kpos <= qpos[:, None] - window                                                 # [n, S - cut]
     coded = held[:, :, None, None, cut:] & aged                                           # [B, H, 1, n, S - cut]
     k_band, kc_band = (t[:, :, None, cut:].float() for t in (key, kc))
     v_band, vc_band = (t[:, :, None, cut:].float() for t in (value, vc))
     scale = scaling if scaling is not None else d ** -0.5
+    band = torch.where(coded, q @ kc_band.transpose(-1, -2), q @ k_band.transpose(-1, -2))
+    exact = ~coded
+    in_high = None
+    if not sliding and state.high.k_bits not in RAW_BITS:
+        in_high = (kpos < qpos[:, None]) & ~aged                                          # [n, S - cut]
+        everyone = torch.ones(B, H, S - cut, dtype=torch.bool)
+        kh, vh = (t[:, :, None].float() for t in state.coded_kv(layer, key[:, :, cut:], value[:, :, cut:],
+                                                                 ~everyone, everyone))
+        band = torch.where(in_high, q @ kh.transpose(-1, -2), band)
+        exact = exact & ~in_high
+    band = band * scale
     mask = attention_mask[:, :, None, :, -S:].float() if attention_mask is not None else None   # [B, 1, 1, n, S]
-    band = torch.where(coded, q @ kc_band.transpose(-1, -2), q @ k_band.transpose(-1, -2)) * scale
     if mask is not None:
         band = band + mask[..., cut:]
+
+    def band_values(p: torch.Tensor) -> torch.Tensor:
+        """p [B, H, g, n, S - cut]: the band's probabilities -> their weighted values, each as the query reads it."""
+        out = (p * coded) @ vc_band + (p * exact) @ v_band
+        return out if in_high is None else out + (p * in_high) @ vh
+
     if cut and (mask is None or not bool(mask[..., :cut].any())):
         # every query sees every bulk key: flash attention over the bulk (queries of a group stacked, no mask), then
         # the band merged in by the two parts' log-sum-exp, so no [n, S] probability block is ever made
@@ -123,8 +145,7 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
             q.reshape(B, H, g * n, d), k_bulk, v_bulk, 0.0, False, scale=scale)[:2]
         out_bulk, lse_bulk = out_bulk.view(B, H, g, n, d), lse_bulk.view(B, H, g, n, 1)
         lse_band = band.logsumexp(-1, keepdim=True)
-        p = (band - lse_band).exp()
-        out_band = (p * coded) @ vc_band + (p * ~coded) @ v_band
+        out_band = band_values((band - lse_band).exp())
         lse = torch.logaddexp(lse_bulk, lse_band)
         out = out_bulk * (lse_bulk - lse).exp() + out_band * (lse_band - lse).exp()      # [B, H, g, n, d]
     else:
@@ -132,8 +153,7 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
         if mask is not None:
             bulk = bulk + mask[..., :cut]
         probs = torch.cat([bulk, band], dim=-1).softmax(-1)                                # [B, H, g, n, S]
-        p = probs[..., cut:]
-        out = probs[..., :cut] @ v_bulk[:, :, None] + (p * coded) @ vc_band + (p * ~coded) @ v_band
+        out = probs[..., :cut] @ v_bulk[:, :, None] + band_values(probs[..., cut:])
     return out.view(B, Hq, n, -1).transpose(1, 2).contiguous().to(query.dtype), None       # [B, n, Hq, d]
 
 

@@ -19,6 +19,9 @@ that format would hold under the base settings:
   (`ALPHAS`), one for every layer, like the high tier's format (`HIGH`). A token's gradient sums only the queries
   after it, so a token that ages into the low tier during the scored continuation is weighted by the queries that read
   it there, plus its first `window` ones (a small overcount);
+- the runtime writes every new token to the high tier, so the scored queries read the tokens of their window in
+  the high tier's format: those tokens are charged its coding error too (weighted by their whole gradient, most of
+  which their window's queries give), which is 0 for a 16-bit high tier;
 - a sliding-window layer holds every token in its sliding format (the tokens no query reads have g = 0).
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
@@ -83,8 +86,8 @@ class FormatCosts:
     tokens: torch.Tensor         # float64 [L, len(ALPHAS)]: tokens each layer holds in the allocated format (per KV
                                  # head, mean)
     sliding: list[bool]          # per layer
-    high_costs: torch.Tensor     # float64 [L, H, 2, len(HIGH), len(ALPHAS)]: ½ Σ g² δ² of the high tier's tokens in
-                                 # each format
+    high_costs: torch.Tensor     # float64 [L, H, 2, len(HIGH), len(ALPHAS)]: ½ Σ g² δ² of the tokens read in the
+                                 # high tier (its heavy hitters, the scored queries' windows) in each format
     high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
     high_tokens: torch.Tensor    # float64 [L, len(ALPHAS)]: tokens each layer holds in its high tier (per KV head)
 
@@ -288,10 +291,10 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
                     head_dim: int, levels: dict | None = None) -> None:
     """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS), len(ALPHAS)] for every catalogue entry of the
     held tokens (held bool [len(ALPHAS), H, S]) and into high_costs [H, 2, len(HIGH), len(ALPHAS)] for every
-    high-tier format of the high tier's tokens (high bool [len(ALPHAS), H, S]). kv, grads: key and value [1, H, S, d]
-    and their gradients; levels: the layer's calibrated levels ({(side, bits): [H, 2**bits]}, `fit_layer_levels`).
-    A per-token format's error is computed once per token and summed under each mask; per-channel keys are coded
-    again for each mask, since a page's scales depend on which tokens fill it."""
+    high-tier format of the tokens read in the high tier (high bool [len(ALPHAS), H, S]). kv, grads: key and value
+    [1, H, S, d] and their gradients; levels: the layer's calibrated levels ({(side, bits): [H, 2**bits]},
+    `fit_layer_levels`). A per-token format's error is computed once per token and summed under each mask;
+    per-channel keys are coded again for each mask, since a page's scales depend on which tokens fill it."""
     page_bytes, tracked = base.page_size(head_dim), base.low_tracked and not sliding
     for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)

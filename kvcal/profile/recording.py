@@ -197,7 +197,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     if base.tiering.alpha_low > 0 or base.fastgen is not None:
         raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
                          "with alpha_low = 0 and no FastGen")
-    B, L = len(prompt), len(layer_types)
+    B, L, P = len(prompt), len(layer_types), prompt.shape[1]
     sliding = [t == "sliding_attention" for t in layer_types]
     H = served.rotation.shape[1]
     A = len(ALPHAS)
@@ -224,17 +224,22 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer],
                                   base.tiering.window, sliding[layer])                         # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
+                read_high = high                        # and what the scored queries read in the high tier's format
                 if not sliding[layer]:
                     high[..., :max(S - base.tiering.window, 0)] = True
                     high &= ~held
+                    # every new token is written to the high tier, so a query reads its window there: the tokens
+                    # some scored query (positions P .. S - 1) sees in its window but not as its own
+                    read_high = high.clone()
+                    read_high[..., max(P - base.tiering.window + 1, 0):S - 1] = True
                 # what the layer's format holds at the end: a sliding layer its window, a paged one its held tokens
                 tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(1).sum(-1)) / B
                 high_tokens[layer] += high.double().mean(1).sum(-1) / B
                 if b == 0 and not sliding[layer]:
                     levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base,
                                                      layer, head_dim)
-                add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held, high,
-                                served, base, sliding[layer], head_dim, levels.get(layer))
+                add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held,
+                                read_high, served, base, sliding[layer], head_dim, levels.get(layer))
                 if not sliding[layer]:
                     held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
                     held_by_end[layer][:, b] = held
