@@ -24,8 +24,8 @@ import torch
 
 from kvcal.data import load_corpus, position_offsets, random_token_windows, token_windows
 from kvcal.models import load_model
-from kvcal.profile.calibrate import run_pass
 from kvcal.profile.capture import GramCollector
+from kvcal.profile.passes import run_pass
 from kvcal.profile.rotation import QK_WEIGHTINGS, eig_basis, qk_gram, token_independence, weight_svd_basis
 
 

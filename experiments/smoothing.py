@@ -22,8 +22,8 @@ from kvcal.data import load_corpus, position_offsets, token_windows
 from kvcal.eval import DecodeProbe
 from kvcal.models import load_model
 from kvcal.profile.allocate import PAGE_TOKENS as RESIDUAL_PAGE_TOKENS
-from kvcal.profile.calibrate import key_range_pass
 from kvcal.profile.key_ranges import DEFAULT_PERCENTILE, DEFAULT_WINDOWS, spread_windows
+from kvcal.profile.passes import key_range_pass
 from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage.layout import TierFormat

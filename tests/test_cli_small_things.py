@@ -181,7 +181,8 @@ def test_export_prints_names_and_values_without_a_box(tmp_path):
 
 def test_docs_show_a_bar_for_every_statistics_pass():
     """Every pass `kvcal calibrate` runs gets a bar (`run_pass` reports each by name); docs/cli.md shows them all."""
-    passes = re.findall(r'run_pass\(lm, "([\w-]+)"', (ROOT / "kvcal" / "profile" / "calibrate.py").read_text())
+    code = "".join((ROOT / "kvcal" / "profile" / f).read_text() for f in ("calibrate.py", "passes.py"))
+    passes = re.findall(r'run_pass\(lm, "([\w-]+)"', code)
     assert "key-ranges" in passes and len(passes) == 4
     doc = (ROOT / "docs" / "cli.md").read_text()
     for name in passes:

@@ -136,8 +136,8 @@ def test_ranges_from_the_text_pass_captures_equal_those_of_their_own_pass(tiny_d
     window (a resumed text pass) gives nothing, so the pass runs."""
     from kvcal.data import load_corpus, position_offsets, token_windows
     from kvcal.models import load_model
-    from kvcal.profile.calibrate import QueryKeyTap, key_range_pass, run_pass
     from kvcal.profile.capture import GramCollector
+    from kvcal.profile.passes import QueryKeyTap, key_range_pass, run_pass
 
     lm = load_model(str(tiny_dir), dtype="float32")
     ids = token_windows(lm.tokenizer, load_corpus(str(text_file), "calib"), 5, 64, 0)

@@ -1,8 +1,8 @@
 """`kvcal calibrate`: random-token pass -> calibration-text pass -> rotations, bases, ranks -> bundle.
 
-Each pass streams Gram statistics (kvcal.profile.capture) and checkpoints them after every window into
-`<out>.ckpt/`, keyed by everything that determines them; a rerun with the same settings resumes where the last one
-stopped, and a finished run deletes its checkpoints. The bundle is written atomically.
+Each pass (kvcal.profile.passes) streams Gram statistics (kvcal.profile.capture) and checkpoints them after every
+window into `<out>.ckpt/`, keyed by everything that determines them; a rerun with the same settings resumes where the
+last one stopped, and a finished run deletes its checkpoints. The bundle is written atomically.
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from kvcal.models import (
     tokenizer_hash,
     weights_hash,
 )
-from kvcal.profile.capture import CollectorSet, GramCollector, capturing
+from kvcal.profile.capture import GramCollector
 from kvcal.profile.checkpoint import Checkpoint
 from kvcal.profile.choose import _brief, choose_settings
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
 from kvcal.profile.key_ranges import (
     DEFAULT_PERCENTILE,
     DEFAULT_WINDOWS,
-    KeyRangeCollector,
     spread_windows,
     tail_rows,
 )
+from kvcal.profile.passes import Progress, QueryKeyTap, key_range_pass, run_pass
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
 from kvcal.profile.rotation import (
@@ -60,7 +60,6 @@ from kvcal.profile.rotation import (
     weight_svd_basis,
 )
 from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
-from kvcal.profile.smoothing import QueryAbsMax, smoothing_factors
 from kvcal.runtime.bundle import Bundle, ModelInfo, save_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.files import remove_stale_temps, wait_for_test_barrier
@@ -159,85 +158,8 @@ class CalibrationResult:
 # ---------------------------------------------------------------------------------------------- passes
 
 
-Progress = Callable[[str, int, int], None]   # (pass name, windows done, windows total)
 # (stage, label, point): a step of choosing the settings starts (point None) or ends (kvcal.profile.choose.Progress)
 SearchProgress = Callable[[str, str, Any], None]
-
-
-class QueryKeyTap:
-    """A capture collector that keeps what attention sees of some of a pass's windows: the post-RoPE queries
-    [1, Hq, S, d] and keys [1, H, S, d] of every layer, as the model hands them over (no copy). `run_pass` tells it
-    which window runs (`start`). A statistic that needs the bundle's rotation, known only after the pass, then reads
-    those windows (`captured`) instead of running the model over them again."""
-
-    def __init__(self, windows: list[int]):
-        self.windows, self.window = set(windows), -1
-        self.kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def start(self, window: int) -> None:
-        self.window = window
-
-    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.window in self.windows:
-            self.kept.setdefault(self.window, {})[layer] = (query, key)
-
-    def captured(self, windows: list[int]) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
-        """Each of `windows`' layers' (query, key), or None unless every one of them ran in full (a resumed pass
-        skips the windows its checkpoint holds)."""
-        layers = {len(self.kept.get(w, {})) for w in windows}
-        return [self.kept[w] for w in windows] if len(layers) == 1 and 0 not in layers else None
-
-
-@torch.inference_mode()
-def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[int], collector,
-             checkpoint: Checkpoint | None = None, progress: Progress | None = None,
-             tap: QueryKeyTap | None = None) -> GramCollector:
-    """Forward every window [n, S] at its position offset, feeding `collector` (and `tap`, which is not
-    checkpointed); resumes from `checkpoint`."""
-    done = checkpoint.load(name, collector) if checkpoint else 0
-    n, S = windows.shape
-    if progress:
-        progress(name, done, n)
-    device = lm.model.device
-    if device.type == "meta":          # everything offloaded to disk: accelerate runs the layers on the CPU
-        device = torch.device("cpu")
-    for i in range(done, n):
-        positions = torch.arange(offsets[i], offsets[i] + S)[None]
-        if hasattr(collector, "set_tokens"):          # collectors that need the token ids (FastGen classes)
-            collector.set_tokens(windows[i][None])
-        if tap is not None:
-            tap.start(i)
-        with capturing(lm.model, collector, *([tap] if tap is not None else [])):
-            # logits_to_keep=1: only the captured statistics matter, and [S, vocab] logits cost GBs on big vocabularies
-            lm.model(input_ids=windows[i][None].to(device), position_ids=positions.to(device), use_cache=False,
-                     logits_to_keep=1)
-        if checkpoint:
-            checkpoint.save(name, collector, i + 1)
-        if progress:
-            progress(name, i + 1, n)
-    return collector
-
-
-def key_range_pass(lm: LoadedModel, rotation: torch.Tensor, windows: torch.Tensor, offsets: list[int],
-                   percentile: float, checkpoint: Checkpoint | None = None, progress: Progress | None = None,
-                   captured: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Static key ranges (kvcal.profile.key_ranges) and channel smoothing factors (kvcal.profile.smoothing) of
-    K @ rotation [L, H, d, d] over calibration `windows` [n, S] at their position `offsets`: (low, high, D) float32
-    [L, H, d] each. Both are per column of R, so they come after the eigendecomposition: from the text pass's
-    `captured` queries and keys of these windows (`QueryKeyTap.captured`) where it kept them, else from a pass of
-    their own."""
-    ranges = KeyRangeCollector(lm.adapter, rotation, int(windows.numel()), percentile)
-    queries = QueryAbsMax(lm.adapter, rotation)
-    both = CollectorSet(ranges=ranges, queries=queries)
-    if captured is None:
-        run_pass(lm, "key-ranges", windows, offsets, both, checkpoint, progress)
-    else:
-        for i, layers in enumerate(captured):
-            for layer, (query, key) in layers.items():
-                both.add(layer, query, key, key)
-            if progress:
-                progress("key-ranges", i + 1, len(captured))
-    return (*ranges.ranges(), smoothing_factors(ranges.absmax(), queries.q))
 
 
 def _checkpoint_key(cfg: CalibrationConfig, model_fp: str, w_hash: str, extra: dict) -> str:

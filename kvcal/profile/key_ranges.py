@@ -11,7 +11,7 @@ the fp16 scale and zero outwards (`quant.static_scale_zero`), so that bound hold
 
 Why after the eigendecomposition, not inside the Gram pass: R is known only once the Gram matrices of both passes
 are summed and decomposed, and percentiles of K·R cannot be recovered from second moments. So the calibration-text
-pass keeps the queries and keys of (a few of) its windows (`calibrate.QueryKeyTap`: about 0.1 GB per 1k-token window
+pass keeps the queries and keys of (a few of) its windows (`passes.QueryKeyTap`: about 0.1 GB per 1k-token window
 of a 135M model, 0.2 GB of a 1.5B one) and `KeyRangeCollector` reads them once R is known: the statistics of a pass
 over the same windows at the same positions, bit for bit, without running it. A resumed run whose text pass skipped
 some of them runs that pass. Calibration text, not the search's recorded K: that is held-out text the search
