@@ -1,13 +1,15 @@
 """Where the runtime's check and its gauge part: one bundle's settings on the calibration's evaluation windows.
 
     python experiments/gauge_gap.py --bundle artifacts/smollm2-135m.kvcal.safetensors [--model smollm2-135m]
-        [--windows 4 --prompt 3839 --steps 256] [--json docs/results/gauge-gap-smollm2-135m.json]
+        [--windows 4 --prompt 3839 --steps 256] [--pick 2] [--hull-point N] [--only gauge,runtime]
+        [--json docs/results/gauge-gap-smollm2-135m.json]
 
 The windows, the recorded prompts and the held tokens are the confirmation's (`choose.evaluation_probes`: evaluation
 text, seed + 2, the longest documents first). Measured at the bundle's settings:
 
 - `gauge`: the coded probe over the recorded prompts (what `kvcal calibrate` gauges a point with);
 - `runtime`: the runtime's stepwise check (`DecodeProbe`, what it confirms with);
+- both again with a 16-bit high tier (`gauge (high K16V16)`, `runtime (high K16V16)`): the window is then exact;
 - the runtime with its decode-time seals restricted, to see what the low pages written during decode cost:
   `no decode seals` (tokens that become low during decode stay in the high tier), `prompt tokens only` (the prompt's
   heavy hitters demoted during decode are sealed, the continuation's tokens are not) and `continuation tokens only`.
@@ -23,6 +25,7 @@ import argparse
 import json
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -33,6 +36,7 @@ from kvcal.profile.calibrate import CalibrationConfig
 from kvcal.profile.choose import evaluation_probes
 from kvcal.profile.quality_model import ALPHAS, HIGH, coded_keys
 from kvcal.profile.ranks import ranks_of
+from kvcal.profile.report import report_paths
 from kvcal.runtime.bundle import load_bundle
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.policies.diffkv import DiffKVTiers
@@ -114,6 +118,10 @@ def key_errors(pages: list, config: CompressionConfig, levels: dict) -> dict:
     return {name: e / max(total, 1e-30) for name, e in err.items()} | {"tokens": tokens}
 
 
+ROWS = ("gauge", "runtime", "gauge (high K16V16)", "runtime (high K16V16)", "no decode seals", "prompt tokens only",
+        "continuation tokens only")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -123,39 +131,69 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=3839)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="the calibration's seed (its evaluation windows use seed + 2)")
+    ap.add_argument("--pick", help="comma-separated indices of the evaluation windows to measure (default: all)")
+    ap.add_argument("--hull-point", type=int, help="measure the settings of this hull point from the bundle's report "
+                    "(<bundle>.report.json, its last row with that index) instead of the bundle's own")
+    ap.add_argument("--only", help="comma-separated rows to measure (default: all, then the decode-time page key "
+                    "error, which --only skips), e.g. 'gauge,runtime'")
     ap.add_argument("--json")
     args = ap.parse_args()
+    only = args.only.split(",") if args.only else list(ROWS)
+    if unknown := set(only) - set(ROWS):
+        raise SystemExit(f"--only: no row {sorted(unknown)[0]!r}; the rows are {', '.join(ROWS)}")
     lm = load_model(args.model, dtype="float32")
     model, a, bundle = lm.model, lm.adapter, load_bundle(args.bundle)
     layer_types, P, M = list(a.layer_types), args.prompt, args.steps
     config = CompressionConfig.from_dict(bundle.settings)
-    if "search" not in bundle.calibration:      # calibrated without the search: the allocation's frame, uniform codes
+    if args.hull_point is not None:
+        report = json.loads(report_paths(Path(args.bundle))["json"].read_text())
+        rows = [r for r in report["search"]["path"] if r["index"] == args.hull_point]
+        if not rows:
+            raise SystemExit(f"--hull-point {args.hull_point}: the report measured no such point")
+        config = CompressionConfig.from_dict(rows[-1]["settings"])
+    elif "search" not in bundle.calibration:      # calibrated without the search: the allocation's frame, uniform codes
         config = base_settings(layer_types).with_(low=TierFormat.parse("K4cV4m8"))
     base = base_settings(layer_types)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
     levels = bundle_levels_by_layer(bundle, layer_types, a.num_kv_heads)
     cfg = CalibrationConfig(model=args.model, seed=args.seed, eval_windows=args.windows, search_steps=M)
-    check, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
+    pick = [int(i) for i in args.pick.split(",")] if args.pick else None
+    check, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels, pick)
     gauge.modelled_ratio = lambda costs, allocation: 0.0      # not reported: the runtime's rows count the bytes
     allocation = allocation_of(config, layer_types, a.num_kv_heads)
+    exact_window = config.with_(high=TierFormat(16, 16))
     runs = {
         "gauge": lambda: gauge.measure(None, allocation),
         "runtime": lambda: check.measure(config),
+        "gauge (high K16V16)": lambda: gauge.measure(None, allocation_of(exact_window, layer_types, a.num_kv_heads)),
+        "runtime (high K16V16)": lambda: check.measure(exact_window),
         "no decode seals": lambda: _with(seals_only(lambda pos: torch.zeros_like(pos, dtype=torch.bool)),
                                          lambda: check.measure(config)),
         "prompt tokens only": lambda: _with(seals_only(lambda pos: pos < P), lambda: check.measure(config)),
         "continuation tokens only": lambda: _with(seals_only(lambda pos: pos >= P), lambda: check.measure(config)),
     }
+    assert list(runs) == list(ROWS)
+    runs = {name: run for name, run in runs.items() if name in only}
     rows = []
     for name, run in runs.items():
         t = time.perf_counter()
         fid = run()
         rows.append({"measured": name, "top1": fid.top1, "kl": fid.kl, "ppl_ratio": fid.ppl_ratio,
                      "top1_windows": fid.top1_windows,
-                     "bytes_ratio": None if name == "gauge" else fid.memory["ratio_to_fp16"],
+                     "bytes_ratio": None if name.startswith("gauge") else fid.memory["ratio_to_fp16"],
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
+    errors = None if args.only else decode_page_key_errors(check, config, levels, model)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "bundle": args.bundle, "hull_point": args.hull_point,
+                       "windows": args.windows, "pick": pick, "prompt": P, "steps": M, "rows": rows,
+                       "decode_page_key_error": errors}, f, indent=1)
+
+
+def decode_page_key_errors(check, config: CompressionConfig, levels: dict, model) -> dict:
+    """`key_errors` of the pages the runtime seals while decoding the check's continuation."""
     pages: list = []
     cache = check.replay(config)             # the prefill's pages are written here, outside the capture
     with sealed_pages(pages), torch.inference_mode():
@@ -163,10 +201,7 @@ def main() -> None:
     cache.release()
     errors = key_errors(pages, config, levels)
     print(json.dumps({"decode-time page key error": errors}), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "bundle": args.bundle, "windows": args.windows, "prompt": P, "steps": M,
-                       "rows": rows, "decode_page_key_error": errors}, f, indent=1)
+    return errors
 
 
 def _with(context, run):

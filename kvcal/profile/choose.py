@@ -78,12 +78,14 @@ def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
     return recording
 
 
-def evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict):
+def evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict, pick: list[int] | None = None):
     """The evaluation windows recorded once for both of the confirmation's measurements: (the runtime's stepwise
-    check, `DecodeProbe`; its gauge, the coded probe over the same recorded prompts)."""
+    check, `DecodeProbe`; its gauge, the coded probe over the same recorded prompts). `pick`: only these of them
+    (experiments that look at one document)."""
     a = lm.adapter
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                             P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
+    windows = windows if pick is None else windows[pick]
     held = HeldTokens(lm.model, base, list(a.layer_types), len(windows))
     check = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
                         on_window=release_memory, on_reference=held.capture)
