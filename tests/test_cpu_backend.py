@@ -488,3 +488,50 @@ def _slots(store, b, h, T):
         k = seen[bi, hi] = seen.get((bi, hi), -1) + 1
         out.append(torch.arange(k * T, (k + 1) * T))
     return torch.cat(out)
+
+
+# ---------------------------------------------------------------- the exact block: a window every query sees
+
+
+def exact_inputs(store: CompressedStore, g: int, n: int, prior: int, seed: int = 2):
+    """query [B, H, g, n, r] and an exact block of `prior` window tokens then n new ones, the second sequence's
+    first 3 window tokens left padding."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, r, rv = store.batch, store.num_kv_heads, store.r_k_max[0], store.r_v_max[0]
+    m = prior + n
+    exact_from = torch.tensor([0, 3] + [1] * (B - 2)) if prior >= 3 else None
+    return (torch.randn(B, H, g, n, r, generator=gen), torch.randn(B, H, m, r, generator=gen) * 2,
+            torch.randn(B, H, m, rv, generator=gen), exact_from)
+
+
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
+def test_decode_with_an_exact_window_matches_torch_reference(g, n, track):
+    store = random_store("K8V8", "K4cV2", seed=11 + n)
+    ref = copy.deepcopy(store)
+    q, kx, vx, exact_from = exact_inputs(store, g, n, prior=5)
+    want = TorchBackend.attend(ref, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
+    got = CpuBackend.attend(store, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    assert_same_scores(store, ref)
+
+
+def test_the_reference_exact_block_is_a_softmax_over_what_each_query_sees():
+    """Query i sees every stored token, the window past its sequence's padding, and the new tokens up to its own."""
+    store = random_store("K8V8", "K4cV2", seed=3)
+    q, kx, vx, exact_from = exact_inputs(store, 2, 3, prior=5)
+    stored = copy.deepcopy(store).gather(0)
+    out, score = TorchBackend.attend(store, 0, q, kx, vx, 0.25, exact_from=exact_from)
+    B, H, g, n, _ = q.shape
+    for b in range(B):
+        for h in range(H):
+            live = stored.pos[b, h] >= 0
+            for i in range(n):
+                seen = torch.arange(8) >= int(exact_from[b])
+                seen &= torch.arange(8) <= 5 + i
+                keys = torch.cat([stored.keys[b, h, live], kx[b, h, seen]])
+                values = torch.cat([stored.values[b, h, live], vx[b, h, seen]])
+                p = torch.softmax(q[b, h, :, i] @ keys.T * 0.25, -1)                      # [g, seen]
+                torch.testing.assert_close(out[b, h, :, i], p @ values, **TOL)
+    assert bool((score[1, :, :3] == 0).all()) and bool((score[:, :, 5:] > 0).all())

@@ -275,7 +275,7 @@ def test_signatures_parse_from_the_source(kernel):
 def _decode_buffers(plan, q, vn, track_scores=True):
     B, H, g, n, r = q.shape
     qn, rv = g * n, vn.shape[-1]
-    return dict(out=torch.empty(B, H, g, n, rv), new_score=torch.empty(B, H, n),
+    return dict(out=torch.empty(B, H, g, n, rv), exact_score=torch.empty(B, H, n),
                 logits=torch.empty(plan.num_pages * plan.t_max * qn) if track_scores else None,
                 part_m=torch.empty(plan.num_tasks * qn), part_l=torch.empty(plan.num_tasks * qn),
                 part_acc=torch.empty(plan.num_tasks * qn * rv))
@@ -434,3 +434,29 @@ def test_gpu_cache_writes_match_store_bytes(high, low):
     # fp16 scale may differ by one ulp (and then a code by one) where the fp32 quotient sits on a rounding boundary.
     differ = (mine.arena.arena != ref.arena.arena).float().mean().item()
     assert differ < 1e-3, f"{differ:.2%} of the arena's bytes differ from the torch store's"
+
+
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
+def test_emulated_kernels_serve_an_exact_window(g, n, track):
+    """The exact block (window tokens every query sees, then the new ones; the second sequence's first 3 window
+    tokens left padding), as TorchBackend.attend; the launch packs the window's length and its padding."""
+    store = random_store("K8V8", "K4cV2", seed=21 + n)
+    ref_store = copy.deepcopy(store)
+    gen = torch.Generator().manual_seed(5)
+    B, H, r, rv, m = store.batch, store.num_kv_heads, store.r_k_max[0], store.r_v_max[0], n + 5
+    q = torch.randn(B, H, g, n, r, generator=gen)
+    kx, vx = torch.randn(B, H, m, r, generator=gen) * 2, torch.randn(B, H, m, rv, generator=gen)
+    exact_from = torch.tensor([0, 3])
+    want = TorchBackend.attend(ref_store, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
+    plan = build_decode_plan(store, 0, chunk=2)
+    got = emulate_decode(plan, store.arena.arena, q, kx, vx, 0.25, track, exact_from)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    live = ref_store.gather(0).pos >= 0
+    torch.testing.assert_close(store.gather(0).score[live], ref_store.gather(0).score[live], rtol=1e-5, atol=1e-6)
+    buffers = _decode_buffers(plan, q, vx, track) | {"exact_score": torch.empty(B, H, m)}
+    _, merge = decode_args(plan, store.arena.arena, q, kx, vx, 0.25, track, exact_from=exact_from, **buffers)
+    named = {p.name: v for p, v in zip(merge.params, merge.values)}
+    assert (named["n"], named["m"], named["H"]) == (n, m, H) and named["exact_from"] == exact_from.data_ptr()
+    assert merge_smem(g, n, m) == 4 * g * n * (2 + m)

@@ -27,6 +27,7 @@ import torch
 
 from kvcal.runtime.backends.base import _softmax_attend
 from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.exact_window import ExactWindows, Leaving
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.policies import cache_policies
 from kvcal.runtime.policies.cache_policy import CachePolicy, Prompt, PromptAttention
@@ -119,6 +120,8 @@ class CompressedKV:
                                      page_bytes=config.page_size(d, serve.page_bytes), raw16=raw16,
                                      writer=self.backend if self.backend.writes_cache else None,
                                      key_ranges=key_ranges, low_tracked=config.low_tracked, levels=levels)
+        # each layer's newest tokens at 16 bits outside the pages (kvcal.runtime.exact_window); None: in the pages
+        self.windows = ExactWindows(config.tiering.window, raw16) if config.exact_window else None
         self.length = {layer: 0 for layer in self.layers}          # cache length (padding included)
         self.n_pad = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.recorder: dict | None = None   # set to {} to keep each layer's prefill inputs instead of storing them
@@ -127,6 +130,9 @@ class CompressedKV:
         self.raw: dict[int, RawLayer] = {}                        # layers in the raw phase
         self.raw_tokens = self.auto_raw_tokens() if raw_tokens is None else int(raw_tokens)
         others = [p.name for p in self.policies if p.name != "diffkv"]
+        if config.exact_window and others:
+            raise ValueError(f"an exact window serves DiffKV's tiers only, and {', '.join(others)} evict or place "
+                             "tokens the window would hold; serve them with exact_window=False")
         if self.raw_tokens < 0 or (self.raw_tokens and others):
             # the hand-over tiers the raw tokens without the prompt's own attention, which these policies need
             raise ValueError(f"raw_tokens={raw_tokens}: " + ("give 0 (no raw phase), a positive count, or None (auto)"
@@ -196,9 +202,14 @@ class CompressedKV:
         const = sum(n * (-(-(high or 0) // g.layouts[0].tokens) + 1) * store.page_bytes for g, n in entries)
         limit = min(int(const // (fp16 - rate)) + 2, 1 << 16)
         n = limit
-        while n > 1 and store.pages_estimate(n - 1, high) <= fp16 * (n - 1):
+        while n > 1 and store.pages_estimate(self._paged_tokens(n - 1), high) <= fp16 * self._paged_tokens(n - 1):
             n -= 1
         return n - 1
+
+    def _paged_tokens(self, tokens: int) -> int:
+        """Tokens of a sequence of `tokens` that its pages hold: all but the exact window's (which holds each at 16
+        bits, no more than fp16)."""
+        return max(0, tokens - self.config.tiering.window) if self.windows is not None else tokens
 
     def _fp16_per_token(self) -> int:
         """Bytes per token of one sequence's compressed layers in an fp16 dense cache."""
@@ -206,14 +217,15 @@ class CompressedKV:
         return len(self.layers) * self.store.num_kv_heads * d * 2 * 2
 
     def _high_tokens(self) -> int | None:
-        """Most tokens an entry's high section holds by the layouts' model (`pages_estimate`): the window and, with
-        per-channel low keys, a page of low tokens less one waiting; None: every token (no tiers)."""
+        """Most tokens an entry's high section holds by the layouts' model (`pages_estimate`): the window (unless it
+        is held exact, outside the pages) and, with per-channel low keys, a page of low tokens less one waiting;
+        None: every token (no tiers)."""
         t = self.config.tiering
         if not t.tiered:
             return None
         wait = max(g.layouts[LOW].tokens for gs in self.store.groups.values() for g in gs) - 1 \
             if self.config.low.k_mode == "channel" else 0
-        return t.window + wait
+        return (0 if self.windows is not None else t.window) + wait
 
     def _settled_bytes_per_token(self) -> float:
         """Page bytes per token of one sequence once its tokens settle: the low tier's layouts with tiers, else the
@@ -230,22 +242,25 @@ class CompressedKV:
     def allowance_bytes(self) -> int:
         """The fixed amount by which the bytes this cache holds may exceed an fp16 cache of the same tokens
         (docs/runtime.md): per (sequence, compressed layer, KV head) one page (partly filled pages and heavy hitters
-        beyond `pages_estimate`) and the raw phase's significance buffer (4 bytes per raw token), plus the page tables
-        and counters as made (`CompressedStore.bookkeeping_bytes`) and the bundle's constants (static key scales,
-        calibrated levels: `CompressedStore.fixed_bytes`)."""
+        beyond `pages_estimate`), the raw phase's and the exact window's significance (4 bytes per raw or window
+        token), plus the page tables and counters as made (`CompressedStore.bookkeeping_bytes`) and the bundle's
+        constants (static key scales, calibrated levels: `CompressedStore.fixed_bytes`)."""
         entries = self.batch * len(self.layers) * self.store.num_kv_heads
-        return (entries * (self.store.page_bytes + 4 * self.raw_tokens) + self.store.bookkeeping_bytes()
+        window = self.windows.size if self.windows is not None else 0
+        return (entries * (self.store.page_bytes + 4 * (self.raw_tokens + window)) + self.store.bookkeeping_bytes()
                 + self.store.fixed_bytes())
 
     def raw_bytes(self) -> int:
-        """K/V bytes of the raw phase, at 16 bits per element (as an fp16 cache holds them, whatever the model's
-        dtype: the bench and the search run models in float32 only to measure)."""
-        return sum((r.keys.numel() + r.values.numel()) * 2 for r in self.raw.values())
+        """K/V bytes held at 16 bits outside the pages: the raw phase's (as an fp16 cache holds them, whatever the
+        model's dtype: the bench and the search run models in float32 only to measure) and the exact windows'."""
+        window = self.windows.kv_bytes() if self.windows is not None else 0
+        return sum((r.keys.numel() + r.values.numel()) * 2 for r in self.raw.values()) + window
 
     def raw_score_bytes(self) -> int:
-        """Bytes of the raw phase's significance buffers (`RawLayer.score`): fixed, `raw_tokens` float32 per
-        (sequence, layer, KV head)."""
-        return sum(r.score.numel() * r.score.element_size() for r in self.raw.values())
+        """Bytes of the significance held outside the pages: the raw phase's buffers (`RawLayer.score`, fixed,
+        `raw_tokens` float32 per (sequence, layer, KV head)) and the exact windows' (at most `window` float32)."""
+        window = self.windows.score_bytes() if self.windows is not None else 0
+        return sum(r.score.numel() * r.score.element_size() for r in self.raw.values()) + window
 
     def write_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor, score: torch.Tensor,
                      real: torch.Tensor, statistics: dict | None = None) -> None:
@@ -324,6 +339,9 @@ class CompressedKV:
         for policy in self.policies:
             tier = policy.prefill(layer, tier, prompt)
         k_rot, v_proj = self._project(layer, key, value)
+        if self.windows is not None:              # the newest tokens stay exact; TIER_PRUNED: not written to pages
+            tier = tier.clone()
+            tier[..., n - self.windows.hold(layer, k_rot, v_proj, score):] = TIER_PRUNED
         self._write_prompt(layer, tier, k_rot, v_proj, pos, score, prompt.length)
 
     def _write_prompt(self, layer, tier, k_rot, v_proj, pos, score, length):
@@ -372,17 +390,37 @@ class CompressedKV:
         k_rot, v_proj = self._project(layer, key, value)
         if self.config.tiering.tiered:
             self.store.own_layer(layer)    # the backend adds this step's attention to every stored token's score
-        out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale,
-                                               track_scores=any(p.reads_scores for p in self.policies))
-        start = self.length[layer]
-        b, h = self.every_entry()
+        track, start, windows = any(p.reads_scores for p in self.policies), self.length[layer], self.windows
+        if windows is None:                # every new token enters the high tier at once
+            out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale, track_scores=track)
+            entering, first = Leaving(k_rot, v_proj, new_score), start
+        else:                              # the tokens the new ones push out of the window enter it
+            keys, values, c = windows.block(layer, k_rot, v_proj)
+            out_r, score = self.backend.attend(self.store, layer, q_rot, keys, values, scale, track_scores=track,
+                                               exact_from=windows.exact_from(layer, self.n_pad, start))
+            entering = windows.advance(layer, keys, values, windows.score(layer, n) + score)
+            first = start - windows.size
         for i in range(n):
-            self.store.insert(layer, HIGH, b, h, k_rot[:, :, i].reshape(B * H, -1), v_proj[:, :, i].reshape(B * H, -1),
-                              start + i, new_score[:, :, i].reshape(-1), every_entry=True)
+            if (t := i - (n - entering.count)) >= 0:
+                self._enter_high(layer, entering, t, first + i)
             self.length[layer] = start + i + 1
             for policy in self.policies:
                 policy.decode(layer)
         return per_head_matmul(out_r.reshape(B, H, g * n, -1), self.basis_t[layer])
+
+    def _enter_high(self, layer: int, tokens: Leaving, t: int, pos: int) -> None:
+        """Token t of `tokens` (at position `pos` in every sequence) enters the high tier of every entry; a
+        sequence's left padding (out of a window) enters nothing."""
+        B, H = self.batch, self.store.num_kv_heads
+        b, h = self.every_entry()
+        k, v = tokens.keys[:, :, t].reshape(B * H, -1), tokens.values[:, :, t].reshape(B * H, -1)
+        s = tokens.score[:, :, t].reshape(-1)
+        if self.windows is None or pos >= int(self.n_pad.max()):
+            self.store.insert(layer, HIGH, b, h, k, v, pos, s, every_entry=True)
+            return
+        real = (self.n_pad <= pos)[b]
+        if bool(real.any()):
+            self.store.insert(layer, HIGH, b[real], h[real], k[real], v[real], pos, s[real])
 
     # --------------------------------------------------------------------------------------------- beams, crop
 
@@ -394,6 +432,8 @@ class CompressedKV:
             raise ValueError(f"batch index must be a non-empty 1-D tensor of rows in [0, {self.batch}), got "
                              f"{index.tolist() if index.numel() <= 16 else tuple(index.shape)}")
         freed = self.store.select(index)
+        if self.windows is not None:
+            self.windows.select(index)
         for layer, r in self.raw.items():
             self.raw[layer] = RawLayer(r.keys[index], r.values[index], r.real[index], r.score[index])
         self.batch = len(index)
@@ -414,7 +454,8 @@ class CompressedKV:
         for layer in self.layers:
             if layer in self.raw:
                 continue
-            why = self.store.crop_check(layer, keep, self.n_pad, self.length[layer])
+            held = self.windows.layers[layer].count if self.windows is not None else 0   # the pages end before it
+            why = self.store.crop_check(layer, keep, self.n_pad, self.length[layer] - held)
             if why is not None:
                 raise ValueError(f"cannot crop the cache to {keep} tokens: {why}; crop fewer tokens, or serve "
                                  "without tiers and eviction (e.g. CompressionConfig.none())")
@@ -426,6 +467,8 @@ class CompressedKV:
                 self.raw[layer] = RawLayer(r.keys[:, :, :keep], r.values[:, :, :keep], r.real[:, :keep], r.score)
             else:
                 freed += self.store.crop(layer, keep)
+                if self.windows is not None:
+                    self.windows.crop(layer, self.length[layer] - keep)
             self.length[layer] = keep
         for policy in self.policies:
             policy.crop(keep)
@@ -443,8 +486,14 @@ class CompressedKV:
                 continue
             for side, name in ((HIGH, "high"), (LOW, "low")):
                 counts[name] += int((self.store.section_meta(layer, side, b, h)[1] >= 0).sum())
+            if self.windows is not None and layer in self.windows.layers:     # the exact window: counted high
+                first = self.length[layer] - self.windows.layers[layer].count
+                real = (torch.arange(first, self.length[layer], device=self.device) >= self.n_pad[:, None]).sum()
+                counts["high"] += int(real) * self.store.num_kv_heads
         return counts
 
     def release(self) -> int:
         self.raw.clear()
+        if self.windows is not None:
+            self.windows.clear()
         return self.store.release()

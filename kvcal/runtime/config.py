@@ -23,6 +23,8 @@ order:
     sliding_layers    {layer: str}  format of these sliding-window layers instead of `sliding`; absent = `sliding`
     sliding_recent    int    newest tokens each quantized sliding-window layer keeps at 16 bits; written only when > 0
     smooth            bool   channel smoothing (bundle `qk.smoothing`: keys / D, queries * D); written only when true
+    exact_window      bool   the `window` newest tokens of each paged layer held at 16 bits outside the pages and read
+                             exactly (kvcal.runtime.exact_window); written only when true
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -42,7 +44,7 @@ from kvcal.runtime.storage.layout import TierFormat, check_sliding_format, defau
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
-                 "low_heads", "sliding_layers", "sliding_recent", "smooth")
+                 "low_heads", "sliding_layers", "sliding_recent", "smooth", "exact_window")
 @dataclass(frozen=True)
 class CompressionConfig:
     """Runtime settings. `CompressionConfig.none()` stores everything exactly (for checks against dense)."""
@@ -72,6 +74,10 @@ class CompressionConfig:
     # (layer, format) pairs, ascending by layer: these sliding-window layers in `format` instead of `sliding`
     sliding_layers: tuple[tuple[int, TierFormat], ...] = ()
     sliding_recent: int = 0       # newest tokens a quantized sliding-window layer keeps unquantized (KIVI's residual)
+    # the `tiering.window` newest tokens of each paged layer at 16 bits outside the pages, read exactly; a token enters
+    # the high tier when it leaves the window (kvcal.runtime.exact_window). False: every new token is written to the
+    # high tier's pages, so a quantized high tier also codes each query's nearest predecessors
+    exact_window: bool = False
 
     def __post_init__(self):
         for *where, fmt in (*self.low_layers, *self.low_heads):
@@ -200,6 +206,8 @@ class CompressionConfig:
             out["sliding_recent"] = self.sliding_recent
         if self.smooth:
             out["smooth"] = True
+        if self.exact_window:
+            out["exact_window"] = True
         return out
 
     @classmethod
@@ -221,6 +229,7 @@ class CompressionConfig:
                        low_heads=_head_formats(d.get("low_heads", {})),
                        sliding_layers=_layer_formats(d.get("sliding_layers", {})),
                        sliding_recent=d.get("sliding_recent", 0), smooth=bool(d.get("smooth")),
+                       exact_window=bool(d.get("exact_window")),
                        **policies)
 
 

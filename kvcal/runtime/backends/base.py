@@ -5,17 +5,20 @@ Contract (shapes; g = query heads per KV head, n = new tokens, r = stored key ra
 
     prefill(query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, d], mask [B, n, n] bool causal, scale)
         -> out [B, H, g, n, d], score [B, H, n]
-    attend(store, layer, query [B, H, g, n, r], new_keys [B, H, n, r], new_values [B, H, n, r_v], scale,
-           track_scores=True)
-        -> out [B, H, g, n, r_v], new_score [B, H, n]
+    attend(store, layer, query [B, H, g, n, r], exact_keys [B, H, m, r], exact_values [B, H, m, r_v], scale,
+           track_scores=True, exact_from=None)
+        -> out [B, H, g, n, r_v], exact_score [B, H, m]
 
 `prefill` runs on uncompressed K/V (compression happens when the cache is written, as in DiffKV). `score` is each
 key's significance: the sum over queries of the attention probability it received, max over the g query heads. It
 computes the probabilities in row blocks (`prompt_rows`, `prompt_probs`), each only as wide as its rows can see: the
 mask is causal, so the keys after a block's last row get nothing.
-`attend` runs one softmax over every token the store retains (both tiers) plus the n new tokens, which attend to
-each other causally. It adds the probabilities the stored tokens received to their scores in the store, and returns
-the new tokens' own scores (with `track_scores=False`, when no token policy reads them, it does neither). The
+`attend` runs one softmax over every token the store retains (both tiers) plus the m tokens of the exact block: the
+tokens held exact outside the pages (m - n of them, the exact window: kvcal.runtime.exact_window), then the n new
+tokens. Exact token j is visible to new token i when exact_from[b] <= j <= m - n + i (exact_from int64 [B], the left
+padding of each sequence; None: 0). It adds the probabilities the stored tokens received to their scores in the
+store, and returns the exact tokens' own (summed over the new tokens, max over g; with `track_scores=False`, when no
+token policy reads them, it does neither). The
 softmax scale is the model's (1/sqrt(d) of the original head dim), because the rotated, truncated product
 approximates the original logits.
 
@@ -90,7 +93,7 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True): ...
+    def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None): ...
 
     @staticmethod
     def low_pages_due(store, layer: int, n_pad: torch.Tensor, length: int, tiering) -> bool:
@@ -98,6 +101,15 @@ class AttentionBackend(ABC):
         `DiffKVTiers._seal_pending`, n_pad [B], length: the cache length, tiering: its `TieringConfig`). False only
         when none does, so the policy skips its check; the default cannot tell without that check."""
         return True
+
+
+def exact_visible(B: int, n: int, m: int, exact_from: torch.Tensor | None, device) -> torch.Tensor:
+    """Which exact tokens each new token sees (the `attend` contract): bool [B, n, m]."""
+    j = torch.arange(m, device=device)
+    seen = j[None, :] <= (m - n + torch.arange(n, device=device))[:, None]                   # [n, m]
+    if exact_from is None:
+        return seen[None].expand(B, n, m)
+    return seen[None] & (j[None, None, :] >= exact_from.to(device)[:, None, None])
 
 
 def _probs(query, keys, allowed, scale):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.runtime.backends.base import AttentionBackend, _softmax_attend, prompt_probs, prompt_rows
+from kvcal.runtime.backends.base import AttentionBackend, _softmax_attend, exact_visible, prompt_probs, prompt_rows
 
 
 class TorchBackend(AttentionBackend):
@@ -32,19 +32,19 @@ class TorchBackend(AttentionBackend):
         return out, score
 
     @staticmethod
-    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
+    def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None):
         if track_scores:
             store.own_layer(layer)          # before the gather: the scores are written back to the pages it read
         stored = store.gather(layer)
         B, H, g, n, _ = query.shape
-        S = stored.pos.shape[-1]
-        keys = torch.cat([stored.keys, new_keys.float()], dim=2)                    # [B, H, S + n, r]
-        values = torch.cat([stored.values, new_values.float()], dim=2)
-        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        S, m = stored.pos.shape[-1], exact_keys.shape[2]
+        keys = torch.cat([stored.keys, exact_keys.float()], dim=2)                  # [B, H, S + m, r]
+        values = torch.cat([stored.values, exact_values.float()], dim=2)
         allowed = torch.cat([(stored.pos >= 0)[:, :, None, None, :].expand(B, H, 1, n, S),
-                             causal.expand(B, H, 1, n, n)], dim=-1)
+                             exact_visible(B, n, m, exact_from, query.device)[:, None, None].expand(B, H, 1, n, m)],
+                            dim=-1)
         out, probs = _softmax_attend(query, keys, values, allowed, scale)
         if not track_scores:
-            return out, torch.zeros(B, H, n, device=query.device)
+            return out, torch.zeros(B, H, m, device=query.device)
         store.add_scores(layer, stored, probs[..., :S].sum(dim=2))
         return out, probs[..., S:].sum(dim=2)

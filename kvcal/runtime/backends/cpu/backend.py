@@ -2,7 +2,7 @@
 
     attend   one call per layer into csrc/paged_attention.cpp `kvcal_decode`: it walks the layer's page tables
              itself, dequantizes a page at a time into a small buffer (no dequantized K/V of the layer ever exists),
-             runs an online softmax split over page chunks (OpenMP threads), merges the chunks with the new tokens,
+             runs an online softmax split over page chunks (OpenMP threads), merges the chunks with the exact block,
              and adds each stored token's probability to its score in the page in the same call.
     write    `kvcal_write`: quantize + pack + write the new tokens (per-token formats), bit for bit what
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
@@ -191,19 +191,23 @@ class CpuBackend(AttentionBackend):
     prefill = staticmethod(flash_prefill)
 
     @staticmethod
-    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True):
-        """As TorchBackend.attend. query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, rv]."""
+    def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None):
+        """As TorchBackend.attend. query [B, H, g, n, r]; exact_keys [B, H, m, r]; exact_values [B, H, m, rv];
+        exact_from int64 [B] or None."""
         B, H, g, n, r = query.shape
-        rv = new_values.shape[-1]
-        query, new_keys, new_values = (t.float().contiguous() for t in (query, new_keys, new_values))
+        m, rv = exact_keys.shape[2], exact_values.shape[-1]
+        query, exact_keys, exact_values = (t.float().contiguous() for t in (query, exact_keys, exact_values))
+        if exact_from is not None:
+            exact_from = exact_from.to(torch.int64).contiguous()
         out = torch.empty(B, H, g, n, rv)
-        new_score = torch.empty(B, H, n)
-        rc = load_library().kvcal_decode(*_layer_args(store, layer), _ptr(query), _ptr(new_keys), _ptr(new_values),
-                                         g, n, r, rv, float(scale), int(track_scores), torch.get_num_threads(),
-                                         GRAIN, _ptr(out), _ptr(new_score), _levels_ptr(store, layer))
+        exact_score = torch.empty(B, H, m)
+        rc = load_library().kvcal_decode(*_layer_args(store, layer), _ptr(query), _ptr(exact_keys),
+                                         _ptr(exact_values), _ptr(exact_from), g, n, m, r, rv, float(scale),
+                                         int(track_scores), torch.get_num_threads(), GRAIN, _ptr(out),
+                                         _ptr(exact_score), _levels_ptr(store, layer))
         if rc != 0:
             raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
-        return out, new_score
+        return out, exact_score
 
     @staticmethod
     def low_pages_due(store, layer, n_pad, length, tiering) -> bool:

@@ -125,9 +125,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_desc_ints.argtypes = []
     lib.kvcal_decode.restype = i32
     lib.kvcal_decode.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
-                                 p, p, p, i64, i64, i64, i64, f32, i32, i32,   # query .. threads
+                                 p, p, p, p, i64, i64, i64, i64, i64, f32,     # query .. scale
+                                 i32, i32,                                      # track_scores, threads
                                  i64,                                           # grain
-                                 p, p, p]                                       # out, new_score, luts
+                                 p, p, p]                                       # out, exact_score, luts
     lib.kvcal_write.restype = i32
     lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes
                                 i32, i64, p, p, p, p, i64, p, i64, p, p, p, p]  # side .. bad_value, luts

@@ -1,7 +1,7 @@
 """CudaBackend: decode attention and cache writes on the compressed page arena with NVRTC-built kernels.
 
     attend   build_decode_plan (plan.py) -> decode_split (one block per task: <= `chunk` pages of one (sequence, KV
-             head), longest first) -> decode_merge (one block per item: partials + new tokens, out, fused scores).
+             head), longest first) -> decode_merge (one block per item: partials + exact block, out, fused scores).
     prefill  the torch reference math: prefill runs on the uncompressed K/V of the prompt (compression happens
              when the cache is written), where dense attention is already what torch does well.
     write / write_pages   the cache writes (`writes_cache`): a CompressedStore made with this backend as its
@@ -44,18 +44,19 @@ def split_smem(r: int, t_max: int) -> int:
     return 4 * (QT * r + QT * t_max + t_max)
 
 
-def merge_smem(g: int, n: int) -> int:
-    """decode_merge dynamic shared memory: M, 1/L [g * n] and new-token probabilities [g * n, n] floats."""
-    return 4 * g * n * (2 + n)
+def merge_smem(g: int, n: int, m: int | None = None) -> int:
+    """decode_merge dynamic shared memory: M, 1/L [g * n] and exact-token probabilities [g * n, m] floats (m = n:
+    no window)."""
+    return 4 * g * n * (2 + (n if m is None else m))
 
 
-def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, new_keys: torch.Tensor,
-                new_values: torch.Tensor, scale: float, track_scores: bool, *, out: torch.Tensor,
-                new_score: torch.Tensor, logits: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor,
-                part_acc: torch.Tensor) -> tuple[PackedArgs, PackedArgs]:
+def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, exact_keys: torch.Tensor,
+                exact_values: torch.Tensor, scale: float, track_scores: bool, *, out: torch.Tensor,
+                exact_score: torch.Tensor, logits: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor,
+                part_acc: torch.Tensor, exact_from: torch.Tensor | None = None) -> tuple[PackedArgs, PackedArgs]:
     """Packed arguments of (decode_split, decode_merge); shapes as in the .cu. Pure host code (CPU-testable)."""
     B, H, g, n, r = query.shape
-    rv = new_values.shape[-1]
+    m, rv = exact_keys.shape[2], exact_values.shape[-1]
     qn = g * n
     flat = arena.view(-1)
     split = pack_args(signature("decode_split"), [
@@ -63,8 +64,8 @@ def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, new_
         plan.task_end, query, logits, part_m, part_l, part_acc, qn, r, rv, plan.t_max, float(scale)])
     merge = pack_args(signature("decode_merge"), [
         flat, plan.descs, plan.page_off, plan.page_desc, plan.page_fill, plan.item_page_start,
-        plan.item_task_start, plan.item_tasks, part_m, part_l, part_acc, logits, query, new_keys, new_values,
-        out, new_score, g, n, r, rv, plan.t_max, float(scale), int(track_scores)])
+        plan.item_task_start, plan.item_tasks, part_m, part_l, part_acc, logits, query, exact_keys, exact_values,
+        exact_from, out, exact_score, g, n, m, H, r, rv, plan.t_max, float(scale), int(track_scores)])
     return split, merge
 
 
@@ -132,26 +133,30 @@ class CudaBackend(AttentionBackend):
     prefill = staticmethod(TorchBackend.prefill)
 
     @staticmethod
-    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True, *, chunk: int | None = None):
-        """As TorchBackend.attend. query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, rv]."""
+    def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None, *,
+               chunk: int | None = None):
+        """As TorchBackend.attend. query [B, H, g, n, r]; exact_keys [B, H, m, r]; exact_values [B, H, m, rv];
+        exact_from int64 [B] or None."""
         dev = query.device
         B, H, g, n, r = query.shape
-        rv = new_values.shape[-1]
+        m, rv = exact_keys.shape[2], exact_values.shape[-1]
         plan = build_decode_plan(store, layer, chunk=chunk, target_blocks=2 * _sm_count(dev.index or 0))
-        query, new_keys, new_values = (t.float().contiguous() for t in (query, new_keys, new_values))
+        query, exact_keys, exact_values = (t.float().contiguous() for t in (query, exact_keys, exact_values))
+        if exact_from is not None:
+            exact_from = exact_from.to(device=dev, dtype=torch.int64).contiguous()
         qn = g * n
         out = torch.empty(B, H, g, n, rv, device=dev)
-        new_score = torch.empty(B, H, n, device=dev)
+        exact_score = torch.empty(B, H, m, device=dev)
         logits = torch.empty(plan.num_pages * plan.t_max * qn, device=dev) if track_scores else None
         part_m = torch.empty(plan.num_tasks * qn, device=dev)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(plan.num_tasks * qn * rv, device=dev)
-        split, merge = decode_args(plan, store.arena.arena, query, new_keys, new_values, scale, track_scores,
-                                   out=out, new_score=new_score, logits=logits, part_m=part_m, part_l=part_l,
-                                   part_acc=part_acc)
+        split, merge = decode_args(plan, store.arena.arena, query, exact_keys, exact_values, scale, track_scores,
+                                   out=out, exact_score=exact_score, logits=logits, part_m=part_m, part_l=part_l,
+                                   part_acc=part_acc, exact_from=exact_from)
         _launch("decode_split", plan.num_tasks, THREADS, split, split_smem(r, plan.t_max))
-        _launch("decode_merge", B * H, THREADS, merge, merge_smem(g, n))
-        return out, new_score
+        _launch("decode_merge", B * H, THREADS, merge, merge_smem(g, n, m))
+        return out, exact_score
 
     # ------------------------------------------------------------------------------------------------- writes
 

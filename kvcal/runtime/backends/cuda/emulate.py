@@ -3,7 +3,7 @@
 This is how the plan, the descriptor offsets and the split-K / merge arithmetic are checked without a GPU: the
 emulator reads pages only through the descriptor table and the plan (never through PageLayout or the store), runs
 the split pass task by task with the kernel's online-softmax recurrences (m, l, acc with the same -inf guards),
-merges the partials with the new tokens as decode_merge does, and adds the fused score deltas into the arena. Tests
+merges the partials with the exact block as decode_merge does, and adds the fused score deltas into the arena. Tests
 compare it with TorchBackend.attend. It mirrors the kernels' arithmetic, not their thread mapping, and it does not
 execute the CUDA C++: the .cu files are only compiled on machines without a GPU.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcal.runtime.backends.base import exact_visible
 from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.pages import LOW
 
@@ -63,13 +64,14 @@ def _exp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(a == _NEG_INF, 0.0, torch.exp(a - torch.where(b == _NEG_INF, 0.0, b)))
 
 
-def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, new_keys: torch.Tensor,
-                   new_values: torch.Tensor, scale: float, track_scores: bool = True):
+def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, exact_keys: torch.Tensor,
+                   exact_values: torch.Tensor, scale: float, track_scores: bool = True,
+                   exact_from: torch.Tensor | None = None):
     """decode_split + decode_merge on the CPU. arena uint8 [num_pages, page_bytes] (scores updated in place);
-    query [B, H, g, n, r]; new_keys [B, H, n, r]; new_values [B, H, n, rv]. Returns out [B, H, g, n, rv] and
-    new_score [B, H, n], as TorchBackend.attend."""
+    query [B, H, g, n, r]; exact_keys [B, H, m, r]; exact_values [B, H, m, rv]; exact_from int64 [B] or None.
+    Returns out [B, H, g, n, rv] and exact_score [B, H, m], as TorchBackend.attend."""
     B, H, g, n, r = query.shape
-    rv = new_values.shape[-1]
+    m_exact, rv = exact_keys.shape[2], exact_values.shape[-1]
     W, qn = B * H, g * n
     flat = arena.view(-1)
     q = query.reshape(W, qn, r).float() * scale                                           # pre-scaled rows
@@ -103,23 +105,24 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, n
             m = m_new
         part_m[task], part_l[task], part_acc[task] = m, l, acc
 
-    # ---- decode_merge: partials + new tokens, then the fused score update
+    # ---- decode_merge: partials + the exact block, then the fused score update
     out = torch.zeros(W, qn, rv)
-    new_score = torch.zeros(W, n)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()                                     # [ni, i]: i <= ni
-    kn, vn = new_keys.reshape(W, n, r).float(), new_values.reshape(W, n, rv).float()
+    exact_score = torch.zeros(W, m_exact)
+    visible = exact_visible(B, n, m_exact, exact_from, "cpu")                             # [B, ni, i]
+    kn, vn = exact_keys.reshape(W, m_exact, r).float(), exact_values.reshape(W, m_exact, rv).float()
     for item in range(W):
         tasks = plan.item_tasks[int(plan.item_task_start[item]):int(plan.item_task_start[item + 1])].long()
-        x_new = (q[item] @ kn[item].T).view(g, n, n).masked_fill(~causal, _NEG_INF).view(qn, n)
+        x_new = (q[item] @ kn[item].T).view(g, n, m_exact).masked_fill(~visible[item // H], _NEG_INF)
+        x_new = x_new.view(qn, m_exact)
         M = torch.maximum(part_m[tasks].amax(0) if len(tasks) else torch.full((qn,), _NEG_INF), x_new.amax(1))
         w = _exp_diff(part_m[tasks], M)                                                    # [s, qn]
         e_new = _exp_diff(x_new, M[:, None])
         Linv = 1.0 / ((part_l[tasks] * w).sum(0) + e_new.sum(1))
-        p_new = e_new * Linv[:, None]                                                      # [qn, n]
+        p_new = e_new * Linv[:, None]                                                      # [qn, m]
         out[item] = (part_acc[tasks] * w[..., None]).sum(0) * Linv[:, None] + p_new @ vn[item]
         if not track_scores:
             continue
-        new_score[item] = p_new.view(g, n, n).amax(0).sum(0)
+        exact_score[item] = p_new.view(g, n, m_exact).amax(0).sum(0)
         for p in range(int(plan.item_page_start[item]), int(plan.item_page_start[item + 1])):
             D, page, fill = page_of(p)
             if D["score_off"] < 0:                                                         # untracked: no scores
@@ -129,7 +132,7 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, n
             delta = prob.view(fill, g, n).amax(1).sum(1)
             score = page[D["score_off"]:D["score_off"] + 4 * fill].view(torch.float32)    # a view into the arena
             score += torch.where(valid, delta, 0.0)
-    return out.view(B, H, g, n, rv), new_score.view(B, H, n)
+    return out.view(B, H, g, n, rv), exact_score.view(B, H, m_exact)
 
 
 def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
@@ -194,9 +197,11 @@ class EmulatedCudaBackend(CudaBackend):
         return [] if torch.device(device).type == "cpu" else [f"the emulation runs on the CPU, not `{device}`"]
 
     @staticmethod
-    def attend(store, layer, query, new_keys, new_values, scale, track_scores=True, *, chunk: int | None = None):
+    def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None, *,
+               chunk: int | None = None):
         plan = build_decode_plan(store, layer, chunk=chunk)
-        return emulate_decode(plan, store.arena.arena, query, new_keys, new_values, scale, track_scores)
+        return emulate_decode(plan, store.arena.arena, query, exact_keys, exact_values, scale, track_scores,
+                              exact_from)
 
     @staticmethod
     def write(store, layer, side, b, h, slot, keys, values, pos, score) -> None:

@@ -7,7 +7,8 @@
 // decode: one layer, W = B * H items (item = b * H + h), qn = g * n query rows per item (row = gi * n + i).
 //   split  tasks of up to `chunk` pages of one item, in parallel: online softmax (m, l, acc) over their pages,
 //          logits kept per page for the score pass.
-//   merge  per item: partials + the n new tokens (causal among themselves) -> out, the new tokens' scores, and
+//   merge  per item: partials + the m exact tokens (the window, every query sees; then the n new tokens, causal
+//          among themselves) -> out, the exact tokens' scores, and
 //          score += sum over the n queries of max over g of each stored token's probability, in the page.
 // write: per-token formats, one token per (b, h, slot) request; quantization is kvcal.runtime.quant's, bit for bit
 //   (fp32 min/max, scale and zero rounded to fp16 first, or their 8-bit codes (meta8_encode) for `meta8` formats,
@@ -450,9 +451,9 @@ int kvcal_desc_ints() { return DESC_INTS; }
 // Returns 0, or -1 when a page the fill counts promise is missing from the page table.
 int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
                  const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
-                 int64_t page_bytes, const float* query, const float* new_keys, const float* new_values, int64_t g,
-                 int64_t n, int64_t r, int64_t rv, float scale, int track_scores, int threads, int64_t grain,
-                 float* out, float* new_score, const float* luts) {
+                 int64_t page_bytes, const float* query, const float* exact_keys, const float* exact_values,
+                 const int64_t* exact_from, int64_t g, int64_t n, int64_t m, int64_t r, int64_t rv, float scale,
+                 int track_scores, int threads, int64_t grain, float* out, float* exact_score, const float* luts) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H, qn = g * n;
@@ -584,15 +585,16 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < W; ++w) {
             const float* q = query + w * qn * r;
-            const float* kn = new_keys + w * n * r;
-            const float* vn = new_values + w * n * rv;
-            std::vector<float> M(qn), Linv(qn), xn(qn * n), pr(qn * t_max);
+            const float* kn = exact_keys + w * m * r;
+            const float* vn = exact_values + w * m * rv;
+            const int64_t from = exact_from ? exact_from[w / H] : 0, prior = m - n;
+            std::vector<float> M(qn), Linv(qn), xn(qn * m), pr(qn * t_max);
             for (int64_t row = 0; row < qn; ++row) {
-                const int64_t i = row % n;                            // the row's own new token
+                const int64_t last = prior + row % n;                 // the row's own token in the exact block
                 float mx = NEG_INF;
-                for (int64_t j = 0; j < n; ++j) {
-                    xn[row * n + j] = j <= i ? dot(q + row * r, kn + j * r, (int)r) * scale : NEG_INF;
-                    mx = std::max(mx, xn[row * n + j]);
+                for (int64_t j = 0; j < m; ++j) {
+                    xn[row * m + j] = j >= from && j <= last ? dot(q + row * r, kn + j * r, (int)r) * scale : NEG_INF;
+                    mx = std::max(mx, xn[row * m + j]);
                 }
                 for (int64_t task = item_task[w]; task < item_task[w + 1]; ++task)
                     mx = std::max(mx, part_m[task * qn + row]);
@@ -606,9 +608,9 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                     const float* a = &part_acc[(task * qn + row) * rv];
                     for (int64_t c = 0; c < rv; ++c) o[c] += a[c] * s;
                 }
-                for (int64_t j = 0; j <= i; ++j) {
-                    const float e = exp_diff(xn[row * n + j], mx);
-                    xn[row * n + j] = e;
+                for (int64_t j = from; j <= last; ++j) {
+                    const float e = exp_diff(xn[row * m + j], mx);
+                    xn[row * m + j] = e;
                     L += e;
                     for (int64_t c = 0; c < rv; ++c) o[c] += e * vn[j * rv + c];
                 }
@@ -618,20 +620,20 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 Linv[row] = inv;
             }
             if (!track_scores) {
-                for (int64_t j = 0; j < n; ++j) new_score[w * n + j] = 0.f;
+                for (int64_t j = 0; j < m; ++j) exact_score[w * m + j] = 0.f;
                 continue;
             }
-            for (int64_t j = 0; j < n; ++j) {                         // new token j: sum over i of max over g
+            for (int64_t j = 0; j < m; ++j) {                         // exact token j: sum over i of max over g
                 float s = 0.f;
-                for (int64_t i = j; i < n; ++i) {
+                for (int64_t i = std::max<int64_t>(0, j - prior); i < n && j >= from; ++i) {
                     float best = 0.f;
                     for (int64_t gi = 0; gi < g; ++gi) {
                         const int64_t row = gi * n + i;
-                        best = std::max(best, xn[row * n + j] * Linv[row]);
+                        best = std::max(best, xn[row * m + j] * Linv[row]);
                     }
                     s += best;
                 }
-                new_score[w * n + j] = s;
+                exact_score[w * m + j] = s;
             }
             for (int64_t p = item_start[w]; p < item_start[w + 1]; ++p) {
                 const PageRef& ref = pages[p];

@@ -10,8 +10,9 @@
 //
 //   decode_split  grid = n_tasks, block = THREADS. One task: online softmax over its pages, for every query row,
 //                 -> partial (m, l, acc[r_v]) per (task, row); logits of every slot go to the `logits` scratch.
-//   decode_merge  grid = n_items, block = THREADS. Combines the item's partials with the n new tokens (causal among
-//                 themselves), writes out [item, g, n, rv] and the new tokens' scores, then adds to every stored
+//   decode_merge  grid = n_items, block = THREADS. Combines the item's partials with the m exact tokens (the window,
+//                 which every query sees, then the n new tokens, causal among themselves), writes out [item, g, n, rv]
+//                 and the exact tokens' scores, then adds to every stored
 //                 token's score its probability (sum over n of the max over g), read back from `logits`.
 //
 // Query rows are pre-scaled by `scale`. Everything is fp32; dequantization is bit-exact with kvcal.runtime.quant.
@@ -173,51 +174,53 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_merge(
     const float* __restrict__ part_m, const float* __restrict__ part_l, const float* __restrict__ part_acc,
     const float* __restrict__ logits,            // [P, t_max, qn]
     const float* __restrict__ query,             // [W, g, n, r]
-    const float* __restrict__ new_keys,          // [W, n, r]
-    const float* __restrict__ new_values,        // [W, n, rv]
+    const float* __restrict__ exact_keys,        // [W, m, r]: the window, then the n new tokens
+    const float* __restrict__ exact_values,      // [W, m, rv]
+    const long long* __restrict__ exact_from,    // [B] first visible exact token (left padding before), or null
     float* __restrict__ out,                     // [W, g, n, rv]
-    float* __restrict__ new_score,               // [W, n]
-    int g, int n, int r, int rv, int t_max, float scale, int track_scores)
+    float* __restrict__ exact_score,             // [W, m]
+    int g, int n, int m, int H, int r, int rv, int t_max, float scale, int track_scores)
 {
     extern __shared__ float smem[];
-    const int qn = g * n;
+    const int qn = g * n, prior = m - n;
     float* M = smem;                             // [qn] final max
     float* Linv = M + qn;                        // [qn] 1 / final sum
-    float* p_new = Linv + qn;                    // [qn, n] probabilities of the new tokens
+    float* p_new = Linv + qn;                    // [qn, m] probabilities of the exact tokens
     __shared__ PageDesc L;
 
     const int item = blockIdx.x, tid = threadIdx.x;
     const int t0 = item_task_start[item], t1 = item_task_start[item + 1];
+    const int from = exact_from ? (int)exact_from[item / H] : 0;
 
-    // 1. per row: max and sum over the item's partials and the new tokens it may see (i <= ni)
+    // 1. per row: max and sum over the item's partials and the exact tokens it may see (from <= i <= prior + ni)
     for (int j = tid; j < qn; j += THREADS) {
-        const int ni = j % n;
+        const int last = prior + j % n;
         const float* q = query + ((long long)item * qn + j) * r;
-        float m = NEG_INF;
-        for (int s = t0; s < t1; ++s) m = fmaxf(m, part_m[(long long)item_tasks[s] * qn + j]);
-        for (int i = 0; i < n; ++i) {
+        float mx = NEG_INF;
+        for (int s = t0; s < t1; ++s) mx = fmaxf(mx, part_m[(long long)item_tasks[s] * qn + j]);
+        for (int i = 0; i < m; ++i) {
             float x = NEG_INF;
-            if (i <= ni) {
-                const float* k = new_keys + ((long long)item * n + i) * r;
+            if (i >= from && i <= last) {
+                const float* k = exact_keys + ((long long)item * m + i) * r;
                 x = 0.f;
                 for (int d = 0; d < r; ++d) x += (q[d] * scale) * k[d];
             }
-            p_new[j * n + i] = x;
-            m = fmaxf(m, x);
+            p_new[j * m + i] = x;
+            mx = fmaxf(mx, x);
         }
-        float l = 0.f;                           // m is finite: the diagonal new token is always visible
+        float l = 0.f;                           // mx is finite: the row's own token is always visible
         for (int s = t0; s < t1; ++s) {
             const long long ts = (long long)item_tasks[s] * qn + j;
-            l += part_l[ts] * exp_diff(part_m[ts], m);
+            l += part_l[ts] * exp_diff(part_m[ts], mx);
         }
-        for (int i = 0; i < n; ++i) {
-            const float e = exp_diff(p_new[j * n + i], m);
-            p_new[j * n + i] = e;
+        for (int i = 0; i < m; ++i) {
+            const float e = exp_diff(p_new[j * m + i], mx);
+            p_new[j * m + i] = e;
             l += e;
         }
-        M[j] = m;
+        M[j] = mx;
         Linv[j] = 1.f / l;
-        for (int i = 0; i < n; ++i) p_new[j * n + i] *= Linv[j];
+        for (int i = 0; i < m; ++i) p_new[j * m + i] *= Linv[j];
     }
     __syncthreads();
 
@@ -230,20 +233,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_merge(
             o += part_acc[ts * rv + d] * exp_diff(part_m[ts], M[j]);
         }
         o *= Linv[j];
-        for (int i = 0; i < n; ++i) o += p_new[j * n + i] * new_values[((long long)item * n + i) * rv + d];
+        for (int i = 0; i < m; ++i) o += p_new[j * m + i] * exact_values[((long long)item * m + i) * rv + d];
         out[((long long)item * qn + j) * rv + d] = o;
     }
 
-    // 3. the new tokens' own scores: sum over the query tokens of the max over query heads
-    for (int i = tid; i < n; i += THREADS) {
+    // 3. the exact tokens' own scores: sum over the query tokens of the max over query heads (0 where not visible)
+    for (int i = tid; i < m; i += THREADS) {
         float s = 0.f;
         if (track_scores)
             for (int ni = 0; ni < n; ++ni) {
                 float mx = 0.f;
-                for (int gi = 0; gi < g; ++gi) mx = fmaxf(mx, p_new[(gi * n + ni) * n + i]);
+                for (int gi = 0; gi < g; ++gi) mx = fmaxf(mx, p_new[(gi * n + ni) * m + i]);
                 s += mx;
             }
-        new_score[(long long)item * n + i] = s;
+        exact_score[(long long)item * m + i] = s;
     }
     if (!track_scores || logits == nullptr) return;
 
