@@ -125,16 +125,19 @@ def test_flash_bulk_equals_the_plain_softmax():
     torch.testing.assert_close(flash, plain, rtol=1e-5, atol=1e-5)
 
 
-def test_the_window_is_read_in_the_high_tiers_format_as_the_runtime_serves_it():
-    """The runtime writes every new token to its high tier, so with an 8-bit high tier a query reads the keys of its
-    window at 8 bits, not exact. The coded attention against a query-by-query reference of that rule: its own key
-    exact, the rest of the window in the high tier's format, older keys in their held format. Checked to fail with
-    the window exact."""
+@pytest.mark.parametrize("exact_window", [True, False])
+def test_the_window_is_read_as_the_runtime_serves_it(exact_window):
+    """With the window held exact (the search's frame, `exact_window`), a query reads it exactly; otherwise the
+    runtime writes every new token to its high tier, so with an 8-bit high tier a query reads the keys of its window
+    at 8 bits. The coded attention against a query-by-query reference of each rule: its own key exact, the rest of
+    the window exact or in the high tier's format, older keys in their held format. Each fails with the other rule."""
     from types import SimpleNamespace
 
     from kvcal.profile.coded_probe import _STATE, _coded_attention, _Coding
 
     model, tok, bundle, ids, base, costs, probe = _setup()
+    assert probe.base.exact_window
+    probe.base = probe.base.with_(exact_window=exact_window)
     a = adapter_for(model.config)
     B, n, prompt, window = 2, 24, probe.prompt.shape[1], base.tiering.window
     S, g = prompt + n, a.num_q_heads // a.num_kv_heads
@@ -158,7 +161,7 @@ def test_the_window_is_read_in_the_high_tiers_format_as_the_runtime_serves_it():
     for t in range(n):
         i = prompt + t
         j = torch.arange(i + 1)
-        aged, recent = j <= i - window, (j > i - window) & (j < i)
+        aged, recent = j <= i - window, (j > i - window) & (j < i) & (not exact_window)
         for b in range(B):
             for hq in range(a.num_q_heads):
                 h = hq // g

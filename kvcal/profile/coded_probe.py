@@ -11,9 +11,10 @@ allocation would hold them, the way the quality model itself reasons (kvcal.prof
 - for each allocation, the continuation is teacher-forced in one forward pass (`chunk` tokens at a time) with an
   attention in which query i meets key j coded in layer l's format (the runtime's coding in the served bases:
   `coded_keys`, `coded_values`) when j is held (prompt and continuation tokens alike, by the recorded rule) and left
-  the window before i; in the high tier's format when j is older than i otherwise (the runtime writes every new
-  token to its high tier: with an 8-bit high tier the window is read at 8 bits too), exactly when it is i's own; a
-  sliding-window layer holds every token but the query's own.
+  the window before i; exactly when j is in i's window and the settings hold the window exact
+  (`CompressionConfig.exact_window`), else in the high tier's format (the runtime then writes every new token to its
+  high tier: with an 8-bit high tier the window is read at 8 bits too); exactly when it is i's own; a sliding-window
+  layer holds every token but the query's own.
 
 What it leaves out is what the runtime decides on the fly: heavy hitters found during decode, the exact page
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
@@ -92,9 +93,9 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     """transformers' attention-function signature (eager masks: a float mask [B, 1, n, S] added to the logits).
     query [B, Hq, n, d]; key, value [B, H, S, d], the last n of them the queries' own tokens. As the runtime serves
     them: query i meets key j coded in its held format when j is held and out of the window at i (j <= i - window);
-    in a paged layer with a coded high tier, every other key older than i in the high tier's format (the runtime
-    writes each new token to its high tier, so the window is read there too); in a sliding layer, every key older
-    than i coded. Its own key, and with a 16-bit high tier the window's, exact."""
+    in a paged layer with a coded high tier whose window is not held exact, every other key older than i in the high
+    tier's format (the runtime writes each new token to its high tier, so the window is read there too); in a
+    sliding layer, every key older than i coded. Its own key, and the window's otherwise, exact."""
     state = _STATE.get()
     layer = module.layer_idx
     B, Hq, n, d = query.shape
@@ -121,7 +122,7 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     band = torch.where(coded, q @ kc_band.transpose(-1, -2), q @ k_band.transpose(-1, -2))
     exact = ~coded
     in_high = None
-    if not sliding and state.high.k_bits not in RAW_BITS:
+    if not sliding and state.high.k_bits not in RAW_BITS and not state.probe.base.exact_window:
         in_high = (kpos < qpos[:, None]) & ~aged                                          # [n, S - cut]
         everyone = torch.ones(B, H, S - cut, dtype=torch.bool)
         kh, vh = (t[:, :, None].float() for t in state.coded_kv(layer, key[:, :, cut:], value[:, :, cut:],

@@ -19,9 +19,10 @@ that format would hold under the base settings:
   (`ALPHAS`), one for every layer, like the high tier's format (`HIGH`). A token's gradient sums only the queries
   after it, so a token that ages into the low tier during the scored continuation is weighted by the queries that read
   it there, plus its first `window` ones (a small overcount);
-- the runtime writes every new token to the high tier, so the scored queries read the tokens of their window in
-  the high tier's format: those tokens are charged its coding error too (weighted by their whole gradient, most of
-  which their window's queries give), which is 0 for a 16-bit high tier;
+- unless the settings hold the window exact (`exact_window`, the search's frame), the runtime writes every new
+  token to the high tier, so the scored queries read the tokens of their window in the high tier's format: those
+  tokens are charged its coding error too (weighted by their whole gradient, most of which their window's queries
+  give), which is 0 for a 16-bit high tier;
 - a sliding-window layer holds every token in its sliding format (the tokens no query reads have g = 0).
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use

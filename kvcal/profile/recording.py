@@ -228,6 +228,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 if not sliding[layer]:
                     high[..., :max(S - base.tiering.window, 0)] = True
                     high &= ~held
+                if not sliding[layer] and not base.exact_window:
                     # every new token is written to the high tier, so a query reads its window there: the tokens
                     # some scored query (positions P .. S - 1) sees in its window but not as its own
                     read_high = high.clone()
