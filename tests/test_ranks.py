@@ -42,6 +42,12 @@ def test_monotone_and_bounded(values, r1, r2):
         assert s[k_lo:].sum() / s.sum() <= lo + 1e-9
 
 
+def test_a_spectrum_of_subnormal_values_keeps_its_shares():
+    """Found by hypothesis: a floor on the total made tiny values' tail shares vanish (rank 1 at any rate)."""
+    s = torch.tensor([2.2251e-308, 2.2251e-308], dtype=torch.float64)
+    assert rank_from_removal_rate(s, 0.25).item() == 2 and rank_from_removal_rate(s, 0.5).item() == 1
+
+
 def test_energy_kept():
     s = torch.tensor([[3.0, 4.0 ** 0.5, 0.0]])
     assert torch.allclose(energy_kept(s, torch.tensor([1])), torch.tensor([9 / 13], dtype=torch.float64))

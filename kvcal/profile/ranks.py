@@ -21,8 +21,10 @@ def rank_from_removal_rate(spectrum: torch.Tensor, removal_rate: float) -> torch
     if removal_rate <= 0:
         return torch.full(spectrum.shape[:-1], d, dtype=torch.int32)
     theta = spectrum.double()
-    total = theta.sum(-1, keepdim=True).clamp(min=1e-300)
-    tail = theta.flip(-1).cumsum(-1).flip(-1) / total          # tail[..., k] = share of dims k..d-1
+    total = theta.sum(-1, keepdim=True)
+    # tail[..., k] = share of dims k..d-1; an all-zero spectrum has no share to remove (rank 1). No floor on the
+    # total: one would shrink the shares of a spectrum of tiny (subnormal) values and cut it to rank 1
+    tail = theta.flip(-1).cumsum(-1).flip(-1) / torch.where(total > 0, total, torch.ones_like(total))
     # tail is non-increasing, so the first k with tail[k] <= r is 1 + #{k in 1..d-1 : tail[k] > r}
     rank = 1 + (tail[..., 1:] > removal_rate).sum(-1)
     return rank.to(torch.int32)
