@@ -10,6 +10,8 @@ text, seed + 2, the longest documents first). Measured at the bundle's settings:
 - `gauge`: the coded probe over the recorded prompts (what `kvcal calibrate` gauges a point with);
 - `runtime`: the runtime's stepwise check (`DecodeProbe`, what it confirms with);
 - both again with a 16-bit high tier (`gauge (high K16V16)`, `runtime (high K16V16)`): the window is then exact;
+- both again with the window held exact outside the pages (`gauge (exact window)`, `runtime (exact window)`:
+  `CompressionConfig.exact_window`, the heavy hitters still in the high tier's format);
 - the runtime with its decode-time seals restricted, to see what the low pages written during decode cost:
   `no decode seals` (tokens that become low during decode stay in the high tier), `prompt tokens only` (the prompt's
   heavy hitters demoted during decode are sealed, the continuation's tokens are not) and `continuation tokens only`.
@@ -118,8 +120,8 @@ def key_errors(pages: list, config: CompressionConfig, levels: dict) -> dict:
     return {name: e / max(total, 1e-30) for name, e in err.items()} | {"tokens": tokens}
 
 
-ROWS = ("gauge", "runtime", "gauge (high K16V16)", "runtime (high K16V16)", "no decode seals", "prompt tokens only",
-        "continuation tokens only")
+ROWS = ("gauge", "runtime", "gauge (high K16V16)", "runtime (high K16V16)", "gauge (exact window)",
+        "runtime (exact window)", "no decode seals", "prompt tokens only", "continuation tokens only")
 
 
 def main() -> None:
@@ -161,13 +163,20 @@ def main() -> None:
     pick = [int(i) for i in args.pick.split(",")] if args.pick else None
     check, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels, pick)
     gauge.modelled_ratio = lambda costs, allocation: 0.0      # not reported: the runtime's rows count the bytes
-    allocation = allocation_of(config, layer_types, a.num_kv_heads)
-    exact_window = config.with_(high=TierFormat(16, 16))
+    high16 = config.with_(high=TierFormat(16, 16))
+
+    def gauged(exact: bool, settings: CompressionConfig):
+        """The gauge reading the window as `settings` serve it (exact, or in the high tier's format)."""
+        gauge.base = base.with_(exact_window=exact)
+        return gauge.measure(None, allocation_of(settings, layer_types, a.num_kv_heads))
+
     runs = {
-        "gauge": lambda: gauge.measure(None, allocation),
+        "gauge": lambda: gauged(config.exact_window, config),
         "runtime": lambda: check.measure(config),
-        "gauge (high K16V16)": lambda: gauge.measure(None, allocation_of(exact_window, layer_types, a.num_kv_heads)),
-        "runtime (high K16V16)": lambda: check.measure(exact_window),
+        "gauge (high K16V16)": lambda: gauged(config.exact_window, high16),
+        "runtime (high K16V16)": lambda: check.measure(high16),
+        "gauge (exact window)": lambda: gauged(True, config),
+        "runtime (exact window)": lambda: check.measure(config.with_(exact_window=True)),
         "no decode seals": lambda: _with(seals_only(lambda pos: torch.zeros_like(pos, dtype=torch.bool)),
                                          lambda: check.measure(config)),
         "prompt tokens only": lambda: _with(seals_only(lambda pos: pos < P), lambda: check.measure(config)),

@@ -24,12 +24,15 @@ SHIPPED = ROOT / "artifacts" / "smollm2-135m.kvcal.safetensors"
 
 def documented_allowance(kv) -> int:
     """docs/runtime.md's fixed amount, from its parts: per (sequence, compressed layer, KV head) one page and 4 bytes
-    per raw-phase token; the page tables and counters as made; the static key scales and calibrated levels."""
+    per raw-phase or exact-window token; the page tables and counters as made; the static key scales and calibrated
+    levels."""
     store = kv.store
     entries = kv.batch * len(kv.layers) * store.num_kv_heads
     a = store.arena
     tables = a.slots * a.layers * a.kv_heads * (4 * store.initial_table_width + 8) + 2 * store.fill.numel() * 8
-    return entries * (store.page_bytes + 4 * kv.raw_tokens) + tables + store.static_key_bytes() + store.level_bytes()
+    window = kv.windows.size if kv.windows is not None else 0
+    return (entries * (store.page_bytes + 4 * (kv.raw_tokens + window)) + tables + store.static_key_bytes()
+            + store.level_bytes())
 
 
 def sweep(decoder, cache, ids: torch.Tensor) -> list[dict]:
@@ -83,6 +86,8 @@ CONFIGS = {
     "per-token-low": CompressionConfig(high=TierFormat(8, 4), low=TierFormat(4, 2),
                                        tiering=TieringConfig(window=8, alpha_high=2.0, alpha_low=0.5)),
     "untiered-k8v4": CompressionConfig(),
+    "exact-window": CompressionConfig(high=TierFormat(8, 8), low=TierFormat(4, 2, "channel"), exact_window=True,
+                                      tiering=TieringConfig(window=8, alpha_high=2.0)),
 }
 
 

@@ -210,7 +210,8 @@ def test_summary_in_words_of_the_shipped_bundle():
     b = load_bundle(ARTIFACT)
     text = " ".join(_render(bundle_summary(b, "b")).split())
     held = b.calibration["search"]["held_out"]
-    assert f"stored {b.settings['high']} (" in text and b.settings["low"] in text
+    stored = "stored the 16 newest tokens exact" if b.settings.get("exact_window") else "stored"
+    assert f"{stored}" in text and f" {b.settings['high']} (" in text and b.settings["low"] in text
     chosen = b.calibration["search"]["chosen"]          # bytes as measured on the search windows
     assert f"{round(chosen['bytes_ratio'] * 2 * 30 * 3 * 64 * 2):,} bytes per token against 23,040 in fp16" in text
     assert f"evaluation text: top-1 {held['top1']:.3f}" in text
