@@ -8,7 +8,8 @@ Per layer, `forward` takes post-RoPE query [B, Hq, n, d], key and value [B, H, n
 [B, Hq, n, d]. The first call of a layer is the prefill: attention on the uncompressed K/V (the token policies'
 scores come from it), then each policy tiers the prompt in turn (`CachePolicy.prefill`) and it is written compressed.
 Later calls attend over the compressed store plus the new tokens, write the new tokens at high precision, and run
-each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head pattern).
+each policy's decode step per new token (DiffKV's Algorithm 1, FastGen's frozen per-head pattern). With
+`exact_window`, the newest tokens stay exact outside the pages and enter them as they leave (`exact_window.py`).
 
 Raw phase: a sequence of at most `raw_tokens` tokens is held raw, K/V as the model made them (counted at 16 bits, as
 an fp16 cache holds them) with each token's significance, and attended exactly; the prompt is not yet written to the
@@ -395,7 +396,7 @@ class CompressedKV:
             out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale, track_scores=track)
             entering, first = Leaving(k_rot, v_proj, new_score), start
         else:                              # the tokens the new ones push out of the window enter it
-            keys, values, c = windows.block(layer, k_rot, v_proj)
+            keys, values = windows.block(layer, k_rot, v_proj)
             out_r, score = self.backend.attend(self.store, layer, q_rot, keys, values, scale, track_scores=track,
                                                exact_from=windows.exact_from(layer, self.n_pad, start))
             entering = windows.advance(layer, keys, values, windows.score(layer, n) + score)

@@ -66,12 +66,11 @@ class ExactWindows:
                                          score[..., score.shape[-1] - c:].float().clone())
         return c
 
-    def block(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def block(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact block a decode step attends: the window, then the n new tokens (keys [B, H, n, r_k], values
-        [B, H, n, r_v]) -> keys [B, H, c + n, r_k], values [B, H, c + n, r_v] float32, and c."""
+        [B, H, n, r_v]) -> keys [B, H, c + n, r_k], values [B, H, c + n, r_v] float32."""
         w = self.layers[layer]
-        return (torch.cat([w.keys.float(), keys.float()], 2), torch.cat([w.values.float(), values.float()], 2),
-                w.count)
+        return torch.cat([w.keys.float(), keys.float()], 2), torch.cat([w.values.float(), values.float()], 2)
 
     def exact_from(self, layer: int, n_pad: torch.Tensor, length: int) -> torch.Tensor | None:
         """Per sequence, the first exact token of the block that is not left padding (n_pad [B]; length: the cache
