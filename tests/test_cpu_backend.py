@@ -493,23 +493,24 @@ def _slots(store, b, h, T):
 # ---------------------------------------------------------------- the exact block: a window every query sees
 
 
-def exact_inputs(store: CompressedStore, g: int, n: int, prior: int, seed: int = 2):
-    """query [B, H, g, n, r] and an exact block of `prior` window tokens then n new ones, the second sequence's
-    first 3 window tokens left padding."""
+def exact_inputs(store: CompressedStore, g: int, n: int, prior: int, seed: int = 2, padded: bool = True):
+    """query [B, H, g, n, r] and an exact block of `prior` window tokens then n new ones; `padded`: the second
+    sequence's first 3 window tokens left padding (else exact_from None)."""
     gen = torch.Generator().manual_seed(seed)
     B, H, r, rv = store.batch, store.num_kv_heads, store.r_k_max[0], store.r_v_max[0]
     m = prior + n
-    exact_from = torch.tensor([0, 3] + [1] * (B - 2)) if prior >= 3 else None
+    exact_from = torch.tensor([0, 3] + [1] * (B - 2)) if padded and prior >= 3 else None
     return (torch.randn(B, H, g, n, r, generator=gen), torch.randn(B, H, m, r, generator=gen) * 2,
             torch.randn(B, H, m, rv, generator=gen), exact_from)
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("track", [True, False])
 @pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
-def test_decode_with_an_exact_window_matches_torch_reference(g, n, track):
+def test_decode_with_an_exact_window_matches_torch_reference(g, n, track, padded):
     store = random_store("K8V8", "K4cV2", seed=11 + n)
     ref = copy.deepcopy(store)
-    q, kx, vx, exact_from = exact_inputs(store, g, n, prior=5)
+    q, kx, vx, exact_from = exact_inputs(store, g, n, prior=5, padded=padded)
     want = TorchBackend.attend(ref, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
     got = CpuBackend.attend(store, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
     for a, b in zip(got, want):

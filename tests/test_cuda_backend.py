@@ -436,18 +436,20 @@ def test_gpu_cache_writes_match_store_bytes(high, low):
     assert differ < 1e-3, f"{differ:.2%} of the arena's bytes differ from the torch store's"
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("track", [True, False])
 @pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
-def test_emulated_kernels_serve_an_exact_window(g, n, track):
+def test_emulated_kernels_serve_an_exact_window(g, n, track, padded):
     """The exact block (window tokens every query sees, then the new ones; the second sequence's first 3 window
-    tokens left padding), as TorchBackend.attend; the launch packs the window's length and its padding."""
+    tokens left padding when `padded`, else exact_from None), as TorchBackend.attend; the launch packs the window's
+    length and its padding (a null pointer without)."""
     store = random_store("K8V8", "K4cV2", seed=21 + n)
     ref_store = copy.deepcopy(store)
     gen = torch.Generator().manual_seed(5)
     B, H, r, rv, m = store.batch, store.num_kv_heads, store.r_k_max[0], store.r_v_max[0], n + 5
     q = torch.randn(B, H, g, n, r, generator=gen)
     kx, vx = torch.randn(B, H, m, r, generator=gen) * 2, torch.randn(B, H, m, rv, generator=gen)
-    exact_from = torch.tensor([0, 3])
+    exact_from = torch.tensor([0, 3]) if padded else None
     want = TorchBackend.attend(ref_store, 0, q, kx, vx, 0.25, track_scores=track, exact_from=exact_from)
     plan = build_decode_plan(store, 0, chunk=2)
     got = emulate_decode(plan, store.arena.arena, q, kx, vx, 0.25, track, exact_from)
@@ -458,5 +460,6 @@ def test_emulated_kernels_serve_an_exact_window(g, n, track):
     buffers = _decode_buffers(plan, q, vx, track) | {"exact_score": torch.empty(B, H, m)}
     _, merge = decode_args(plan, store.arena.arena, q, kx, vx, 0.25, track, exact_from=exact_from, **buffers)
     named = {p.name: v for p, v in zip(merge.params, merge.values)}
-    assert (named["n"], named["m"], named["H"]) == (n, m, H) and named["exact_from"] == exact_from.data_ptr()
+    assert (named["n"], named["m"], named["H"]) == (n, m, H)
+    assert named["exact_from"] == (exact_from.data_ptr() if padded else 0)
     assert merge_smem(g, n, m) == 4 * g * n * (2 + m)
