@@ -325,7 +325,7 @@ def test_grid_and_shared_memory_math():
     assert plan.num_tasks == plan.num_pages                       # one block per page at chunk 1
     assert ceil_div(70, 4) == 18                                  # write_tokens: one warp per token, 4 per block
     assert split_smem(16, plan.t_max) == 4 * (QT * 16 + QT * plan.t_max + plan.t_max)
-    assert merge_smem(4, 1) == 4 * 4 * 3
+    assert merge_smem(4, 1, 1) == 4 * 4 * 3
     # the default geometry of a 128-dim head fits the 48 KiB default on every tier format
     for spec in ("K8V4", "K4cV2", "K2V2", "K16V16"):
         lay = PageLayout.build(TierFormat.parse(spec), 8, 8, 4608)   # low ranks: the most tokens per page

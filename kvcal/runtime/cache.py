@@ -28,7 +28,7 @@ import torch
 
 from kvcal.runtime.backends.base import _softmax_attend
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.exact_window import ExactWindows, Leaving
+from kvcal.runtime.exact_window import ExactWindows, Tokens
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.policies import cache_policies
 from kvcal.runtime.policies.cache_policy import CachePolicy, Prompt, PromptAttention
@@ -394,32 +394,32 @@ class CompressedKV:
         track, start, windows = any(p.reads_scores for p in self.policies), self.length[layer], self.windows
         if windows is None:                # every new token enters the high tier at once
             out_r, new_score = self.backend.attend(self.store, layer, q_rot, k_rot, v_proj, scale, track_scores=track)
-            entering, first = Leaving(k_rot, v_proj, new_score), start
+            entering, first, padding = Tokens(k_rot, v_proj, new_score), start, None
         else:                              # the tokens the new ones push out of the window enter it
-            keys, values = windows.block(layer, k_rot, v_proj)
+            (keys, values), padding = windows.block(layer, k_rot, v_proj), windows.exact_from(layer, self.n_pad, start)
             out_r, score = self.backend.attend(self.store, layer, q_rot, keys, values, scale, track_scores=track,
-                                               exact_from=windows.exact_from(layer, self.n_pad, start))
+                                               exact_from=padding)
             entering = windows.advance(layer, keys, values, windows.score(layer, n) + score)
             first = start - windows.size
         for i in range(n):
             if (t := i - (n - entering.count)) >= 0:
-                self._enter_high(layer, entering, t, first + i)
+                self._enter_high(layer, entering, t, first + i, padding)
             self.length[layer] = start + i + 1
             for policy in self.policies:
                 policy.decode(layer)
         return per_head_matmul(out_r.reshape(B, H, g * n, -1), self.basis_t[layer])
 
-    def _enter_high(self, layer: int, tokens: Leaving, t: int, pos: int) -> None:
-        """Token t of `tokens` (at position `pos` in every sequence) enters the high tier of every entry; a
-        sequence's left padding (out of a window) enters nothing."""
+    def _enter_high(self, layer: int, tokens: Tokens, t: int, pos: int, padding: torch.Tensor | None) -> None:
+        """Token t of `tokens` (position `pos`) enters every entry's high tier, but where it is left padding by the
+        step's `ExactWindows.exact_from` (padding; None: none is)."""
         B, H = self.batch, self.store.num_kv_heads
         b, h = self.every_entry()
         k, v = tokens.keys[:, :, t].reshape(B * H, -1), tokens.values[:, :, t].reshape(B * H, -1)
         s = tokens.score[:, :, t].reshape(-1)
-        if self.windows is None or pos >= int(self.n_pad.max()):
+        if padding is None:
             self.store.insert(layer, HIGH, b, h, k, v, pos, s, every_entry=True)
             return
-        real = (self.n_pad <= pos)[b]
+        real = (padding <= t)[b]
         if bool(real.any()):
             self.store.insert(layer, HIGH, b[real], h[real], k[real], v[real], pos, s[real])
 

@@ -22,23 +22,10 @@ import torch
 
 
 @dataclass
-class WindowLayer:
-    """One layer's window (module docstring for shapes)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    score: torch.Tensor
-
-    @property
-    def count(self) -> int:
-        return self.keys.shape[2]
-
-
-@dataclass
-class Leaving:
-    """The tokens a decode step pushes out of a layer's window, oldest first: keys [B, H, j, r_k], values
-    [B, H, j, r_v] float32, score [B, H, j]. The i-th new token of a step of n pushes out token i - (n - j) (none
-    while the window fills)."""
+class Tokens:
+    """Tokens in the served bases, oldest first: keys [B, H, c, r_k], values [B, H, c, r_v], score [B, H, c]. A
+    layer's window (raw16), or the tokens a decode step pushes out of it (float32: the i-th new token of a step of n
+    pushes out token i - (n - c), none while the window fills)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -54,14 +41,14 @@ class ExactWindows:
 
     def __init__(self, size: int, dtype: torch.dtype):
         self.size, self.dtype = size, dtype
-        self.layers: dict[int, WindowLayer] = {}
+        self.layers: dict[int, Tokens] = {}
 
     def hold(self, layer: int, keys: torch.Tensor, values: torch.Tensor, score: torch.Tensor) -> int:
         """A prompt's newest tokens become the layer's window: keys [B, H, n, r_k], values [B, H, n, r_v], score
         [B, H, n] (its significance from the prefill). Returns how many it holds, min(n, size): the prompt's tokens
         from n minus that go to the store."""
         c = min(self.size, keys.shape[2])
-        self.layers[layer] = WindowLayer(keys[:, :, keys.shape[2] - c:].to(self.dtype),
+        self.layers[layer] = Tokens(keys[:, :, keys.shape[2] - c:].to(self.dtype),
                                          values[:, :, values.shape[2] - c:].to(self.dtype),
                                          score[..., score.shape[-1] - c:].float().clone())
         return c
@@ -74,20 +61,21 @@ class ExactWindows:
 
     def exact_from(self, layer: int, n_pad: torch.Tensor, length: int) -> torch.Tensor | None:
         """Per sequence, the first exact token of the block that is not left padding (n_pad [B]; length: the cache
-        length before the step): int64 [B], or None when none is padding."""
+        length before the step): int64 [B], or None when none is padding. The tokens the step pushes out are the
+        block's first ones, so it tells which of them are padding too."""
         first = length - self.layers[layer].count                       # the window's oldest position
         if int(n_pad.max()) <= first:
             return None
         return (n_pad.to(torch.int64) - first).clamp(min=0)
 
-    def advance(self, layer: int, keys: torch.Tensor, values: torch.Tensor, score: torch.Tensor) -> Leaving:
+    def advance(self, layer: int, keys: torch.Tensor, values: torch.Tensor, score: torch.Tensor) -> Tokens:
         """After the step: block keys [B, H, c + n, r_k], values [B, H, c + n, r_v] and score [B, H, c + n] (the
         window's significance plus what this step added; the new tokens' own): the newest `size` stay, the others
         leave."""
         j = max(0, keys.shape[2] - self.size)
-        self.layers[layer] = WindowLayer(keys[:, :, j:].to(self.dtype), values[:, :, j:].to(self.dtype),
+        self.layers[layer] = Tokens(keys[:, :, j:].to(self.dtype), values[:, :, j:].to(self.dtype),
                                          score[..., j:].clone())
-        return Leaving(keys[:, :, :j], values[:, :, :j], score[..., :j])
+        return Tokens(keys[:, :, :j], values[:, :, :j], score[..., :j])
 
     def score(self, layer: int, n: int) -> torch.Tensor:
         """The window's significance, then n zeros for the new tokens: float32 [B, H, c + n]."""
@@ -99,12 +87,12 @@ class ExactWindows:
         w = self.layers.get(layer)
         if w is not None and removed:
             c = max(0, w.count - removed)
-            self.layers[layer] = WindowLayer(w.keys[:, :, :c], w.values[:, :, :c], w.score[..., :c])
+            self.layers[layer] = Tokens(w.keys[:, :, :c], w.values[:, :, :c], w.score[..., :c])
 
     def select(self, index: torch.Tensor) -> None:
         """Sequence i becomes old sequence index[i] (CompressedKV.select)."""
         for layer, w in self.layers.items():
-            self.layers[layer] = WindowLayer(w.keys[index], w.values[index], w.score[index])
+            self.layers[layer] = Tokens(w.keys[index], w.values[index], w.score[index])
 
     def clear(self) -> None:
         self.layers.clear()

@@ -44,10 +44,9 @@ def split_smem(r: int, t_max: int) -> int:
     return 4 * (QT * r + QT * t_max + t_max)
 
 
-def merge_smem(g: int, n: int, m: int | None = None) -> int:
-    """decode_merge dynamic shared memory: M, 1/L [g * n] and exact-token probabilities [g * n, m] floats (m = n:
-    no window)."""
-    return 4 * g * n * (2 + (n if m is None else m))
+def merge_smem(g: int, n: int, m: int) -> int:
+    """decode_merge dynamic shared memory: M, 1/L [g * n] and exact-token probabilities [g * n, m] floats."""
+    return 4 * g * n * (2 + m)
 
 
 def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, exact_keys: torch.Tensor,
