@@ -140,6 +140,19 @@ def one_thread():
 
 
 @torch.inference_mode()
+def padded_batch(tok, lengths=(40, 23)):
+    """Random texts of `lengths` words, left-padded into one batch (the padding a generate call sees)."""
+    tok.padding_side = "left"
+    return tok([random_text(n, seed=n) for n in lengths], return_tensors="pt", padding=True)
+
+
+def generate_scored(model, inputs, cache, n: int = 16):
+    """Greedy generation of n tokens through `cache`, with each step's logits (`.sequences`, `.scores`)."""
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, cache=cache)
+
+
 def decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Prefill ids[:, :prompt] through `cache`, then teacher-force the rest one token per step: logits
     [B, S - prompt + 1, vocab], the prefill's last position first."""

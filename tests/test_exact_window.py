@@ -3,7 +3,7 @@ held at 16 bits outside the pages, read exactly by every query, entering the hig
 
 import pytest
 import torch
-from conftest import make_model, random_bundle, random_text
+from conftest import generate_scored, make_model, padded_batch, random_bundle
 from transformers import DynamicCache
 
 from kvcal.runtime.cache import CompressionConfig
@@ -12,17 +12,6 @@ from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.policies.diffkv import TieringConfig
 from kvcal.runtime.storage.layout import TierFormat
 from kvcal.runtime.storage.pages import HIGH
-
-
-def padded_batch(tok, lengths=(40, 23)):
-    tok.padding_side = "left"
-    return tok([random_text(n, seed=n) for n in lengths], return_tensors="pt", padding=True)
-
-
-def generate(model, inputs, cache, n=12):
-    with torch.no_grad():
-        return model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True, cache=cache)
 
 
 def max_diff(a, b) -> float:
@@ -40,11 +29,11 @@ def test_a_window_wider_than_the_sequence_reads_every_token_exactly():
     17 padding tokens, which no query may see). Without the exact window the same tier is far off."""
     model, tok = make_model("llama")
     inputs = padded_batch(tok)
-    ref = generate(model, inputs, DynamicCache(config=model.config))
+    ref = generate_scored(model, inputs, DynamicCache(config=model.config), n=12)
     cfg = CompressionConfig.none().with_(rotate=True, high=TierFormat(2, 2), low=TierFormat(2, 2),
                                          tiering=TieringConfig(window=64))
-    exact = generate(model, inputs, cache_for(model, tok, cfg.with_(exact_window=True)))
-    coded = generate(model, inputs, cache_for(model, tok, cfg))
+    exact = generate_scored(model, inputs, cache_for(model, tok, cfg.with_(exact_window=True)), n=12)
+    coded = generate_scored(model, inputs, cache_for(model, tok, cfg), n=12)
     # fp16 keeps 11 significant bits: the logits of a 2-layer model move by a few 1e-3 at most
     assert max_diff(ref, exact) < 2e-2
     assert max_diff(ref, coded) > 10 * max_diff(ref, exact)
@@ -59,7 +48,7 @@ def test_the_window_served_exact_equals_a_16_bit_high_tier(backend):
     inputs = padded_batch(tok)
     cfg = CompressionConfig(high=TierFormat(16, 16), tiering=TieringConfig(window=4, alpha_high=1.6), page_tokens=4)
     paged, exact = cache_for(model, tok, cfg, backend), cache_for(model, tok, cfg.with_(exact_window=True), backend)
-    a, b = generate(model, inputs, paged), generate(model, inputs, exact)
+    a, b = generate_scored(model, inputs, paged, n=12), generate_scored(model, inputs, exact, n=12)
     assert torch.equal(a.sequences, b.sequences)
     assert max_diff(a, b) < 1e-4
     assert paged.kv.tier_counts() == exact.kv.tier_counts()
@@ -76,7 +65,7 @@ def test_exact_window_memory_is_counted_and_bounded():
     cfg = CompressionConfig(high=TierFormat(8, 8), tiering=TieringConfig(window=8, alpha_high=1.6), page_tokens=4,
                             exact_window=True)
     cache = cache_for(model, tok, cfg)
-    generate(model, padded_batch(tok), cache, n=6)
+    generate_scored(model, padded_batch(tok), cache, n=6)
     kv = cache.kv
     window = sum(w.keys.numel() * 2 + w.values.numel() * 2 for w in kv.windows.layers.values())
     assert window == 2 * len(kv.layers) * kv.store.num_kv_heads * 8 * (16 + 16) * 2     # B, layers, H, W, r_k+r_v
@@ -91,7 +80,7 @@ def test_crop_cuts_the_window_then_the_pages():
     model, tok = make_model("llama")
     cfg = CompressionConfig.none().with_(high=TierFormat(8, 8), tiering=TieringConfig(window=6), exact_window=True)
     cache = cache_for(model, tok, cfg)
-    generate(model, padded_batch(tok), cache, n=4)
+    generate_scored(model, padded_batch(tok), cache, n=4)
     kv = cache.kv
     n_pad, H, L = kv.n_pad, kv.store.num_kv_heads, len(kv.layers)
     for cut, window in ((3, 3), (10, 0)):          # within the window, then past it into the pages
@@ -110,4 +99,4 @@ def test_settings_round_trip_and_refusal_with_eviction():
 
     with pytest.raises(ValueError, match="exact window serves DiffKV"):
         cache = cache_for(model, tok, cfg.with_(h2o=H2OConfig(fraction=0.5)))
-        generate(model, padded_batch(tok), cache, n=1)
+        generate_scored(model, padded_batch(tok), cache, n=1)

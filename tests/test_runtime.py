@@ -3,7 +3,7 @@ accounting, the token policy's branches, sliding-window layers."""
 
 import pytest
 import torch
-from conftest import make_model, random_bundle, random_text
+from conftest import generate_scored, make_model, padded_batch, random_bundle, random_text
 from transformers import DynamicCache
 
 from kvcal.eval import decode_fidelity
@@ -19,24 +19,13 @@ from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.store import CompressedStore
 
 
-def padded_batch(tok, lengths=(40, 23)):
-    tok.padding_side = "left"
-    return tok([random_text(n, seed=n) for n in lengths], return_tensors="pt", padding=True)
-
-
-def generate(model, inputs, cache, n=16):
-    with torch.no_grad():
-        return model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True, cache=cache)
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
 def test_no_compression_reproduces_dense_generation(model_type):
     model, tok = make_model(model_type)
     inputs = padded_batch(tok)
-    ref = generate(model, inputs, DynamicCache(config=model.config))
+    ref = generate_scored(model, inputs, DynamicCache(config=model.config))
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, CompressionConfig.none())
-    got = generate(model, inputs, cache)
+    got = generate_scored(model, inputs, cache)
     assert torch.equal(ref.sequences, got.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores))
     assert diff < 1e-4
@@ -48,9 +37,9 @@ def test_no_compression_reproduces_dense_generation(model_type):
 def test_full_rank_rotation_is_exact_up_to_float_error():
     model, tok = make_model("llama")
     inputs = padded_batch(tok)
-    ref = generate(model, inputs, DynamicCache(config=model.config))
+    ref = generate_scored(model, inputs, DynamicCache(config=model.config))
     cfg = CompressionConfig.none().with_(rotate=True)            # random R and B at full rank, raw float32 storage
-    got = generate(model, inputs, KvcalCache.from_bundle(random_bundle(model, tok), model, cfg))
+    got = generate_scored(model, inputs, KvcalCache.from_bundle(random_bundle(model, tok), model, cfg))
     assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-3
     assert torch.equal(ref.sequences, got.sequences)
 
@@ -58,7 +47,7 @@ def test_full_rank_rotation_is_exact_up_to_float_error():
 def test_memory_equals_allocated_pages_and_release_frees_all():
     model, tok = make_model("llama")
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, CompressionConfig())
-    generate(model, padded_batch(tok), cache, n=8)
+    generate_scored(model, padded_batch(tok), cache, n=8)
     arena = cache.kv.store.arena
     mem = cache.memory()
     assert mem["paged_bytes"] == arena.num_used * arena.page_bytes == arena.used_bytes() > 0
@@ -240,7 +229,7 @@ def test_ragged_ranks_per_head():
     bundle = random_bundle(model, tok, rank_k=rank, rank_v=rank.flip(-1))
     cfg = CompressionConfig(high=TierFormat(32, 32))
     cache = KvcalCache.from_bundle(bundle, model, cfg)
-    generate(model, padded_batch(tok), cache, n=4)
+    generate_scored(model, padded_batch(tok), cache, n=4)
     kv: CompressedKV = cache.kv
     assert [len(kv.store.groups[layer]) for layer in kv.layers] == [2, 2]
     assert kv.rotation[0].shape == (2, 16, 16) and (kv.rotation[0][1, :, 8:] == 0).all()
@@ -310,9 +299,9 @@ def test_low_rank_matches_projected_reference():
                                             for l in range(rank.shape[0])])  # noqa: E731
     ref_cache = ProjectedCache(model, proj(bundle.qk_rotation, rank_k), proj(bundle.v_basis, rank_v))
     inputs = padded_batch(tok)
-    ref = generate(model, inputs, ref_cache, n=12)
+    ref = generate_scored(model, inputs, ref_cache, n=12)
     cfg = CompressionConfig(high=TierFormat(32, 32), low=TierFormat(32, 32))
-    got = generate(model, inputs, KvcalCache.from_bundle(bundle, model, cfg), n=12)
+    got = generate_scored(model, inputs, KvcalCache.from_bundle(bundle, model, cfg), n=12)
     assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-4
 
 
@@ -321,10 +310,10 @@ def test_fastgen_every_head_full_reproduces_dense():
 
     model, tok = make_model("llama")
     inputs = padded_batch(tok)
-    ref = generate(model, inputs, DynamicCache(config=model.config))
+    ref = generate_scored(model, inputs, DynamicCache(config=model.config))
     cfg = CompressionConfig.none().with_(fastgen=FastGenConfig(recovery=1.0, r_local=0.0, r_frequent=0.0))
     cache = KvcalCache.from_bundle(random_bundle(model, tok), model, cfg, tokenizer=tok)
-    got = generate(model, inputs, cache)
+    got = generate_scored(model, inputs, cache)
     assert all(bool((p == FULL).all()) for p in cache.kv.policy("fastgen").choice.values())
     assert torch.equal(ref.sequences, got.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)) < 1e-4
