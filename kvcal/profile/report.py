@@ -60,11 +60,12 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
         parts = [f"every token as {high} ({tier_in_words(high)})"]
     else:
         kept = "" if p.alpha_high >= EVERY_TOKEN_LOW else f" and those with mean attention >= {p.alpha_high:g}/N"
-        parts = [f"the {p.window} newest tokens exact (16 bits, outside the pages), {high} ({tier_in_words(high)}) "
-                 f"for those with mean attention >= {p.alpha_high:g}/N, {low} ({tier_in_words(low)}) for the others"
-                 if config.exact_window and kept else
-                 f"{high} ({tier_in_words(high)}) for the {p.window} newest tokens{kept}, {low} "
-                 f"({tier_in_words(low)}) for the others"]
+        if config.exact_window:
+            recent = f"the {p.window} newest tokens exact (16 bits, outside the pages)" + (
+                f", {high} ({tier_in_words(high)}) for those with mean attention >= {p.alpha_high:g}/N" if kept else "")
+        else:
+            recent = f"{high} ({tier_in_words(high)}) for the {p.window} newest tokens{kept}"
+        parts = [f"{recent}, {low} ({tier_in_words(low)}) for the others"]
         parts += _per_layer("the low tier of layers", config.low_layers)
         parts += _per_layer("the low tier of (layer.KV head)", config.low_heads)
         if config.page_tokens:
