@@ -139,7 +139,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@torch.inference_mode()
 def padded_batch(tok, lengths=(40, 23)):
     """Random texts of `lengths` words, left-padded into one batch (the padding a generate call sees)."""
     tok.padding_side = "left"
@@ -153,6 +152,7 @@ def generate_scored(model, inputs, cache, n: int = 16):
                               return_dict_in_generate=True, cache=cache)
 
 
+@torch.inference_mode()
 def decode_logits(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Prefill ids[:, :prompt] through `cache`, then teacher-force the rest one token per step: logits
     [B, S - prompt + 1, vocab], the prefill's last position first."""
