@@ -289,3 +289,30 @@ def test_a_one_pass_dense_cache_is_freed_when_dropped():
         assert held() is None
     finally:
         gc.enable()
+
+
+def test_sliding_recent_tokens_are_read_exact_as_the_runtime_serves_them():
+    """With `sliding_recent` at least the sliding window, a sliding layer reads every token exact: 2 bits there must
+    change nothing, in the coded probe and in the runtime's stepwise decode alike (the full layer at 8 bits in all);
+    with 0 recent tokens both see the 2-bit codes. The quality model holds no token that no query reads coded."""
+    from kvcal.profile.quality_model import held_masks
+
+    model, tok, bundle, ids, base, costs, probe = _setup("gemma3_text", L=4, sliding_window=32,
+                                                     layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
+    narrow = torch.full((4, 2), 8)
+    narrow[:3] = 2
+    allocation = Allocation.of(costs, narrow)
+    config = to_config(base, costs, allocation)
+    kls = {}
+    for recent in (0, 32):
+        probe.base = base.with_(sliding_recent=recent)
+        kls[recent] = (probe.measure(costs, allocation).kl,
+                       runtime.measure(config.with_(sliding_recent=recent, sliding=TierFormat.parse("K2V2kg32m8"),
+                                                    sliding_layers=())).kl)
+    wide = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok).measure(
+        config.with_(sliding=TierFormat.parse("K8V8kg32m8"), sliding_layers=(), sliding_recent=32)).kl
+    assert kls[32][0] < 0.1 * kls[0][0] and kls[32][1] < 0.1 * kls[0][1], kls
+    assert abs(kls[32][1] - wide) < 1e-4, (kls, wide)
+    held = held_masks(None, torch.zeros(1, 100), 33, True)
+    assert not held[..., 67:].any() and held[..., :67].all()

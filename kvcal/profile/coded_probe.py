@@ -14,7 +14,7 @@ allocation would hold them, the way the quality model itself reasons (kvcal.prof
   the window before i; exactly when j is in i's window and the settings hold the window exact
   (`CompressionConfig.exact_window`), else in the high tier's format (the runtime then writes every new token to its
   high tier: with an 8-bit high tier the window is read at 8 bits too); exactly when it is i's own; a sliding-window
-  layer holds every token but the query's own.
+  layer holds every token but the query's own and its `sliding_recent` newest (`quality_model.exact_span`).
 
 What it leaves out is what the runtime decides on the fly: heavy hitters found during decode, the exact page
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
@@ -34,7 +34,7 @@ import torch
 from kvcal.eval.fidelity import LogitScores, dense_cache, head_logits
 from kvcal.profile.allocate import Allocation
 from kvcal.profile.capture import attending_by
-from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, layer_format
+from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, exact_span, layer_format
 from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage.bases import ServedBases
@@ -95,13 +95,14 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     them: query i meets key j coded in its held format when j is held and out of the window at i (j <= i - window);
     in a paged layer with a coded high tier whose window is not held exact, every other key older than i in the high
     tier's format (the runtime writes each new token to its high tier, so the window is read there too); in a
-    sliding layer, every key older than i coded. Its own key, and the window's otherwise, exact."""
+    sliding layer, every key out of its recent tokens coded (`exact_span`). Its own key, and the window's otherwise,
+    exact."""
     state = _STATE.get()
     layer = module.layer_idx
     B, Hq, n, d = query.shape
     H, S = key.shape[1], key.shape[2]
     sliding = state.probe.sliding[layer]
-    window = 1 if sliding else state.probe.base.tiering.window
+    window = exact_span(state.probe.base, sliding)
     low, high = state.held_tokens(layer, B, H, S)                                         # [B, H, S]
     kc, vc = state.coded_kv(layer, key, value, low, high)
     held = low | high                                                                       # coded once aged
@@ -172,15 +173,17 @@ class CodedProbe:
 
     def modelled_ratio(self, costs: FormatCosts, allocation: Allocation) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
-        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), a paged layer's
-        other tokens out of the window at the high tier's (`FormatCosts.high_bytes`), every other token at 16 bits.
+        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads; a sliding
+        layer's every token but its recent ones), a paged layer's other tokens out of the window at the high tier's
+        (`FormatCosts.high_bytes`), every other token at 16 bits.
         Pages' slack and the runtime's fixed allowance are not in it: the confirmation measures those."""
         S = self.prompt.shape[1] + self.continuation.shape[1] - 1
         H, d = self.served.rotation.shape[1], self.head_dim
         bits, alpha = allocation.bits, allocation.alpha
         per_token = costs.head_bytes().gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum((1, 2))   # [L]
         per_high = costs.high_bytes[..., allocation.high].sum(-1)                                  # [L]
-        held = torch.tensor([float(S) if s else float(self.held[i][alpha].double().sum(-1).mean())
+        recent = self.base.sliding_recent
+        held = torch.tensor([float(S - recent) if s else float(self.held[i][alpha].double().sum(-1).mean())
                              for i, s in enumerate(self.sliding)], dtype=torch.float64)          # [L] per KV head
         aged = max(S - self.base.tiering.window, 0)
         in_high = torch.tensor([0.0 if s else aged - float(held[i]) for i, s in enumerate(self.sliding)],

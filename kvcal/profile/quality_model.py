@@ -23,7 +23,10 @@ that format would hold under the base settings:
   token to the high tier, so the scored queries read the tokens of their window in the high tier's format: those
   tokens are charged its coding error too (weighted by their whole gradient, most of which their window's queries
   give), which is 0 for a 16-bit high tier;
-- a sliding-window layer holds every token in its sliding format (the tokens no query reads have g = 0).
+- a sliding-window layer holds every token in its sliding format but its `sliding_recent` newest, which each query
+  reads exact with its own (the tokens no query reads have g = 0). A token's gradient sums every query after it, so
+  the queries that read it exact are counted too (an overcount, larger than a paged layer's: half of a 512-token
+  window's tokens are the continuation's own).
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
 them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
@@ -256,27 +259,33 @@ def continuation_score(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return attention.view(H, -1, M, S).amax(1).sum(1)
 
 
+def exact_span(base: CompressionConfig, sliding: bool) -> int:
+    """How many of the newest tokens a decode query reads exact, its own included: key j is coded for query i when
+    j <= i - span. A paged layer's window; a sliding layer's `sliding_recent` and the query's own token."""
+    return base.sliding_recent + 1 if sliding else base.tiering.window
+
+
 @torch.no_grad()
 def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, window: int,
                sliding: bool) -> torch.Tensor:
     """The tokens a layer holds in its allocated format, for every heavy-hitter threshold of `ALPHAS` (module
     docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
     prompt's queries, max over a KV head's query heads (the runtime's prefill significance); continuation [H, S]:
-    the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M. A sliding layer holds
-    all its tokens."""
+    the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M; window: the layer's
+    `exact_span`. A sliding layer holds every token that some scored query reads coded."""
     H, S = continuation.shape
+    at = torch.arange(S, dtype=torch.float64)
+    aged = at < S - window
     if sliding:
-        return torch.ones(len(ALPHAS), H, S, dtype=torch.bool)
+        return aged.expand(len(ALPHAS), H, S).clone()
     P = prefill_score.shape[1]
     M = S - P
-    at = torch.arange(S, dtype=torch.float64)
     # a prompt token out of the window at prefill is placed then, by its prefill mean against alpha / P, and every
     # token is held low at the end when its mean over every query that saw it falls below alpha / S
     at_prefill = at[:P] < P - window
     mean_prefill = prefill_score.double() / (P - at[:P])
     mean_end = (torch.cat([prefill_score.double(), torch.zeros(H, M, dtype=torch.float64)], 1)
                 + continuation.double()) / (S - at)
-    aged = at < S - window
     held = []
     for alpha in ALPHAS:
         low = mean_end < alpha / S

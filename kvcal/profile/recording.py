@@ -51,6 +51,7 @@ from kvcal.profile.quality_model import (
     FormatCosts,
     add_layer_costs,
     continuation_score,
+    exact_span,
     fit_layer_levels,
     held_masks,
     layer_format,
@@ -222,7 +223,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
                 held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer],
-                                  base.tiering.window, sliding[layer])                         # [A, H, S]
+                                  exact_span(base, sliding[layer]), sliding[layer])            # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
                 read_high = high                        # and what the scored queries read in the high tier's format
                 if not sliding[layer]:
@@ -233,8 +234,10 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                     # some scored query (positions P .. S - 1) sees in its window but not as its own
                     read_high = high.clone()
                     read_high[..., max(P - base.tiering.window + 1, 0):S - 1] = True
-                # what the layer's format holds at the end: a sliding layer its window, a paged one its held tokens
-                tokens[layer] += (min(S, window_size) if sliding[layer] else held.double().mean(1).sum(-1)) / B
+                # what the layer's format holds at the end: a sliding layer its window but the recent tokens, a
+                # paged one its held tokens
+                tokens[layer] += (min(S, window_size) - base.sliding_recent if sliding[layer]
+                                  else held.double().mean(1).sum(-1)) / B
                 high_tokens[layer] += high.double().mean(1).sum(-1) / B
                 if b == 0 and not sliding[layer]:
                     levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base,
