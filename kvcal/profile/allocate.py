@@ -30,20 +30,19 @@ from kvcal.runtime.storage.layout import TierFormat
 # outside the pages (`exact_window`), the heavy hitters (mean attention >= HEAVY_HITTERS / N) in the high tier, every
 # other token of a paged layer in its low-tier format, keys per channel over pages of PAGE_TOKENS low tokens, 2- and
 # 4-bit codes on calibrated levels (`quality_model.LEVELED`); a sliding-window layer's window in its sliding format,
-# keys per token in groups of 32 channels (a head dim of 256 needs them at 4 bits and below), but for its WINDOW newest
-# tokens, kept exact too (`sliding_recent`: a local layer's queries weigh their last few tokens most).
+# keys per token in groups of 32 channels (a head dim of 256 needs them at 4 bits and below), no recent tokens at 16
+# bits (`sliding_recent`: the quality model and the coded probe read it when set; why it is not, docs/calibration.md).
 WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, ALPHAS[BASE_ALPHA], 32
 LOW, SLIDING = "K4cnV4nm8", "K8V8kg32m8"
 
 
 def base_settings(layer_types: list[str], window: int | None = None) -> CompressionConfig:
-    """The settings an allocation changes the bits of (the formats above; `window` newest tokens held exact in every
-    layer, default `WINDOW`)."""
-    window = window or WINDOW
+    """The settings an allocation changes the bits of (the formats above; `window` newest tokens held exact,
+    default `WINDOW`)."""
     sliding = TierFormat.parse(SLIDING) if "sliding_attention" in layer_types else None
     return CompressionConfig(high=TierFormat(16, 16), low=TierFormat.parse(LOW), page_tokens=PAGE_TOKENS,
-                             tiering=TieringConfig(window=window, alpha_high=HEAVY_HITTERS), sliding=sliding,
-                             sliding_recent=window if sliding else 0, exact_window=True)
+                             tiering=TieringConfig(window=window or WINDOW, alpha_high=HEAVY_HITTERS), sliding=sliding,
+                             exact_window=True)
 
 
 @dataclass(frozen=True)
