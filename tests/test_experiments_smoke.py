@@ -53,6 +53,8 @@ SMOKE: dict[str, list[str]] = {
                       "--prompt", "40", "--steps", "4"],
     "key_formats": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
                     "--steps", "8", "--rows", "0,1", "--key-range-windows", "1", "--json", "{tmp}/out.json"],
+    "layer_swaps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--row=", "--row", "2=K8V8", "--windows", "1",
+                    "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
     "meta_bits": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
                   "--steps", "8", "--json", "{tmp}/out.json"],
     "mixing": ["--model", "{llama}", "--windows", "1", "--prompt", "40", "--steps", "4", "--calib-tokens", "128",
