@@ -49,8 +49,8 @@ class ExactWindows:
         from n minus that go to the store."""
         c = min(self.size, keys.shape[2])
         self.layers[layer] = Tokens(keys[:, :, keys.shape[2] - c:].to(self.dtype),
-                                         values[:, :, values.shape[2] - c:].to(self.dtype),
-                                         score[..., score.shape[-1] - c:].float().clone())
+                                    values[:, :, values.shape[2] - c:].to(self.dtype),
+                                    score[..., score.shape[-1] - c:].float().clone())
         return c
 
     def block(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,7 @@ class ExactWindows:
         leave."""
         j = max(0, keys.shape[2] - self.size)
         self.layers[layer] = Tokens(keys[:, :, j:].to(self.dtype), values[:, :, j:].to(self.dtype),
-                                         score[..., j:].clone())
+                                    score[..., j:].clone())
         return Tokens(keys[:, :, :j], values[:, :, :j], score[..., :j])
 
     def score(self, layer: int, n: int) -> torch.Tensor:
