@@ -69,14 +69,20 @@ def test_continuation_score_is_the_attention_of_one_dense_forward(model_type):
 
 
 def test_gradients_are_those_of_the_cached_prompt():
-    """In one chunk, the recorded gradient of every prompt key and value is autograd's through transformers' own
-    attention over a cache whose prompt K/V are leaves: dL/dK of what decode queries read, nothing else."""
+    """The recorded gradient of every prompt key and value is autograd's through transformers' own attention over a
+    cache whose prompt K/V are leaves: dL/dK of what decode queries read, nothing else, over a continuation longer
+    than one slice of the head. Cut into chunks, the recording drops the path through the continuation's hidden
+    states into later queries, and its early layers' gradients differ."""
     from transformers import DynamicCache
 
+    from kvcal.profile.recording import HEAD_SLICE
+
     model, tok = make_model("llama")
-    ids = _ids(tok)
+    ids = _ids(tok, 140)
     P, L = 60, model.config.num_hidden_layers
-    window = _record_window(model, ids[:, :P], ids[:, P:], [False] * L, chunk=64)
+    assert ids.shape[1] - P - 1 > 2 * HEAD_SLICE
+    window = _record_window(model, ids[:, :P], ids[:, P:], [False] * L)
+    chunked = _record_window(model, ids[:, :P], ids[:, P:], [False] * L, chunk=16)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :P], cache=cache, use_cache=True)
@@ -94,6 +100,8 @@ def test_gradients_are_those_of_the_cached_prompt():
         assert g_key.abs().max() > 0
         torch.testing.assert_close(g_key[:, :, :P], grads[2 * i], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(g_value[:, :, :P], grads[2 * i + 1], rtol=1e-4, atol=1e-6)
+    g_key_chunked = chunked["kv"][0][2][:, :, :P]
+    assert (g_key_chunked - grads[0]).abs().max() > 1e-3 * grads[0].abs().max()
 
 
 def test_fitted_levels_predict_less_loss_than_uniform_codes():

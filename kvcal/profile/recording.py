@@ -6,16 +6,18 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
 1. the prompt is prefilled densely without gradients, by the runtime's own prefill attention (`select_backend`'s
    `prefill`), which is exact and also gives each prompt token's significance, from which the runtime picks its heavy
    hitters. Only decode queries read coded K/V;
-2. the continuation runs through that cache `chunk` (32) tokens at a time, with gradients, scoring each next token.
-   This gives the dense reference (`TopLogits`), the attention each key gets from the continuation's queries (which
-   tokens are heavy hitters; summed in the attention's own forward), and g = dL/dK, dL/dV for every cached token at
-   the deployment context, where L is the continuation's summed next-token loss. These are the gradients of the K/V
-   that decode queries read, which is what coding them perturbs.
+2. the continuation runs through that cache in one forward with gradients, scoring each next token (the head and
+   the loss `HEAD_SLICE` positions at a time, so no [M, vocab] block and its gradient exist at once). This gives the
+   dense reference (`TopLogits`), the attention each key gets from the continuation's queries (which tokens are heavy
+   hitters; summed in the attention's own forward), and g = dL/dK, dL/dV for every cached token at the deployment
+   context, where L is the continuation's summed next-token loss. These are the gradients of the K/V that decode
+   queries read, which is what coding them perturbs.
 
-The cache is detached between chunks. A chunk's gradient reaches every token that chunk's queries read, but not the
-path from an earlier chunk's token through that chunk's hidden states into a later chunk. That path is a second-order
-effect (one token's share of one attention read), and leaving it out keeps one chunk's graph in memory, not M tokens'
-attention over the whole context.
+The graph of the whole continuation is needed: a key coded in layer l changes the hidden states of every
+continuation token above l, and later queries read those tokens' keys and values. Cutting the graph into chunks of 32
+(as the recording did before) dropped that path and underpriced the early layers: on gemma3-270m their 2-bit steps
+measured 2 to 8 times the KL the table gave them, the last layer's as predicted (docs/calibration.md). The graph
+holds no [n, S] block (`_GroupedAttention`), so it costs little memory. `chunk` still cuts it, for tests.
 
     rec = record_search(model, prompt, continuation, served, base, layer_types, head_dim)   # [B, P], [B, M + 1]
     rec.costs                     # the quality model's table (FormatCosts)
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvcal.eval.fidelity import TopLogits
+from kvcal.eval.fidelity import TopLogits, head_logits
 from kvcal.eval.spilled import SpilledRecords
 from kvcal.profile.capture import attending_by
 from kvcal.profile.heap import trim_heap
@@ -78,6 +80,7 @@ class Recording:
 
 
 RECORDING_IMPL, PREFILL_IMPL = "kvcal_recording", "kvcal_recording_prefill"
+HEAD_SLICE = 32       # positions whose logits (and their gradient) exist at once: [32, vocab] float32
 _SEEN: ContextVar[dict | None] = ContextVar("kvcal_recording", default=None)
 
 
@@ -189,7 +192,7 @@ def _recording(model, chunk: _Chunk):
 
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
-                  base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int = 32,
+                  base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int | None = None,
                   on_window: Callable[[int, bool], None] | None = None) -> Recording:
     """Record every window (module docstring), one at a time so that one window's activations and float32 K/V are
     alive at once; `on_window(b, done)` as window b starts and ends. `base`: the settings the allocation changes bits
@@ -366,13 +369,28 @@ def _add_gradient(total: torch.Tensor, lo: int, hi: int, grad: torch.Tensor) -> 
     total[:, :, lo:hi] += grad.float()
 
 
-def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool], chunk: int) -> dict:
-    """One window: prompt [1, P], continuation [1, M + 1]. Returns S = P + M; per layer the K/V of every token it
-    reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding layer's tokens that
-    no continuation query reads are zero in both), a paged layer's prefill significance ("prefill_score": [H, P]; a
-    sliding layer's None), a paged layer's attention summed over the continuation's queries ("continuation_score":
-    [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros), the
-    prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
+def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, refs: list) -> torch.Tensor:
+    """dL/d(hidden) of the summed next-token loss L over final hidden states [1, n, D] with true next tokens targets
+    [1, n], the head run `HEAD_SLICE` positions at a time; each slice's reference (TopLogits) is appended to `refs`."""
+    d_hidden = torch.zeros_like(hidden)
+    for s in range(0, hidden.shape[1], HEAD_SLICE):
+        part = hidden[:, s:s + HEAD_SLICE].detach().requires_grad_(True)
+        logits = head_logits(model, part)
+        loss = torch.nn.functional.cross_entropy(logits[0], targets[0, s:s + HEAD_SLICE], reduction="sum")
+        d_hidden[:, s:s + HEAD_SLICE] = torch.autograd.grad(loss, part)[0]
+        refs.append(TopLogits.of(logits.detach(), targets[:, s:s + HEAD_SLICE]))
+    return d_hidden
+
+
+def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool],
+                   chunk: int | None = None) -> dict:
+    """One window: prompt [1, P], continuation [1, M + 1], its continuation in one graph (`chunk`: cut into graphs of
+    that many tokens, each detached from the ones before: module docstring). Returns S = P + M; per layer the K/V of
+    every token it reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding
+    layer's tokens that no continuation query reads are zero in both), a paged layer's prefill significance
+    ("prefill_score": [H, P]; a sliding layer's None), a paged layer's attention summed over the continuation's
+    queries ("continuation_score": [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros),
+    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -396,13 +414,13 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                               if kept[i][2] is None})
     seen = chunk_state.kv
     embed = model.get_input_embeddings()
+    chunk = chunk or M
     for t in range(0, M, chunk):
         end = min(t + chunk, M)
         with torch.enable_grad(), _recording(model, chunk_state):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
-            logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits
-            targets = continuation[:, t + 1:end + 1]
-            loss = torch.nn.functional.cross_entropy(logits[0].float(), targets[0], reduction="sum")
+            hidden = model.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
+            d_hidden = _sliced_loss_gradient(model, hidden.detach(), continuation[:, t + 1:end + 1], refs)
             for i in range(L):
                 _, key, value = seen[i]
                 n = key.shape[2]                                 # the tokens this chunk's queries read: the last n
@@ -413,8 +431,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                     x.register_hook(functools.partial(_add_gradient, grads[i][side], P + end - n, P + end))
             # each layer's gradient is added into its sum as the backward reaches it, and freed: never every
             # layer's at once (the input embeddings are a leaf on every path, so the backward visits every K/V)
-            torch.autograd.backward(loss, inputs=[embeds])
-        refs.append(TopLogits.of(logits.detach(), targets))
+            torch.autograd.backward(hidden, d_hidden, inputs=[embeds])
         for i in range(L):
             if kept[i][2] is not None:       # a sliding layer's cache keeps a window: the tokens it read are kept here
                 _, key, value = (x.detach() for x in seen[i])
@@ -426,7 +443,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                 layer.detach()
             else:
                 layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-        del loss, logits, embeds
+        del hidden, d_hidden, embeds
         trim_heap()          # each chunk frees hundreds of MB in pieces the heap would keep (kvcal.profile.heap)
     ref = TopLogits.cat(refs)
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
