@@ -25,9 +25,9 @@ EXPERIMENTS = ROOT / "experiments"
 
 SMALL_CALIBRATE = ["--no-search", "--random-tokens", "64", "--text-tokens", "64", "--seq-len", "64"]
 
-# script -> its arguments at tiny sizes; {llama}/{gemma} are model folders, {llama_bundle}/{gemma_bundle} bundles
-# calibrated for them (statistics only: the runtime's default settings), {data} a .jsonl of word-salad documents,
-# {tmp} a fresh folder per script
+# script (and a mode of it after a space) -> its arguments at tiny sizes; {llama}/{gemma} are model folders,
+# {llama_bundle}/{gemma_bundle} bundles calibrated for them (statistics only: the runtime's default settings), {data}
+# a .jsonl of word-salad documents, {tmp} a fresh folder per script
 SMOKE: dict[str, list[str]] = {
     "bases": ["--model", "{llama}", "--tokens", "128", "--eval-windows", "1", "--seq-len", "64",
               "--json", "{tmp}/out.json"],
@@ -65,6 +65,8 @@ SMOKE: dict[str, list[str]] = {
                       "--rows", "0,7,10,13,16,22", "--json", "{tmp}/out.json"],
     "predicted_vs_measured": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
                               "--windows", "1", "--allocations", "2", "--json", "{tmp}/out.json"],
+    "predicted_vs_measured --layer-steps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--context", "64",
+                                            "--steps", "8", "--windows", "1", "--layer-steps", "2", "--chunk", "4"],
     "probe_cost": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
                    "--json", "{tmp}/out.json"],
     "probe_rss": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--steps", "8",
@@ -90,9 +92,9 @@ SMOKE: dict[str, list[str]] = {
 
 
 def test_every_script_has_a_smoke_run():
-    scripts = {p.stem for p in EXPERIMENTS.glob("*.py")}
-    assert scripts - set(SMOKE) == set(), "add the new experiments/ scripts to SMOKE in this file"
-    assert set(SMOKE) - scripts == set(), "remove the deleted experiments/ scripts from SMOKE in this file"
+    scripts, smoked = {p.stem for p in EXPERIMENTS.glob("*.py")}, {name.split()[0] for name in SMOKE}
+    assert scripts - smoked == set(), "add the new experiments/ scripts to SMOKE in this file"
+    assert smoked - scripts == set(), "remove the deleted experiments/ scripts from SMOKE in this file"
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +123,7 @@ def test_script_runs_at_tiny_sizes(name, smoke_env, tmp_path, monkeypatch):
         (tmp_path / "bundles").mkdir()
         shutil.copy(smoke_env["llama_bundle"], tmp_path / "bundles" / f"{Path(smoke_env['llama']).name}"
                                                                         ".kvcal.safetensors")
-    script = EXPERIMENTS / f"{name}.py"
+    script = EXPERIMENTS / f"{name.split()[0]}.py"
     argv = [a.format(**smoke_env, tmp=tmp_path) for a in SMOKE[name]]
     monkeypatch.setattr(sys, "argv", [str(script), *argv])
     monkeypatch.syspath_prepend(str(EXPERIMENTS))
