@@ -13,11 +13,10 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
    context, where L is the continuation's summed next-token loss. These are the gradients of the K/V that decode
    queries read, which is what coding them perturbs.
 
-The graph of the whole continuation is needed: a key coded in layer l changes the hidden states of every
-continuation token above l, and later queries read those tokens' keys and values. Cutting the graph into chunks of 32
-(as the recording did before) dropped that path and underpriced the early layers: on gemma3-270m their 2-bit steps
-measured 2 to 8 times the KL the table gave them, the last layer's as predicted (docs/calibration.md). The graph
-holds no [n, S] block (`_GroupedAttention`), so it costs little memory. `chunk` still cuts it, for tests.
+The continuation is one graph because a key coded in layer l changes the hidden states of every continuation token
+above l, and later queries read those tokens' keys and values. Cutting the graph into chunks drops that path, which
+is longest for the lowest layers, so it underprices them (docs/calibration.md, "The recording's graph"). The graph
+holds no [n, S] block (`_GroupedAttention`); `chunk` cuts it, for tests and for measuring what cutting costs.
 
     rec = record_search(model, prompt, continuation, served, base, layer_types, head_dim)   # [B, P], [B, M + 1]
     rec.costs                     # the quality model's table (FormatCosts)
