@@ -419,7 +419,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
         with torch.enable_grad(), _recording(model, chunk_state):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
             hidden = model.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
-            d_hidden = _sliced_loss_gradient(model, hidden.detach(), continuation[:, t + 1:end + 1], refs)
+            d_hidden = _sliced_loss_gradient(model, hidden, continuation[:, t + 1:end + 1], refs)
             for i in range(L):
                 _, key, value = seen[i]
                 n = key.shape[2]                                 # the tokens this chunk's queries read: the last n
