@@ -14,11 +14,12 @@ from kvcal.runtime.storage.layout import TierFormat
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _serve(sliding: str | None, steps: int = 12, sliding_layers: tuple = (), sliding_recent: int = 0):
+def _serve(sliding: str | None, steps: int = 12, sliding_layers: tuple = (), sliding_recent: int = 0,
+           page_tokens: int | None = None):
     model, tok = make_model("gemma3_text")
     bundle = random_bundle(model, tok)
     config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding) if sliding else None,
-                               sliding_layers=sliding_layers, sliding_recent=sliding_recent)
+                               sliding_layers=sliding_layers, sliding_recent=sliding_recent, page_tokens=page_tokens)
     ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
     cache = KvcalCache.from_bundle(bundle, model, config)
     logits = decode_logits(model, cache, ids, ids.shape[1] - steps)
@@ -95,8 +96,8 @@ def test_settings_codec_and_refusals():
 
     assert "sliding-window layers K4V4g32 (4-bit keys, 4-bit values with a scale per 32 channels)" in \
         settings_in_words(config.to_dict())
-    for bad in ("K4cV4", "K16V16"):
-        with pytest.raises(ValueError, match="sliding-layer format .* must quantize keys per token"):
+    for bad in ("K4sV4", "K16V16"):
+        with pytest.raises(ValueError, match="sliding-layer format .* must quantize keys per token or per channel"):
             CompressionConfig(sliding=TierFormat.parse(bad))
     layer = QuantizedSlidingLayer(8, TierFormat.parse("K8V4"), torch.eye(4).expand(1, 4, 4),
                                   torch.eye(4).expand(1, 4, 4))
@@ -197,3 +198,77 @@ def test_the_manifest_export_refuses_quantized_sliding_layers(tmp_path):
         export_manifest(random_bundle(model, tok), tmp_path / "m", CompressionConfig(sliding=TierFormat(8, 4)),
                         model=model)
     assert not (tmp_path / "m").exists()
+
+
+def _blocked(block: int = 4, fmt: str = "K4cV4g16m8", window: int = 20, H: int = 2, d: int = 32):
+    gen = torch.Generator().manual_seed(5)
+    rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    return QuantizedSlidingLayer(window, TierFormat.parse(fmt), rotation, torch.eye(d).expand(H, d, d), block=block)
+
+
+@pytest.mark.float_order
+def test_per_channel_keys_wait_for_a_block_then_read_back_as_a_per_channel_page():
+    """Per-channel keys (KIVI's layout in a window): the newest tokens wait unquantized until a block of them has
+    come; a block is coded with one (scale, zero) per channel over its tokens, exactly as the paged tiers' per-channel
+    pages code their keys (`quant.round_trip_per_channel`), up to the rotation's float order (`REORDERED`). Whole
+    blocks are held while any of their tokens is in the window, and every byte is counted."""
+    block, H, d = 4, 2, 32
+    layer = _blocked(block, H=H, d=d)
+    keep = layer.sliding_window - 1
+    g = torch.Generator().manual_seed(6)
+    seen = []
+    for n in (13, 1, 1, 1, 1, 5, 1, 1, 9):               # a prompt, then decode steps and chunks past the window
+        k, v = torch.randn(1, H, n, d, generator=g), torch.randn(1, H, n, d, generator=g)
+        old_len = min(sum(t.shape[2] for t in seen), keep)
+        seen.append(k)
+        out_k, _ = layer.update(k, v)
+        assert out_k.shape[2] == old_len + n and torch.equal(out_k[:, :, old_len:], k)
+        kept = min(sum(t.shape[2] for t in seen), keep)
+        raw = layer.recent_keys.shape[2]
+        coded = layer.values.shape[2]
+        assert coded + raw == kept and raw < block and layer.keys.shape[2] % block == 0
+        assert 0 <= layer.keys.shape[2] - coded < block and layer.key_scales.shape[2] == layer.keys.shape[2] // block
+        assert layer.held_bytes() == (layer.keys.numel() + layer.key_scales.numel() + layer.values.numel()
+                                      + 2 * 2 * H * raw * d)
+    # the next call reads the window back: its raw tokens exact, its blocks as per-channel pages code them
+    past = torch.cat(seen, -2)
+    read, _ = layer.update(past[:, :, :0], torch.zeros(1, H, 0, d))
+    torch.testing.assert_close(read[:, :, coded:], past[:, :, -raw:] if raw else past[:, :, :0], rtol=0, atol=0)
+    first = past.shape[2] - coded - raw - (layer.keys.shape[2] - coded)       # the oldest held block's first token
+    blocks = past[:, :, first:past.shape[2] - raw] @ layer.rotation          # [1, H, blocks * block, d]
+    pages = quant.round_trip_per_channel(blocks.reshape(1, H, -1, block, d), 4, meta_bits=8)
+    expected = (pages.reshape(1, H, -1, d) @ layer.rotation.transpose(-1, -2))[:, :, -coded:]
+    torch.testing.assert_close(read[:, :, :coded], expected, **REORDERED)
+    assert not torch.equal(read[:, :, :coded], past[:, :, -coded - raw:past.shape[2] - raw])
+
+
+def test_per_channel_keys_follow_batch_edits_and_crop_only_their_raw_tokens():
+    layer = _blocked(block=4, window=40)
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(3, 2, 10, 32, generator=g), torch.randn(3, 2, 10, 32, generator=g)
+    layer.update(k, v)                                   # 8 coded in two blocks, 2 raw
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert layer.key_scales.shape[0] == layer.keys.shape[0] == layer.recent_keys.shape[0] == 2
+    read, _ = layer.update(k[:2, :, :0], v[:2, :, :0])
+    torch.testing.assert_close(read[:, :, 8:], k[[2, 0], :, 8:], rtol=0, atol=0)
+    layer.crop(-2)                                       # the two raw tokens
+    assert layer.get_seq_length() == 8 and layer.tokens_held() == 2 * 2 * 8
+    with pytest.raises(RuntimeError, match="only its 0 unquantized ones can go"):
+        layer.crop(-1)
+
+
+def test_per_channel_sliding_keys_in_the_cache_bytes():
+    """A cache whose sliding format keys per channel over blocks of `page_tokens`: the window's coded tokens at
+    their codes and values' pairs, a block's per-channel pairs, the unfilled block's tokens at 16 bits."""
+    logits, cache, model = _serve("K4cV4g16", page_tokens=4)
+    dense_logits, _, _ = _serve(None)
+    window, d, H = model.config.sliding_window, model.config.head_dim, model.config.num_key_value_heads
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert all(layer.block == 4 and layer.channel for layer in sliding)
+    kept, raw = window - 1, sliding[0].recent_keys.shape[2]         # raw: the unfilled block's tokens
+    blocks = -(-(kept - raw) // 4)
+    per_layer = 2 * H * (blocks * 4 * quant.packed_size(d, 4) + blocks * 4 * d
+                         + (kept - raw) * (quant.packed_size(d, 4) + 4 * d // 16) + raw * 2 * d * 2)
+    assert cache.memory()["sliding_bytes"] == len(sliding) * per_layer
+    p, q = torch.log_softmax(dense_logits, -1), torch.log_softmax(logits, -1)
+    assert 0 < float((p.exp() * (p - q)).sum(-1).max()) < 0.05

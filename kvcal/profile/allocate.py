@@ -17,6 +17,7 @@ point within it (`allocate`). The cost is linear in groups × choices, a few mil
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,16 +31,20 @@ from kvcal.runtime.storage.layout import TierFormat
 # outside the pages (`exact_window`), the heavy hitters (mean attention >= HEAVY_HITTERS / N) in the high tier, every
 # other token of a paged layer in its low-tier format, keys per channel over pages of PAGE_TOKENS low tokens, 2- and
 # 4-bit codes on calibrated levels (`quality_model.LEVELED`); a sliding-window layer's window in its sliding format,
-# keys per token in groups of 32 channels (a head dim of 256 needs them at 4 bits and below), no recent tokens at 16
-# bits (`sliding_recent`: the quality model and the coded probe read it when set; why it is not, docs/calibration.md).
+# keys per channel over blocks of PAGE_TOKENS tokens (KIVI's layout: per-token keys at 4 bits read 8 times the KL),
+# values per token in groups of 32 channels where the head dim allows (a whole 256-wide vector at 4 bits reads twice
+# the KL), no recent tokens at 16 bits (`sliding_recent`: the quality model and the coded probe read it when set; why
+# it is not, and those measurements: docs/calibration.md).
 WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, ALPHAS[BASE_ALPHA], 32
-LOW, SLIDING = "K4cnV4nm8", "K8V8kg32m8"
+LOW, SLIDING = "K4cnV4nm8", "K8cV8g32m8"
 
 
-def base_settings(layer_types: list[str], window: int | None = None) -> CompressionConfig:
+def base_settings(layer_types: list[str], window: int | None = None, head_dim: int | None = None) -> CompressionConfig:
     """The settings an allocation changes the bits of (the formats above; `window` newest tokens held exact,
-    default `WINDOW`)."""
+    default `WINDOW`; a head dim that 32 does not divide codes sliding values in one group)."""
     sliding = TierFormat.parse(SLIDING) if "sliding_attention" in layer_types else None
+    if sliding is not None and head_dim is not None and head_dim % sliding.v_group:
+        sliding = dataclasses.replace(sliding, v_group=None)
     return CompressionConfig(high=TierFormat(16, 16), low=TierFormat.parse(LOW), page_tokens=PAGE_TOKENS,
                              tiering=TieringConfig(window=window or WINDOW, alpha_high=HEAVY_HITTERS), sliding=sliding,
                              exact_window=True)

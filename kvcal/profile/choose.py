@@ -106,7 +106,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     if not placed:                                  # an offloaded model stays as accelerate placed it
         lm.model.to(DTYPES[cfg.search_dtype])
     a = lm.adapter
-    base = base_settings(list(a.layer_types), window=cfg.window)
+    base = base_settings(list(a.layer_types), window=cfg.window, head_dim=a.head_dim)
     seconds = {}
 
     t = time.perf_counter()

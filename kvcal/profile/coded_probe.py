@@ -34,11 +34,20 @@ import torch
 from kvcal.eval.fidelity import LogitScores, dense_cache, head_logits
 from kvcal.profile.allocate import Allocation
 from kvcal.profile.capture import attending_by
-from kvcal.profile.quality_model import BITS, HIGH, FormatCosts, coded_keys, coded_values, exact_span, layer_format
+from kvcal.profile.quality_model import (
+    BITS,
+    HIGH,
+    FormatCosts,
+    coded_keys,
+    coded_values,
+    exact_span,
+    key_block,
+    layer_format,
+)
 from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage.bases import ServedBases
-from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
+from kvcal.runtime.storage.layout import RAW_BITS, TierFormat
 
 CODED_IMPL = "kvcal_coded_probe"
 _STATE: ContextVar[_Coding | None] = ContextVar("kvcal_coded_probe", default=None)
@@ -54,8 +63,9 @@ class _Coding:
     def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
         """key, value [B, H, S, d] (what the layer's cache shows this forward) -> the same coded as layer `layer`
         holds them: every token in `low` [B, H, S] in its low-tier (or sliding) format, keys per channel over pages of
-        low tokens in position order as the low tier fills its pages; every token in `high` [B, H, S] in the high
-        tier's format, per token (`held_tokens`; the caller masks which query sees which)."""
+        low tokens in position order as the low tier fills its pages (a sliding layer's: over blocks of its tokens);
+        every token in `high` [B, H, S] in the high tier's format, per token (`held_tokens`; the caller masks which
+        query sees which)."""
         p, sliding = self.probe, self.probe.sliding[layer]
         rot, qrot = p.served.rotation[layer], p.served.query_rotation[layer]           # [H, d, d]
         basis = p.served.basis[layer]
@@ -64,7 +74,7 @@ class _Coding:
         levels = p.recording.levels.get(layer, {})
         for h in range(H):
             fmt = layer_format(p.base, sliding, int(self.bits[layer, h, 0]), int(self.bits[layer, h, 1]))
-            page = PageLayout.build(fmt, d, d, p.base.page_size(d), p.base.low_tracked and not sliding).tokens
+            page = key_block(p.base, fmt, d, sliding)
             for b in range(B):
                 k_lut, v_lut = (None if t is None else t[h:h + 1] for t in (levels.get(("k", fmt.k_bits)),
                                                                               levels.get(("v", fmt.v_bits))))

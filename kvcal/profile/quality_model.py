@@ -70,13 +70,24 @@ def layer_format(base: CompressionConfig, sliding: bool, k_bits: int, v_bits: in
     return dataclasses.replace(fmt, k_bits=k_bits, v_bits=v_bits, k_levels=level(k_bits), v_levels=level(v_bits))
 
 
-def side_bytes(fmt: TierFormat, side: str, head_dim: int, page_bytes: int, tracked: bool, sliding: bool) -> float:
-    """Bytes one token of one KV head costs on `side` in `fmt`: codes, its (scale, zero) pairs, and for per-channel
-    keys its share of the page's per-channel pairs."""
-    layout = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked and not sliding)
+def key_block(base: CompressionConfig, fmt: TierFormat, head_dim: int, sliding: bool) -> int:
+    """Tokens that share a per-channel key's (scale, zero) in `fmt`: a paged layer's page of low tokens, a sliding
+    layer's block (`CompressionConfig.sliding_block`, kvcal.runtime.hf.sliding)."""
+    if sliding:
+        return base.sliding_block
+    return PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked).tokens
+
+
+def side_bytes(fmt: TierFormat, side: str, head_dim: int, base: CompressionConfig, sliding: bool) -> float:
+    """Bytes one token of one KV head costs on `side` in `fmt` (a paged layer's low tier or a sliding layer's
+    format, in `base`'s pages): codes, its (scale, zero) pairs, and for per-channel keys its share of the page's
+    (or block's) per-channel pairs. A sliding layer's unquantized newest tokens (the part of a key block still
+    filling) are not in it, as a page's slack is not."""
+    layout = PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked and not sliding)
     if side == "k":
         per_channel = fmt.k_mode == "channel"
-        return layout.k_bytes + fmt.meta_pair_bytes * (layout.k_groups + per_channel * head_dim / layout.tokens)
+        block = key_block(base, fmt, head_dim, sliding) if per_channel else 1
+        return layout.k_bytes + fmt.meta_pair_bytes * (layout.k_groups + per_channel * head_dim / block)
     return layout.v_bytes + fmt.meta_pair_bytes * layout.v_groups
 
 
@@ -206,7 +217,7 @@ def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: Served
             for h in range(x.shape[0]):
                 xs, g2s = x[h, held[h]], g2[h, held[h]]                                       # [n, d]
                 if s == 0:
-                    T = PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked).tokens
+                    T = key_block(base, fmt, head_dim, False)
                     n = len(xs) - len(xs) % T
                     xs, g2s = xs[:n].reshape(-1, T, xs.shape[-1]), g2s[:n].reshape(-1, T, xs.shape[-1])
                     u, step = quant.normalised_per_channel(xs, bits, fmt.meta_bits)
@@ -305,7 +316,6 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
     [1, H, S, d] and their gradients; levels: the layer's calibrated levels ({(side, bits): [H, 2**bits]},
     `fit_layer_levels`). A per-token format's error is computed once per token and summed under each mask;
     per-channel keys are coded again for each mask, since a page's scales depend on which tokens fill it."""
-    page_bytes, tracked = base.page_size(head_dim), base.low_tracked and not sliding
     for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)
         for h in range(x.shape[0]):
@@ -315,7 +325,7 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
                 lut = (levels or {}).get((side, bits))
                 lut = None if lut is None else lut[h:h + 1]                                    # [1, 2**bits]
                 if s == 0 and fmt.k_mode == "channel" and bits not in RAW_BITS:
-                    tokens = PageLayout.build(fmt, head_dim, head_dim, page_bytes, tracked).tokens
+                    tokens = key_block(base, fmt, head_dim, sliding)
                     held_tokens = held_tokens or [(x[h, mask][None], g2[h, mask][None]) for mask in held[:, h]]
                     for i, (xs, g2s) in enumerate(held_tokens):
                         costs[h, s, b, i] += 0.5 * float(coding_errors(xs, g2s, fmt, side, tokens, lut).sum())

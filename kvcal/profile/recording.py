@@ -259,11 +259,10 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     finally:
         for p in params:
             p.requires_grad_(True)
-    page_bytes, tracked = base.page_size(head_dim), base.low_tracked
-    nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, page_bytes,
-                                            tracked, sliding[layer]) for b in BITS] for side in SIDES]
+    nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, base,
+                                            sliding[layer]) for b in BITS] for side in SIDES]
                            for layer in range(L)], dtype=torch.float64)
-    high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, page_bytes, False, False)
+    high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, base, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
     return Recording(prompt, continuation, records, ref, held_by_end,
                      FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)

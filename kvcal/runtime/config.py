@@ -15,7 +15,8 @@ order:
     h2o               {fraction, recent} | absent (off)             token-budget eviction baselines
     snapkv            {fraction, window, kernel, reserve} | absent (off)
     streamingllm      {fraction, sinks} | absent (off)
-    sliding           str    tier format of sliding-window layers (per-token, e.g. "K8V4"); absent = dense
+    sliding           str    tier format of sliding-window layers (keys per token, e.g. "K8V4", or per channel over
+                             blocks of `page_tokens` tokens, 32 if unset, e.g. "K4cV4g32"); absent = dense
     low_layers        {layer: str}  low-tier format of these layers instead of `low` (bits where they matter; same
                                     key mode and groups as `low`, other bits); absent = `low` everywhere
     low_heads         {layer: {KV head: str}}  low-tier format of these KV heads instead of their layer's (the same
@@ -153,6 +154,11 @@ class CompressionConfig:
     def value_group(self) -> int:
         """Channels per value (scale, zero) group of either tier (1: per token); it must divide each V rank."""
         return max(self.high.v_group or 1, self.low.v_group or 1)
+
+    @property
+    def sliding_block(self) -> int:
+        """Tokens per key block of a sliding layer with per-channel keys: `page_tokens`, else 32."""
+        return self.page_tokens or 32
 
     def page_size(self, head_dim: int, page_bytes: int | None = None) -> int:
         """Bytes per page for heads of `head_dim` (the arena's one page size, shared by both tiers). page_bytes: an

@@ -223,7 +223,8 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
-        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0], self.config.sliding_recent)
+        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0], self.config.sliding_recent,
+                                     self.config.sliding_block)
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None,

@@ -18,10 +18,19 @@ so the parent's slicing along tokens and indexing along sequences act on codes a
 quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
 attends to itself unquantized, as in the paged runtime), rotated back to the model basis (R, B orthogonal).
 
-With `recent` > 0 (`CompressionConfig.sliding_recent`, KIVI's full-precision residual), the newest `recent` tokens
-stay as they came, in the model's dtype and counted at 16 bits, and a token is quantized once it leaves them:
+Per-channel keys (`K4cV4g32`, KIVI's layout in a window): a token waits, unquantized, until `block` of them have
+come (`CompressionConfig.page_tokens`), and the block is then coded with one (scale, zero) per channel over its
+tokens, its values per token at the same time. Whole blocks are kept while any of their tokens is in the window:
 
-    recent_keys, recent_values   [B, H, r, d]   r <= recent, the newest tokens, oldest first
+    keys        uint8 [B, H, n_b * block, k_bytes]   codes, n_b blocks, oldest first
+    key_scales  uint8 [B, H, n_b, pair * d]          (scale, zero) per channel of each block
+    values      uint8 [B, H, n, v_bytes + pair * v_groups]   n <= n_b * block: the coded tokens in the window
+
+With `recent` > 0 (`CompressionConfig.sliding_recent`, KIVI's full-precision residual), the newest `recent` tokens
+stay as they came, in the model's dtype and counted at 16 bits, and a token is quantized once it leaves them (with
+per-channel keys, once a block of tokens has left them):
+
+    recent_keys, recent_values   [B, H, r, d]   r < recent + block, the newest tokens, oldest first
 
 A local layer's queries put most of their weight on the last few tokens, so these are where quantization error
 costs most (docs/calibration.md).
@@ -40,14 +49,19 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
     """One sliding-window layer stored in `fmt` (module docstring). rotation, basis: float32 [H, d, d]; basis
     orthogonal, rotation orthogonal unless smoothed. Keys are stored as K @ rotation and read back through
     `query_rotation` transposed, its inverse: with channel smoothing the key rotation is R D⁻¹ M and the query
-    rotation R D M (kvcal.runtime.storage.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself."""
+    rotation R D M (kvcal.runtime.storage.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself.
+    block: tokens per per-channel key block (only read when `fmt` has per-channel keys)."""
 
     def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
-                 query_rotation: torch.Tensor | None = None, recent: int = 0):
+                 query_rotation: torch.Tensor | None = None, recent: int = 0, block: int = 32):
         check_sliding_format(fmt)
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"`block={block!r}` must be a positive number of tokens per per-channel key block")
         super().__init__(sliding_window)
         self.fmt, self.rotation, self.basis, self.recent = fmt, rotation, basis, recent
         self.key_inverse_t = rotation if query_rotation is None else query_rotation
+        self.channel = fmt.k_mode == "channel"
+        self.block = block if self.channel else 1            # tokens coded together (a per-token format: each alone)
         d = rotation.shape[-1]
         self.head_dim = d
         self.k_bytes, self.v_bytes = quant.packed_size(d, fmt.k_bits), quant.packed_size(d, fmt.v_bits)
@@ -59,8 +73,10 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         self.key_inverse_t = self.key_inverse_t.to(self.device)
         self.basis = self.basis.to(self.device)
         B, H = key_states.shape[:2]
-        self.keys = torch.empty(B, H, 0, self._row(self.k_bytes, self.fmt.k_group), dtype=torch.uint8,
-                                device=self.device)
+        key_row = self.k_bytes if self.channel else self._row(self.k_bytes, self.fmt.k_group)
+        scales_row = self.fmt.meta_pair_bytes * self.head_dim if self.channel else 0
+        self.keys = torch.empty(B, H, 0, key_row, dtype=torch.uint8, device=self.device)
+        self.key_scales = torch.empty(B, H, 0, scales_row, dtype=torch.uint8, device=self.device)
         self.values = torch.empty(B, H, 0, self._row(self.v_bytes, self.fmt.v_group), dtype=torch.uint8,
                                   device=self.device)
         self.recent_keys, self.recent_values = key_states[:, :, :0], value_states[:, :, :0]
@@ -90,36 +106,64 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         y = quant.dequantize_per_token(codes, scale, zero, group)
         return torch.einsum("bhne,hde->bhnd", y, basis).to(self.dtype)
 
+    def _encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k [B, H, n, d] (model basis; n a multiple of `block` with per-channel keys) -> (codes or rows uint8
+        [B, H, n, ...], per-channel block scales uint8 [B, H, n / block, pair * d], empty for per-token keys)."""
+        fmt = self.fmt
+        if not self.channel:
+            return self._encode(k, self.rotation, fmt.k_bits, fmt.k_group), self.key_scales[:, :, :0]
+        B, H, n, d = k.shape
+        y = torch.einsum("bhnd,hde->bhne", k.float(), self.rotation).reshape(B, H, n // self.block, self.block, d)
+        codes, scale, zero = quant.quantize_per_channel(y, fmt.k_bits, meta_bits=fmt.meta_bits)
+        return quant.pack(codes.reshape(B, H, n, d), fmt.k_bits), quant.meta_to_bytes(scale, zero)
+
+    def _decode_keys(self, n: int) -> torch.Tensor:
+        """The newest n coded keys [B, H, n, d] in the model basis and dtype (n <= the coded tokens held)."""
+        fmt = self.fmt
+        if not self.channel:
+            keys = self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes)
+            return keys[:, :, keys.shape[2] - n:]
+        B, H, m, _ = self.keys.shape
+        blocks, d = m // self.block, self.head_dim
+        codes = quant.unpack(self.keys.contiguous(), fmt.k_bits, d).view(B, H, blocks, self.block, d)
+        scale, zero = quant.meta_from_bytes(self.key_scales.contiguous(), fmt.meta_bits, fmt.k_bits, (B, H, blocks, d))
+        y = quant.dequantize_per_channel(codes, scale, zero).view(B, H, m, d)[:, :, m - n:]
+        return torch.einsum("bhne,hde->bhnd", y, self.key_inverse_t).to(self.dtype)
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         fmt = self.fmt
-        old_k = torch.cat([self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes),
-                           self.recent_keys], -2)
+        old_k = torch.cat([self._decode_keys(self.values.shape[2]), self.recent_keys], -2)
         old_v = torch.cat([self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes),
                            self.recent_values], -2)
         keep = self.sliding_window - 1
         unquantized_k = torch.cat([self.recent_keys, key_states], -2)[:, :, -keep:]
         unquantized_v = torch.cat([self.recent_values, value_states], -2)[:, :, -keep:]
-        leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now
-        new_k = self._encode(unquantized_k[:, :, :leaving], self.rotation, fmt.k_bits, fmt.k_group)
+        leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now,
+        leaving -= leaving % self.block                               # in whole blocks
+        new_k, new_scales = self._encode_keys(unquantized_k[:, :, :leaving])
         new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
         self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
         self.cumulative_length += key_states.shape[-2]
         rows = keep - self.recent_keys.shape[-2]          # quantized tokens the window still holds
-        self.keys, self.values = (_last(torch.cat([old, new], -2), rows)
-                                  for old, new in ((self.keys, new_k), (self.values, new_v)))
+        self.values = _last(torch.cat([self.values, new_v], -2), rows)
+        blocks = -(-rows // self.block)                   # the blocks that hold them
+        self.keys = _last(torch.cat([self.keys, new_k], -2), blocks * self.block)
+        self.key_scales = _last(torch.cat([self.key_scales, new_scales], -2), blocks if self.channel else 0)
         return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
 
-    # the recent tokens follow the rows through generate's edits of the batch
+    # the block scales and the recent tokens follow the rows through generate's edits of the batch
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.is_initialized:
+            self.key_scales = self.key_scales[indices]
             self.recent_keys, self.recent_values = self.recent_keys[indices], self.recent_values[indices]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.is_initialized:
+            self.key_scales = self.key_scales.repeat_interleave(repeats, dim=0)
             self.recent_keys = self.recent_keys.repeat_interleave(repeats, dim=0)
             self.recent_values = self.recent_values.repeat_interleave(repeats, dim=0)
 
@@ -128,13 +172,17 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest `-tokens_to_remove` tokens (before the window fills; transformers' rules), the recent
-        ones first."""
-        if self.recent == 0 or tokens_to_remove >= 0 or not self.is_initialized \
+        ones first. Per-channel keys are coded a block at a time, so a crop may only remove unquantized tokens."""
+        if (self.recent == 0 and not self.channel) or tokens_to_remove >= 0 or not self.is_initialized \
                 or self.get_seq_length() >= self.sliding_window:
             super().crop(tokens_to_remove)
             return
         n = min(-tokens_to_remove, self.get_seq_length())
         from_recent = min(n, self.recent_keys.shape[-2])
+        if self.channel and n > from_recent:
+            raise RuntimeError(f"cannot remove {n} tokens from a sliding layer with per-channel keys ({self.fmt.name}):"
+                               f" only its {from_recent} unquantized ones can go; serve a per-token sliding format "
+                               "(e.g. K8V8kg32m8) to crop further")
         r = self.recent_keys.shape[-2] - from_recent
         self.recent_keys, self.recent_values = self.recent_keys[:, :, :r], self.recent_values[:, :, :r]
         rows = self.keys.shape[-2] - (n - from_recent)
@@ -142,16 +190,18 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         self.cumulative_length -= n
 
     def held_bytes(self) -> int:
-        """Bytes of the kept tokens: codes and (scale, zero), and the recent tokens at 16 bits; nothing else."""
+        """Bytes of the kept tokens: codes and (scale, zero), block scales of per-channel keys (whole blocks, a
+        partly-left one too), and the recent tokens at 16 bits; nothing else."""
         if not self.is_initialized:
             return 0
-        return self.keys.numel() + self.values.numel() + 2 * (self.recent_keys.numel() + self.recent_values.numel())
+        coded = self.keys.numel() + self.key_scales.numel() + self.values.numel()
+        return coded + 2 * (self.recent_keys.numel() + self.recent_values.numel())
 
     def tokens_held(self) -> int:
-        """B x H x kept tokens (for the fp16 reference)."""
+        """B x H x tokens in the window (for the fp16 reference)."""
         if not self.is_initialized:
             return 0
-        return self.keys.shape[0] * self.keys.shape[1] * (self.keys.shape[2] + self.recent_keys.shape[2])
+        return self.values.shape[0] * self.values.shape[1] * (self.values.shape[2] + self.recent_values.shape[2])
 
 
 def _last(x: torch.Tensor, n: int) -> torch.Tensor:
