@@ -104,6 +104,33 @@ def test_gradients_are_those_of_the_cached_prompt():
     assert (g_key_chunked - grads[0]).abs().max() > 1e-3 * grads[0].abs().max()
 
 
+def test_a_sliding_layers_gradients_count_only_the_queries_that_read_it_coded():
+    """With an exact span, a sliding layer's recorded K/V gradients are those through the reads of keys at least
+    `span` positions behind their query (the reads the runtime serves coded): span 0 counts every read, as the
+    gradient of the whole attention; a span past the window counts none; in between, every token's gradient loses
+    its newest readers' share, so the newest tokens lose it all. Paged layers keep their full gradients."""
+    model, tok = make_model("gemma3_text")
+    ids = _ids(tok, 110)
+    P, L, W = 60, model.config.num_hidden_layers, model.config.sliding_window
+    sliding = [t == "sliding_attention" for t in model.config.layer_types]
+    layers = [i for i in range(L) if sliding[i]]
+    assert layers and not all(sliding)
+    full = _record_window(model, ids[:, :P], ids[:, P:], sliding)
+    every = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, 0))
+    half = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, 4))
+    none = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, W + 1))
+    for i in range(L):
+        for side in (2, 3):                            # g_key, g_value
+            g_full, g_every, g_half, g_none = (w["kv"][i][side] for w in (full, every, half, none))
+            if not sliding[i]:
+                assert torch.equal(g_half, g_full)
+                continue
+            torch.testing.assert_close(g_every, g_full, rtol=1e-4, atol=1e-6)
+            assert not g_none.any()
+            S = g_half.shape[2]
+            assert not g_half[:, :, S - 4:].any() and g_half[:, :, :S - 4].abs().amax() > 0
+
+
 def test_fitted_levels_predict_less_loss_than_uniform_codes():
     """The levels fitted on a window's held tokens, weighted by g² step², minimise the quality model's own sum there:
     with them, every 2- and 4-bit side of every layer is predicted to cost no more than with uniform codes (all

@@ -23,10 +23,11 @@ that format would hold under the base settings:
   token to the high tier, so the scored queries read the tokens of their window in the high tier's format: those
   tokens are charged its coding error too (weighted by their whole gradient, most of which their window's queries
   give), which is 0 for a 16-bit high tier;
-- a sliding-window layer holds every token in its sliding format but its `sliding_recent` newest, which each query
-  reads exact with its own (the tokens no query reads have g = 0). A token's gradient sums every query after it, so
-  the queries that read it exact are counted too (an overcount, larger than a paged layer's: half of a 512-token
-  window's tokens are the continuation's own).
+- a sliding-window layer holds every token in its sliding format but the newest ones each query reads exact with
+  its own (`exact_span`: its `sliding_recent` ones, and with per-channel keys the block still filling). Its
+  recorded gradients sum only the queries that read a token coded (kvcal.profile.recording), since half of a
+  512-token window's tokens are the continuation's own and a local layer's queries weigh their newest keys most;
+  the tokens no query reads coded have g = 0.
 
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
 them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
@@ -272,8 +273,13 @@ def continuation_score(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 def exact_span(base: CompressionConfig, sliding: bool) -> int:
     """How many of the newest tokens a decode query reads exact, its own included: key j is coded for query i when
-    j <= i - span. A paged layer's window; a sliding layer's `sliding_recent` and the query's own token."""
-    return base.sliding_recent + 1 if sliding else base.tiering.window
+    j <= i - span. A paged layer's window; a sliding layer's `sliding_recent` and the query's own token, and with
+    per-channel keys half a block more: the tokens of the block still filling, which the runtime holds unquantized
+    (0 to block - 1 of them, by the query's place in its block; modelled at their mean)."""
+    if not sliding:
+        return base.tiering.window
+    filling = base.sliding_block // 2 if base.sliding is not None and base.sliding.k_mode == "channel" else 0
+    return base.sliding_recent + 1 + filling
 
 
 @torch.no_grad()

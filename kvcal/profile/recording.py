@@ -34,7 +34,7 @@ import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -91,6 +91,8 @@ class _GroupedAttention(torch.autograd.Function):
     q [B, H, g, n, d]; k, v [B, H, S, d]; mask [B, 1, 1, n, S] float, added to the logits (or None) -> [B, H, g, n, d].
     score float32 [B, H, >= S] (or None): each key's probability, max over the group, summed over the n queries, is
     added into its first S columns (the significance `quality_model.held_masks` reads, from the forward's own block).
+    coded (or None): (reads bool [n, S], sink list): the backward also appends to sink the gradients of k and v
+    [B, H, S, d] through the reads marked alone (the queries that read a key coded), beside the full ones it returns.
     """
 
     @staticmethod
@@ -108,14 +110,14 @@ class _GroupedAttention(torch.autograd.Function):
         return p.div_(total), top + total.log()
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, score):
+    def forward(ctx, q, k, v, mask, scale, score, coded=None):
         p, lse = _GroupedAttention._probs(q, k, mask, scale)
         B, H, g, n, S = p.shape
         if score is not None:
             score[..., :S] += p.amax(2).sum(2)
         out = (p.view(B, H, g * n, S) @ v).view(B, H, g, n, -1)
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.coded = scale, coded
         return out
 
     @staticmethod
@@ -124,11 +126,16 @@ class _GroupedAttention(torch.autograd.Function):
         p, _ = _GroupedAttention._probs(q, k, mask, ctx.scale, lse)
         B, H, g, n, S = p.shape
         d_v = p.view(B, H, g * n, S).transpose(-1, -2) @ d_out.reshape(B, H, g * n, -1)
+        reads = None if ctx.coded is None else ctx.coded[0].to(p.dtype).repeat(g, 1)             # [g·n, S]
+        if reads is not None:
+            d_v_coded = (p.view(B, H, g * n, S) * reads).transpose(-1, -2) @ d_out.reshape(B, H, g * n, -1)
         d_p = (d_out.reshape(B, H, g * n, -1) @ v.transpose(-1, -2)).view(B, H, g, n, S)
         d_s = p.mul_(d_p.sub_((d_out * out).sum(-1, keepdim=True))).mul_(ctx.scale).view(B, H, g * n, S)
         d_q = (d_s @ k).view(q.shape)
         d_k = d_s.transpose(-1, -2) @ q.reshape(B, H, g * n, -1)
-        return d_q, d_k, d_v, None, None, None
+        if reads is not None:
+            ctx.coded[1].append(((d_s * reads).transpose(-1, -2) @ q.reshape(B, H, g * n, -1), d_v_coded))
+        return d_q, d_k, d_v, None, None, None, None
 
 
 def _recording_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -144,8 +151,13 @@ def _recording_attention(module, query, key, value, attention_mask, *args, scali
     H, S = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
     mask = attention_mask[:, :, None, :, -S:] if attention_mask is not None else None
+    coded = None
+    if module.layer_idx in chunk.spans:             # key j is read coded by query i when j <= i - span
+        at = torch.arange(S, device=key.device)
+        reads = at[None, :] <= at[S - n:, None] - chunk.spans[module.layer_idx]                  # [n, S]
+        coded = (reads, chunk.coded.setdefault(module.layer_idx, []))
     out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale,
-                                  chunk.scores.get(module.layer_idx))
+                                  chunk.scores.get(module.layer_idx), coded)
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
 
 
@@ -156,6 +168,9 @@ class _Chunk:
     kv: dict                      # layer -> (query, key, value) of this chunk, with their graph
     scores: dict                  # paged layer -> float32 [1, H, S]: each key's attention summed over the queries so
                                   # far (`_GroupedAttention`'s score)
+    spans: dict = field(default_factory=dict)   # sliding layer -> its exact span: its K/V gradients are recorded
+                                                # through the queries that read them coded only
+    coded: dict = field(default_factory=dict)   # sliding layer -> [(g_key, g_value) [1, H, S, d]], by the backward
 
 
 def _prefill_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -219,7 +234,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
         for b in range(B):
             if on_window:
                 on_window(b, False)
-            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk)
+            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk,
+                                    {i: exact_span(base, True) for i in range(L) if sliding[i]})
             trim_heap()
             S = window["S"]
             for layer in range(L):
@@ -381,14 +397,15 @@ def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, re
 
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool],
-                   chunk: int | None = None) -> dict:
+                   chunk: int | None = None, spans: dict | None = None) -> dict:
     """One window: prompt [1, P], continuation [1, M + 1], its continuation in one graph (`chunk`: cut into graphs of
     that many tokens, each detached from the ones before: module docstring). Returns S = P + M; per layer the K/V of
     every token it reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding
     layer's tokens that no continuation query reads are zero in both), a paged layer's prefill significance
     ("prefill_score": [H, P]; a sliding layer's None), a paged layer's attention summed over the continuation's
     queries ("continuation_score": [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros),
-    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k])."""
+    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k]). spans: sliding layer -> exact
+    span (`quality_model.exact_span`): that layer's K/V gradients count only the queries that read them coded."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -409,7 +426,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
     refs = []
     chunk_state = _Chunk({}, {i: torch.zeros(1, cache.layers[i].keys.shape[1], S) for i in range(L)
-                              if kept[i][2] is None})
+                              if kept[i][2] is None}, dict(spans or {}))
     seen = chunk_state.kv
     embed = model.get_input_embeddings()
     chunk = chunk or M
@@ -426,7 +443,8 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                     grads[i] = [key.new_zeros(*key.shape[:2], S, key.shape[3], dtype=torch.float32)
                                 for _ in range(4 if kept[i][2] is not None else 2)]
                 for side, x in enumerate((key, value)):
-                    x.register_hook(functools.partial(_add_gradient, grads[i][side], P + end - n, P + end))
+                    if i not in chunk_state.spans:              # (a span's layer: its coded reads', below)
+                        x.register_hook(functools.partial(_add_gradient, grads[i][side], P + end - n, P + end))
             # each layer's gradient is added into its sum as the backward reaches it, and freed: never every
             # layer's at once (the input embeddings are a leaf on every path, so the backward visits every K/V)
             torch.autograd.backward(hidden, d_hidden, inputs=[embeds])
@@ -435,6 +453,9 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                 _, key, value = (x.detach() for x in seen[i])
                 lo, hi = P + end - key.shape[2], P + end
                 grads[i][2][:, :, lo:hi], grads[i][3][:, :, lo:hi] = key.float(), value.float()
+                for g_key, g_value in chunk_state.coded.pop(i, []):
+                    _add_gradient(grads[i][0], lo, hi, g_key)
+                    _add_gradient(grads[i][1], lo, hi, g_value)
         seen.clear()
         for layer in cache.layers:           # the next chunk's gradient starts at the tokens it reads
             if isinstance(layer, _InPlaceLayer):
