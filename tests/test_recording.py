@@ -105,20 +105,23 @@ def test_gradients_are_those_of_the_cached_prompt():
 
 
 def test_a_sliding_layers_gradients_count_only_the_queries_that_read_it_coded():
-    """With an exact span, a sliding layer's recorded K/V gradients are those through the reads of keys at least
-    `span` positions behind their query (the reads the runtime serves coded): span 0 counts every read, as the
-    gradient of the whole attention; a span past the window counts none; in between, every token's gradient loses
-    its newest readers' share, so the newest tokens lose it all. Paged layers keep their full gradients."""
+    """Given the first key each query reads exact, a sliding layer's recorded K/V gradients are those through the
+    reads of older keys (the reads the runtime serves coded): with every key read coded they are the gradients of
+    the whole attention; with none, zero; with the 4 newest read exact, every token's gradient loses its newest
+    readers' share, so the newest tokens lose it all. Paged layers keep their full gradients."""
     model, tok = make_model("gemma3_text")
     ids = _ids(tok, 110)
-    P, L, W = 60, model.config.num_hidden_layers, model.config.sliding_window
+    P, L = 60, model.config.num_hidden_layers
     sliding = [t == "sliding_attention" for t in model.config.layer_types]
     layers = [i for i in range(L) if sliding[i]]
     assert layers and not all(sliding)
+    positions = torch.arange(ids.shape[1])
+
+    def record(exact_from):
+        return _record_window(model, ids[:, :P], ids[:, P:], sliding, exact_from=dict.fromkeys(layers, exact_from))
+
     full = _record_window(model, ids[:, :P], ids[:, P:], sliding)
-    every = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, 0))
-    half = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, 4))
-    none = _record_window(model, ids[:, :P], ids[:, P:], sliding, spans=dict.fromkeys(layers, W + 1))
+    every, half, none = record(positions + 1), record(positions - 3), record(torch.zeros_like(positions))
     for i in range(L):
         for side in (2, 3):                            # g_key, g_value
             g_full, g_every, g_half, g_none = (w["kv"][i][side] for w in (full, every, half, none))

@@ -272,3 +272,24 @@ def test_per_channel_sliding_keys_in_the_cache_bytes():
     assert cache.memory()["sliding_bytes"] == len(sliding) * per_layer
     p, q = torch.log_softmax(dense_logits, -1), torch.log_softmax(logits, -1)
     assert 0 < float((p.exp() * (p - q)).sum(-1).max()) < 0.05
+
+
+@pytest.mark.parametrize("fmt,recent,prompt", [("K4cV4g16m8", 0, 13), ("K4cV4g16m8", 3, 13), ("K4cV4g16m8", 0, 5),
+                                               ("K4cV4g16m8", 14, 13), ("K8V4", 0, 9), ("K8V4", 2, 30)])
+def test_the_quality_model_knows_which_keys_each_decode_query_reads_exact(fmt, recent, prompt):
+    """`quality_model.first_exact` (what the calibration's table and coded probe assume) against the layer itself:
+    at every decode step, the query reads exact the tokens the layer holds unquantized, and its own (keys that left
+    the window are read by no query, so a boundary before it means the same)."""
+    from kvcal.profile.quality_model import first_exact
+
+    window, block, d = 12, 4, 32
+    layer = _blocked(block, fmt, window, H=1, d=d)
+    layer.recent = recent
+    base = CompressionConfig(sliding=TierFormat.parse(fmt), sliding_recent=recent, page_tokens=block)
+    g = torch.Generator().manual_seed(8)
+    layer.update(torch.randn(1, 1, prompt, d, generator=g), torch.randn(1, 1, prompt, d, generator=g))
+    for i in range(prompt, prompt + 3 * block + 2):
+        unquantized = layer.recent_keys.shape[2]
+        got = int(first_exact(base, True, torch.tensor([i]), prompt, window))
+        assert max(got, i - (window - 1)) == i - unquantized, i
+        layer.update(torch.randn(1, 1, 1, d, generator=g), torch.randn(1, 1, 1, d, generator=g))

@@ -14,7 +14,8 @@ allocation would hold them, the way the quality model itself reasons (kvcal.prof
   the window before i; exactly when j is in i's window and the settings hold the window exact
   (`CompressionConfig.exact_window`), else in the high tier's format (the runtime then writes every new token to its
   high tier: with an 8-bit high tier the window is read at 8 bits too); exactly when it is i's own; a sliding-window
-  layer holds every token but the query's own and its `sliding_recent` newest (`quality_model.exact_span`).
+  layer holds every token but the query's own, its `sliding_recent` newest and the block still filling of per-channel
+  keys (`quality_model.first_exact`).
 
 What it leaves out is what the runtime decides on the fly: heavy hitters found during decode, the exact page
 boundaries of tokens that age during the continuation. The confirmation that follows is the runtime's own stepwise
@@ -40,7 +41,7 @@ from kvcal.profile.quality_model import (
     FormatCosts,
     coded_keys,
     coded_values,
-    exact_span,
+    first_exact,
     key_block,
     layer_format,
 )
@@ -105,27 +106,28 @@ def _coded_attention(module, query, key, value, attention_mask, *args, scaling=N
     them: query i meets key j coded in its held format when j is held and out of the window at i (j <= i - window);
     in a paged layer with a coded high tier whose window is not held exact, every other key older than i in the high
     tier's format (the runtime writes each new token to its high tier, so the window is read there too); in a
-    sliding layer, every key out of its recent tokens coded (`exact_span`). Its own key, and the window's otherwise,
-    exact."""
+    sliding layer, every key before its recent tokens and the block still filling coded (`first_exact`). Its own key,
+    and the window's otherwise, exact."""
     state = _STATE.get()
     layer = module.layer_idx
     B, Hq, n, d = query.shape
     H, S = key.shape[1], key.shape[2]
-    sliding = state.probe.sliding[layer]
-    window = exact_span(state.probe.base, sliding)
+    sliding, prompt = state.probe.sliding[layer], state.probe.prompt.shape[1]
+    offset = prompt + n - S                                             # the position of key 0
+    qpos = torch.arange(n) + S - n
+    exact_from = first_exact(state.probe.base, sliding, qpos + offset, prompt, state.probe.sliding_window) - offset
     low, high = state.held_tokens(layer, B, H, S)                                         # [B, H, S]
     kc, vc = state.coded_kv(layer, key, value, low, high)
     held = low | high                                                                       # coded once aged
     g = Hq // H
     q = query.float().view(B, H, g, n, d)
     # keys before `cut` are out of the window for every query: one mixed copy serves them all; only the band after
-    # it (window + n keys) needs a choice per query
-    cut = min(max(S - n - window + 1, 0), S)
+    # it (about window + n keys) needs a choice per query
+    cut = min(max(int(exact_from.min()), 0), S)
     k_bulk = torch.where(held[..., :cut, None], kc[:, :, :cut], key[:, :, :cut]).float()        # [B, H, cut, d]
     v_bulk = torch.where(held[..., :cut, None], vc[:, :, :cut], value[:, :, :cut]).float()
-    qpos = torch.arange(n) + S - n
     kpos = torch.arange(cut, S)[None, :]
-    aged = kpos <= qpos[:, None] - window                                                 # [n, S - cut]
+    aged = kpos < exact_from[:, None]                                                     # [n, S - cut]
     coded = held[:, :, None, None, cut:] & aged                                           # [B, H, 1, n, S - cut]
     k_band, kc_band = (t[:, :, None, cut:].float() for t in (key, kc))
     v_band, vc_band = (t[:, :, None, cut:].float() for t in (value, vc))
@@ -180,6 +182,7 @@ class CodedProbe:
         self.records, self.ref, self.held = recording.records, recording.ref, recording.held
         self.served, self.base, self.head_dim, self.chunk = served, base, head_dim, chunk
         self.sliding = [t == "sliding_attention" for t in layer_types]
+        self.sliding_window = getattr(model.config, "sliding_window", None)
 
     def modelled_ratio(self, costs: FormatCosts, allocation: Allocation) -> float:
         """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's

@@ -24,7 +24,7 @@ that format would hold under the base settings:
   tokens are charged its coding error too (weighted by their whole gradient, most of which their window's queries
   give), which is 0 for a 16-bit high tier;
 - a sliding-window layer holds every token in its sliding format but the newest ones each query reads exact with
-  its own (`exact_span`: its `sliding_recent` ones, and with per-channel keys the block still filling). Its
+  its own (`first_exact`: its `sliding_recent` ones, and with per-channel keys the block still filling). Its
   recorded gradients sum only the queries that read a token coded (kvcal.profile.recording), since half of a
   512-token window's tokens are the continuation's own and a local layer's queries weigh their newest keys most;
   the tokens no query reads coded have g = 0.
@@ -271,15 +271,21 @@ def continuation_score(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return attention.view(H, -1, M, S).amax(1).sum(1)
 
 
-def exact_span(base: CompressionConfig, sliding: bool) -> int:
-    """How many of the newest tokens a decode query reads exact, its own included: key j is coded for query i when
-    j <= i - span. A paged layer's window; a sliding layer's `sliding_recent` and the query's own token, and with
-    per-channel keys half a block more: the tokens of the block still filling, which the runtime holds unquantized
-    (0 to block - 1 of them, by the query's place in its block; modelled at their mean)."""
+def first_exact(base: CompressionConfig, sliding: bool, queries: torch.Tensor, prompt: int,
+                sliding_window: int | None = None) -> torch.Tensor:
+    """queries long [n]: positions of decode queries after a prompt of `prompt` tokens -> long [n]: the first key
+    position each reads exact (its own key and every later one); older keys it reads in their coded format. A paged
+    layer's query reads its `window` newest keys exact. A sliding layer's (`sliding_window`) reads its
+    `sliding_recent` newest exact and, with per-channel keys, the block still filling: the runtime cuts blocks from
+    the first token the prompt leaves unquantized (kvcal.runtime.hf.sliding), so every boundary follows from the
+    prompt's length."""
     if not sliding:
-        return base.tiering.window
-    filling = base.sliding_block // 2 if base.sliding is not None and base.sliding.k_mode == "channel" else 0
-    return base.sliding_recent + 1 + filling
+        return queries - base.tiering.window + 1
+    recent = base.sliding_recent
+    block = base.sliding_block if base.sliding is not None and base.sliding.k_mode == "channel" else 1
+    kept = min(prompt, sliding_window - 1)
+    start = prompt - (kept - max(kept - recent, 0) // block * block)        # the prompt's first unquantized token
+    return start + (queries - start - recent).clamp(min=0) // block * block
 
 
 @torch.no_grad()
@@ -288,8 +294,9 @@ def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, w
     """The tokens a layer holds in its allocated format, for every heavy-hitter threshold of `ALPHAS` (module
     docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
     prompt's queries, max over a KV head's query heads (the runtime's prefill significance); continuation [H, S]:
-    the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M; window: the layer's
-    `exact_span`. A sliding layer holds every token that some scored query reads coded."""
+    the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M; window: how many of
+    the newest tokens the last query reads exact (`first_exact`). A sliding layer holds every token that some scored
+    query reads coded (the last one reads the most)."""
     H, S = continuation.shape
     at = torch.arange(S, dtype=torch.float64)
     aged = at < S - window

@@ -52,7 +52,7 @@ from kvcal.profile.quality_model import (
     FormatCosts,
     add_layer_costs,
     continuation_score,
-    exact_span,
+    first_exact,
     fit_layer_levels,
     held_masks,
     layer_format,
@@ -152,9 +152,9 @@ def _recording_attention(module, query, key, value, attention_mask, *args, scali
     scale = scaling if scaling is not None else d ** -0.5
     mask = attention_mask[:, :, None, :, -S:] if attention_mask is not None else None
     coded = None
-    if module.layer_idx in chunk.spans:             # key j is read coded by query i when j <= i - span
-        at = torch.arange(S, device=key.device)
-        reads = at[None, :] <= at[S - n:, None] - chunk.spans[module.layer_idx]                  # [n, S]
+    if module.layer_idx in chunk.exact_from:        # key j is read coded by query i when j < exact_from[i]
+        at = torch.arange(chunk.end - S, chunk.end, device=key.device)                           # positions
+        reads = at[None, :] < chunk.exact_from[module.layer_idx][at[S - n:]][:, None]            # [n, S]
         coded = (reads, chunk.coded.setdefault(module.layer_idx, []))
     out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale,
                                   chunk.scores.get(module.layer_idx), coded)
@@ -168,9 +168,10 @@ class _Chunk:
     kv: dict                      # layer -> (query, key, value) of this chunk, with their graph
     scores: dict                  # paged layer -> float32 [1, H, S]: each key's attention summed over the queries so
                                   # far (`_GroupedAttention`'s score)
-    spans: dict = field(default_factory=dict)   # sliding layer -> its exact span: its K/V gradients are recorded
-                                                # through the queries that read them coded only
+    exact_from: dict = field(default_factory=dict)  # sliding layer -> long [positions]: the first key each query
+                                                    # reads exact; its K/V gradients count the coded reads only
     coded: dict = field(default_factory=dict)   # sliding layer -> [(g_key, g_value) [1, H, S, d]], by the backward
+    end: int = 0                                # the position after this forward's last query
 
 
 def _prefill_attention(module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
@@ -234,14 +235,16 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
         for b in range(B):
             if on_window:
                 on_window(b, False)
-            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk,
-                                    {i: exact_span(base, True) for i in range(L) if sliding[i]})
+            positions = torch.arange(P + continuation.shape[1] - 1)
+            exact_from = {i: first_exact(base, True, positions, P, window_size) for i in range(L) if sliding[i]}
+            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk, exact_from)
             trim_heap()
             S = window["S"]
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
+                last = first_exact(base, sliding[layer], torch.tensor([S - 1]), P, window_size)
                 held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer],
-                                  exact_span(base, sliding[layer]), sliding[layer])            # [A, H, S]
+                                  S - int(last), sliding[layer])                                  # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
                 read_high = high                        # and what the scored queries read in the high tier's format
                 if not sliding[layer]:
@@ -397,15 +400,16 @@ def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, re
 
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool],
-                   chunk: int | None = None, spans: dict | None = None) -> dict:
+                   chunk: int | None = None, exact_from: dict | None = None) -> dict:
     """One window: prompt [1, P], continuation [1, M + 1], its continuation in one graph (`chunk`: cut into graphs of
     that many tokens, each detached from the ones before: module docstring). Returns S = P + M; per layer the K/V of
     every token it reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding
     layer's tokens that no continuation query reads are zero in both), a paged layer's prefill significance
     ("prefill_score": [H, P]; a sliding layer's None), a paged layer's attention summed over the continuation's
     queries ("continuation_score": [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros),
-    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k]). spans: sliding layer -> exact
-    span (`quality_model.exact_span`): that layer's K/V gradients count only the queries that read them coded."""
+    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k]). exact_from: sliding layer ->
+    long [>= S], for each query position the first key it reads exact (`quality_model.first_exact`): that layer's
+    K/V gradients count only the queries that read them coded."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -426,12 +430,13 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     grads: dict[int, list[torch.Tensor]] = {}       # per layer (g_key, g_value), and for a sliding layer (key, value)
     refs = []
     chunk_state = _Chunk({}, {i: torch.zeros(1, cache.layers[i].keys.shape[1], S) for i in range(L)
-                              if kept[i][2] is None}, dict(spans or {}))
+                              if kept[i][2] is None}, dict(exact_from or {}))
     seen = chunk_state.kv
     embed = model.get_input_embeddings()
     chunk = chunk or M
     for t in range(0, M, chunk):
         end = min(t + chunk, M)
+        chunk_state.end = P + end
         with torch.enable_grad(), _recording(model, chunk_state):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
             hidden = model.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
@@ -443,7 +448,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
                     grads[i] = [key.new_zeros(*key.shape[:2], S, key.shape[3], dtype=torch.float32)
                                 for _ in range(4 if kept[i][2] is not None else 2)]
                 for side, x in enumerate((key, value)):
-                    if i not in chunk_state.spans:              # (a span's layer: its coded reads', below)
+                    if i not in chunk_state.exact_from:         # (such a layer: its coded reads', below)
                         x.register_hook(functools.partial(_add_gradient, grads[i][side], P + end - n, P + end))
             # each layer's gradient is added into its sum as the backward reaches it, and freed: never every
             # layer's at once (the input embeddings are a leaf on every path, so the backward visits every K/V)
