@@ -231,12 +231,12 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
+    positions = torch.arange(P + continuation.shape[1] - 1)
+    exact_from = {i: first_exact(base, True, positions, P, window_size) for i in range(L) if sliding[i]}
     try:
         for b in range(B):
             if on_window:
                 on_window(b, False)
-            positions = torch.arange(P + continuation.shape[1] - 1)
-            exact_from = {i: first_exact(base, True, positions, P, window_size) for i in range(L) if sliding[i]}
             window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk, exact_from)
             trim_heap()
             S = window["S"]
