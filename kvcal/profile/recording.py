@@ -231,8 +231,10 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
-    positions = torch.arange(P + continuation.shape[1] - 1)
+    positions = torch.arange(P + continuation.shape[1] - 1)                   # S of them
     exact_from = {i: first_exact(base, True, positions, P, window_size) for i in range(L) if sliding[i]}
+    # how many of the newest tokens the last query reads exact, per layer (`held_masks`)
+    last_exact = [len(positions) - int(first_exact(base, sliding[i], positions[-1:], P, window_size)) for i in range(L)]
     try:
         for b in range(B):
             if on_window:
@@ -242,9 +244,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
             S = window["S"]
             for layer in range(L):
                 key, value, g_key, g_value = window["kv"][layer]
-                last = first_exact(base, sliding[layer], torch.tensor([S - 1]), P, window_size)
                 held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer],
-                                  S - int(last), sliding[layer])                                  # [A, H, S]
+                                  last_exact[layer], sliding[layer])                              # [A, H, S]
                 high = torch.zeros_like(held)           # heavy hitters out of the window (no high tier: sliding)
                 read_high = high                        # and what the scored queries read in the high tier's format
                 if not sliding[layer]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvcal.runtime.storage import quant
+from kvcal.runtime.storage import codec, quant
 from kvcal.runtime.storage.layout import TierFormat, check_sliding_format
 
 
@@ -113,9 +113,9 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         if not self.channel:
             return self._encode(k, self.rotation, fmt.k_bits, fmt.k_group), self.key_scales[:, :, :0]
         B, H, n, d = k.shape
-        y = torch.einsum("bhnd,hde->bhne", k.float(), self.rotation).reshape(B, H, n // self.block, self.block, d)
-        codes, scale, zero = quant.quantize_per_channel(y, fmt.k_bits, meta_bits=fmt.meta_bits)
-        return quant.pack(codes.reshape(B, H, n, d), fmt.k_bits), quant.meta_to_bytes(scale, zero)
+        y = torch.einsum("bhnd,hde->bhne", k.float(), self.rotation).reshape(-1, self.block, d)   # a page per block
+        codes, scales = codec.encode_channel_keys(y, fmt.k_bits, fmt.meta_bits)
+        return codes.view(B, H, n, self.k_bytes), scales.view(B, H, n // self.block, self.key_scales.shape[-1])
 
     def _decode_keys(self, n: int) -> torch.Tensor:
         """The newest n coded keys [B, H, n, d] in the model basis and dtype (n <= the coded tokens held)."""
@@ -123,11 +123,12 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         if not self.channel:
             keys = self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes)
             return keys[:, :, keys.shape[2] - n:]
-        B, H, m, _ = self.keys.shape
+        B, H, m, k_bytes = self.keys.shape
         blocks, d = m // self.block, self.head_dim
-        codes = quant.unpack(self.keys.contiguous(), fmt.k_bits, d).view(B, H, blocks, self.block, d)
-        scale, zero = quant.meta_from_bytes(self.key_scales.contiguous(), fmt.meta_bits, fmt.k_bits, (B, H, blocks, d))
-        y = quant.dequantize_per_channel(codes, scale, zero).view(B, H, m, d)[:, :, m - n:]
+        y = codec.decode_channel_keys(self.keys.reshape(B * H, blocks, self.block, k_bytes),
+                                      self.key_scales.reshape(B * H, blocks, self.key_scales.shape[-1]), fmt.k_bits,
+                                      d, fmt.meta_bits)
+        y = y.view(B, H, m, d)[:, :, m - n:]
         return torch.einsum("bhne,hde->bhnd", y, self.key_inverse_t).to(self.dtype)
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -64,8 +64,7 @@ def encode_channel_keys(k: torch.Tensor, bits: int, meta_bits: int = 16,
     """k float32 [n, T, r], levels [n, 2**bits] or None -> (codes uint8 [n, T * k_bytes], meta uint8 [n, r * pair])."""
     lut = None if levels is None else levels[:, None]                                      # [n, 1, K]
     codes, scale, zero = quant.quantize_per_channel(k, bits, meta_bits=meta_bits, levels=lut)   # [n, T, r]
-    n = len(k)
-    return quant.pack(codes, bits).reshape(n, -1), quant.meta_to_bytes(scale, zero).reshape(n, -1)
+    return quant.pack(codes, bits).flatten(1), quant.meta_to_bytes(scale, zero).flatten(1)    # n = 0 too
 
 
 def decode_channel_keys(codes: torch.Tensor, meta: torch.Tensor, bits: int, r: int,
