@@ -98,6 +98,24 @@ def test_sliding_layers_are_coded_too():
     assert probe.measure(costs, Allocation.of(costs, narrow)).kl > probe.measure(costs, Allocation.of(costs, wide)).kl
 
 
+def test_sliding_layers_bytes_are_modelled_as_the_runtime_holds_them():
+    """A sliding layer keeps its window (its fp16 share is the window's, not the context's), its newest tokens wait
+    unquantized and its per-channel keys are held in whole blocks. Moving the sliding layers from 8 to 2 bits with
+    the global layer unchanged (its page slack cancels) changes the modelled ratio as much as the runtime's."""
+    model, tok, bundle, ids, base, costs, probe = _setup("gemma3_text", L=4, sliding_window=96,
+                                                         layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    runtime = DecodeProbe(model, bundle, ids[:, :112], ids[:, 112:], tokenizer=tok)
+    wide = torch.full((4, 2), 8)
+    narrow = wide.clone()
+    narrow[:3] = 2
+    modelled, served = [], []
+    for bits in (wide, narrow):
+        allocation = Allocation.of(costs, bits)
+        modelled.append(probe.modelled_ratio(costs, allocation))
+        served.append(runtime.measure(to_config(base, costs, allocation)).memory["ratio_to_fp16"])
+    assert modelled[0] - modelled[1] == pytest.approx(served[0] - served[1], rel=0.02), (modelled, served)
+
+
 def test_flash_bulk_equals_the_plain_softmax():
     """The coded attention runs flash attention over the bulk keys (older than every query's window) and merges the
     band in by log-sum-exp. A mask of 1e-30 on the bulk (far below float32's resolution at logits of order 1) sends

@@ -185,25 +185,36 @@ class CodedProbe:
         self.sliding_window = getattr(model.config, "sliding_window", None)
 
     def modelled_ratio(self, costs: FormatCosts, allocation: Allocation) -> float:
-        """Bytes the allocation holds after the continuation, against fp16: each layer's held tokens at its format's
-        bytes per token (codes and their scale/zero pairs, `FormatCosts.bytes`, summed over KV heads; a sliding
-        layer's every token but its recent ones), a paged layer's other tokens out of the window at the high tier's
-        (`FormatCosts.high_bytes`), every other token at 16 bits.
+        """Bytes the allocation holds after the continuation, against an fp16 cache of the same tokens (as the
+        runtime's `memory()` counts them): each layer's held tokens at its format's bytes per token (codes and their
+        scale/zero pairs, `FormatCosts.bytes`, summed over KV heads), a paged layer's other tokens out of the window
+        at the high tier's (`FormatCosts.high_bytes`), every other token at 16 bits. A sliding layer keeps only its
+        window, so its fp16 share is the window's; its newest tokens (the block still filling, the recent ones) wait
+        unquantized, as many as the last query reads exact, and its per-channel keys are held in whole blocks.
         Pages' slack and the runtime's fixed allowance are not in it: the confirmation measures those."""
-        S = self.prompt.shape[1] + self.continuation.shape[1] - 1
+        S, P = self.prompt.shape[1] + self.continuation.shape[1] - 1, self.prompt.shape[1]
         H, d = self.served.rotation.shape[1], self.head_dim
         bits, alpha = allocation.bits, allocation.alpha
-        per_token = costs.head_bytes().gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum((1, 2))   # [L]
+        per_side = costs.head_bytes().gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum(1)   # [L, 2]
         per_high = costs.high_bytes[..., allocation.high].sum(-1)                                  # [L]
-        recent = self.base.sliding_recent
-        held = torch.tensor([float(S - recent) if s else float(self.held[i][alpha].double().sum(-1).mean())
-                             for i, s in enumerate(self.sliding)], dtype=torch.float64)          # [L] per KV head
+        window = min(S, self.sliding_window or S)
+        waiting = S - int(first_exact(self.base, True, torch.tensor([S - 1]), P, window)[0]) if any(self.sliding) else 0
+        held = torch.zeros(len(self.sliding), 2, dtype=torch.float64)              # [L, K|V] tokens per KV head
+        for i, s in enumerate(self.sliding):
+            if not s:
+                held[i] = float(self.held[i][alpha].double().sum(-1).mean())
+                continue
+            coded = window - waiting
+            fmt = layer_format(self.base, True, int(bits[i, 0, 0]), int(bits[i, 0, 1]))
+            block = key_block(self.base, fmt, d, True) if fmt.k_mode == "channel" else 1
+            held[i] = torch.tensor([-(-coded // block) * block, coded], dtype=torch.float64)
+        kept = torch.tensor([float(window if s else S) for s in self.sliding], dtype=torch.float64)   # [L]
         aged = max(S - self.base.tiering.window, 0)
-        in_high = torch.tensor([0.0 if s else aged - float(held[i]) for i, s in enumerate(self.sliding)],
+        in_high = torch.tensor([0.0 if s else aged - float(held[i, 1]) for i, s in enumerate(self.sliding)],
                                dtype=torch.float64)
         dense_token = 2 * 2 * H * d                                                            # K and V, fp16
-        total = (per_token * held + per_high * in_high + (S - held - in_high) * dense_token).sum()
-        return float(total / (len(self.sliding) * S * dense_token))
+        total = ((per_side * held).sum(1) + per_high * in_high + (kept - held[:, 1] - in_high) * dense_token).sum()
+        return float(total / (kept.sum() * dense_token))
 
     @torch.inference_mode()
     def measure(self, costs: FormatCosts, allocation: Allocation):
