@@ -194,7 +194,6 @@ def test_the_window_is_read_as_the_runtime_serves_it(exact_window):
 def test_an_8_bit_high_tier_is_priced_and_coded():
     """With heavy hitters (the lowest threshold of the catalogue), the 8-bit high tier is predicted to cost loss, the
     probe codes it and models fewer bytes."""
-
     model, tok, bundle, ids, base, costs, probe = _setup(sharp=True)
     assert HIGH[1].startswith("K8V8") and costs.high_tokens[:, 0].min() > 0
     assert costs.high_costs[..., 0, :].abs().max() == 0 and costs.high_costs[..., 1, 0].sum() > 0
