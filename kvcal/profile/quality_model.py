@@ -53,8 +53,8 @@ from kvcal.runtime.storage.layout import RAW_BITS, TRACKED_BYTES, PageLayout, Ti
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
 # and of the high tier (heavy hitters out of the window, held per token with their score and position), one for every
-# paged layer: exact, 8 bits, or 8-bit keys and 4-bit values; 8-bit scales, which lose nothing at 8 bits that
-# matters and let a page hold one more token (docs/calibration.md)
+# paged layer: exact, 8 bits, or 8-bit keys and 4-bit values; 8-bit scales (steps at most 4.4 % coarser,
+# `quant.meta8_encode`), so that a page holds one more heavy hitter at head dim 64 (docs/calibration.md)
 HIGH = ("K16V16", "K8V8m8", "K8V4m8")
 # and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
 # paged layer, on a doubling grid
