@@ -30,11 +30,9 @@ def _table(L: int = 3, H: int = 2, seed: int = 0) -> FormatCosts:
     low_tokens = torch.linspace(90, 99, A, dtype=torch.float64)
     nbytes = torch.tensor([b / 8 + 0.25 for b in BITS], dtype=torch.float64).expand(L, 2, -1).clone()
     high = torch.rand(L, H, 2, 1, 1, generator=g, dtype=torch.float64) * (100 - low_tokens) / 10
-    # the high tier's entries: exact first, then each narrower one costing more loss for fewer bytes
     return FormatCosts(steps * low_tokens / 90, nbytes, low_tokens.expand(L, -1).clone(), [False] * L,
-                       torch.cat([high * i ** 2 for i in range(len(HIGH))], -2),
-                       torch.tensor([2.0] + [1.0 / i + 1 / 16 for i in range(1, len(HIGH))],
-                                    dtype=torch.float64).expand(L, 2, -1).clone(),
+                       torch.cat([torch.zeros_like(high), high], -2),
+                       torch.tensor([2.0, 1.0 + 1 / 16], dtype=torch.float64).expand(L, 2, -1).clone(),
                        (100 - low_tokens).expand(L, -1).clone())
 
 
@@ -45,9 +43,8 @@ def test_hull_points_are_pareto_optimal_and_ordered():
               for b in everything for high in range(len(HIGH)) for alpha in range(len(ALPHAS))]
     hull = frontier(costs)
     assert len(hull) > 3
-    assert hull[0].bits.eq(8).all() and hull[0].high == 0 and hull[-1].bits.eq(2).all()
-    assert hull[-1].high == len(HIGH) - 1
-    assert {a.high for a in hull} == set(range(len(HIGH)))     # every high tier format is on the frontier here
+    assert hull[0].bits.eq(8).all() and hull[0].high == 0 and hull[-1].bits.eq(2).all() and hull[-1].high == 1
+    assert {a.high for a in hull} == {0, 1}             # the high tier's formats are both on the frontier here
     assert len({a.alpha for a in hull}) > 1             # and more than one threshold
     for a, b in zip(hull, hull[1:]):
         assert a.predicted <= b.predicted and a.held_bytes > b.held_bytes
@@ -124,27 +121,6 @@ def test_to_config_sets_only_the_layers_that_differ():
     config = to_config(base, costs, Allocation.of(costs, per_head))
     assert config.low_layers == ((1, base.low.__class__.parse("K2cnV8m8")),)
     assert config.low_heads == ((0, 1, base.low.__class__.parse("K2cnV2nm8")),)
-
-
-def test_a_high_tier_token_is_priced_with_its_score_and_position():
-    """The runtime tracks its high tier (a heavy hitter can be demoted), so each high token holds a score and a
-    position word beside its codes; the frame's low tier is not tracked. The quality model's bytes per token are the
-    page layout's segments per token."""
-    from kvcal.profile.quality_model import SIDES, side_bytes
-    from kvcal.runtime.storage.layout import PageLayout, TierFormat
-
-    base, d = base_settings(["full_attention"]), 64
-    assert not base.low_tracked
-    for spec, high in [(spec, True) for spec in HIGH[1:]] + [(base.low.name, False)]:
-        fmt = TierFormat.parse(spec)
-        lay = PageLayout.build(fmt, d, d, base.page_size(d), tracked=high)
-        T, pair = lay.tokens, fmt.meta_pair_bytes
-        segments = lay.k_bytes + lay.v_bytes + pair * (lay.k_groups + lay.v_groups)
-        segments += pair * d / T if fmt.k_mode == "channel" else 0               # a page's per-channel key pairs
-        if high:
-            assert lay.pos_off - lay.score_off >= 4 * T                          # the words are there
-            segments += 8
-        assert sum(side_bytes(fmt, side, d, base, False, high=high) for side in SIDES) == pytest.approx(segments)
 
 
 def test_spearman():

@@ -49,13 +49,10 @@ from kvcal.runtime.backends.cpu import coding
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.bases import ServedBases
-from kvcal.runtime.storage.layout import RAW_BITS, TRACKED_BYTES, PageLayout, TierFormat
+from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
-# and of the high tier (heavy hitters out of the window, held per token with their score and position), one for every
-# paged layer: exact, 8 bits, or 8-bit keys and 4-bit values; 8-bit scales (steps at most 4.4 % coarser,
-# `quant.meta8_encode`), so that a page holds one more heavy hitter at head dim 64 (docs/calibration.md)
-HIGH = ("K16V16", "K8V8m8", "K8V4m8")
+HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
 # and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
 # paged layer, on a doubling grid
 ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
@@ -82,21 +79,17 @@ def key_block(base: CompressionConfig, fmt: TierFormat, head_dim: int, sliding: 
     return PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked).tokens
 
 
-def side_bytes(fmt: TierFormat, side: str, head_dim: int, base: CompressionConfig, sliding: bool,
-               high: bool = False) -> float:
-    """Bytes one token of one KV head costs on `side` in `fmt` (a paged layer's low tier, its high tier with
-    `high`, or a sliding layer's format, in `base`'s pages): codes, its (scale, zero) pairs, for per-channel keys its
-    share of the page's (or block's) per-channel pairs, and half the score and position words of a tracked tier (the
-    high tier always). A sliding layer's unquantized newest tokens (the part of a key block still filling) are not in
-    it, as a page's slack is not."""
-    tracked = high or (base.low_tracked and not sliding)
-    layout = PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), tracked)
-    words = TRACKED_BYTES / 2 * tracked
+def side_bytes(fmt: TierFormat, side: str, head_dim: int, base: CompressionConfig, sliding: bool) -> float:
+    """Bytes one token of one KV head costs on `side` in `fmt` (a paged layer's low tier or a sliding layer's
+    format, in `base`'s pages): codes, its (scale, zero) pairs, and for per-channel keys its share of the page's
+    (or block's) per-channel pairs. A sliding layer's unquantized newest tokens (the part of a key block still
+    filling) are not in it, as a page's slack is not."""
+    layout = PageLayout.build(fmt, head_dim, head_dim, base.page_size(head_dim), base.low_tracked and not sliding)
     if side == "k":
         per_channel = fmt.k_mode == "channel"
         block = key_block(base, fmt, head_dim, sliding) if per_channel else 1
-        return layout.k_bytes + fmt.meta_pair_bytes * (layout.k_groups + per_channel * head_dim / block) + words
-    return layout.v_bytes + fmt.meta_pair_bytes * layout.v_groups + words
+        return layout.k_bytes + fmt.meta_pair_bytes * (layout.k_groups + per_channel * head_dim / block)
+    return layout.v_bytes + fmt.meta_pair_bytes * layout.v_groups
 
 
 @dataclass

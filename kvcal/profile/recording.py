@@ -282,7 +282,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     nbytes = torch.tensor([[[H * side_bytes(layer_format(base, sliding[layer], b, b), side, head_dim, base,
                                             sliding[layer]) for b in BITS] for side in SIDES]
                            for layer in range(L)], dtype=torch.float64)
-    high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, base, False, high=True)
+    high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, base, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
     return Recording(prompt, continuation, records, ref, held_by_end,
                      FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)

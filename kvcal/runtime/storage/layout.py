@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 from kvcal.runtime.storage.quant import packed_size
 
-TRACKED_BYTES = 8       # a tracked token's score (float32) and position (int32)
-
 ALIGN = 16
 RAW_BITS = (16, 32)
 QUANT_BITS = (2, 4, 8)
@@ -159,8 +157,7 @@ class PageLayout:
         """The layout with the most tokens per page that fits `page_bytes`."""
         sizes = _sizes(fmt, r_k, r_v)
         k_bytes, v_bytes, k_groups, v_groups = sizes
-        token = k_bytes + v_bytes + fmt.meta_pair_bytes * (k_groups + v_groups) + TRACKED_BYTES * tracked
-        T = max(1, page_bytes // token)
+        T = max(1, page_bytes // (k_bytes + v_bytes + fmt.meta_pair_bytes * (k_groups + v_groups) + 8 * tracked))
         while T > 1 and _offsets(fmt, r_k, sizes, T, tracked)[-1] > page_bytes:   # alignment padding can overflow
             T -= 1
         offs = _offsets(fmt, r_k, sizes, T, tracked)
