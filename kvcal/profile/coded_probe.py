@@ -44,6 +44,7 @@ from kvcal.profile.quality_model import (
     first_exact,
     key_block,
     layer_format,
+    newest_exact,
 )
 from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
@@ -198,7 +199,7 @@ class CodedProbe:
         per_side = costs.head_bytes().gather(-1, FormatCosts.index(bits)[..., None])[..., 0].sum(1)   # [L, 2]
         per_high = costs.high_bytes[..., allocation.high].sum(-1)                                  # [L]
         window = min(S, self.sliding_window or S)
-        waiting = S - int(first_exact(self.base, True, torch.tensor([S - 1]), P, window)[0]) if any(self.sliding) else 0
+        waiting = newest_exact(self.base, True, S, P, self.sliding_window) if any(self.sliding) else 0
         held = torch.zeros(len(self.sliding), 2, dtype=torch.float64)              # [L, K|V] tokens per KV head
         for i, s in enumerate(self.sliding):
             if not s:

@@ -288,6 +288,13 @@ def first_exact(base: CompressionConfig, sliding: bool, queries: torch.Tensor, p
     return start + (queries - start - recent).clamp(min=0) // block * block
 
 
+def newest_exact(base: CompressionConfig, sliding: bool, length: int, prompt: int,
+                 sliding_window: int | None = None) -> int:
+    """How many of the newest of `length` tokens the last query (position length - 1) reads exact, its own included
+    (`first_exact`): a paged layer's window; a sliding layer's recent tokens and the block still filling."""
+    return length - int(first_exact(base, sliding, torch.tensor([length - 1]), prompt, sliding_window)[0])
+
+
 @torch.no_grad()
 def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, window: int,
                sliding: bool) -> torch.Tensor:
@@ -295,7 +302,7 @@ def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, w
     docstring) -> bool [len(ALPHAS), H, S]. prefill_score [H, P]: each prompt token's attention summed over the
     prompt's queries, max over a KV head's query heads (the runtime's prefill significance); continuation [H, S]:
     the same sums over the M scored queries after the prompt (`continuation_score`), S = P + M; window: how many of
-    the newest tokens the last query reads exact (`first_exact`). A sliding layer holds every token that some scored
+    the newest tokens the last query reads exact (`newest_exact`). A sliding layer holds every token that some scored
     query reads coded (the last one reads the most)."""
     H, S = continuation.shape
     at = torch.arange(S, dtype=torch.float64)

@@ -56,6 +56,7 @@ from kvcal.profile.quality_model import (
     fit_layer_levels,
     held_masks,
     layer_format,
+    newest_exact,
     side_bytes,
 )
 from kvcal.runtime.config import CompressionConfig
@@ -233,8 +234,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
         p.requires_grad_(False)
     positions = torch.arange(P + continuation.shape[1] - 1)                   # S of them
     exact_from = {i: first_exact(base, True, positions, P, window_size) for i in range(L) if sliding[i]}
-    # how many of the newest tokens the last query reads exact, per layer (`held_masks`)
-    last_exact = [len(positions) - int(first_exact(base, sliding[i], positions[-1:], P, window_size)) for i in range(L)]
+    last_exact = [newest_exact(base, sliding[i], len(positions), P, window_size) for i in range(L)]   # `held_masks`
     try:
         for b in range(B):
             if on_window:
