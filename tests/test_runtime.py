@@ -263,6 +263,10 @@ def test_per_channel_low_tier_seals_pages_in_prefill_and_decode():
         model(input_ids=ids[:, :50], cache=cache, use_cache=True)
         T_low = cache.kv.store.groups[0][0].layouts[LOW].tokens
         after_prefill = cache.kv.store.fill[:, :, :, LOW].clone()
+        low = cache.kv.store.gather(0)
+        for b, h in torch.nonzero(after_prefill[0] > 0).tolist():   # each prefill page: neighbours in position order
+            pos = low.pos[b, h][low.side[b, h] == LOW][:int(after_prefill[0, b, h])].view(-1, T_low)
+            assert bool((pos.diff(dim=1) > 0).all()), pos
         for t in range(50, 89):
             model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
         cache_tokens = cache.kv.store.fill[:, :, :, LOW]

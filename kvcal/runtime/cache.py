@@ -354,8 +354,8 @@ class CompressedKV:
             store.append(layer, side, b, h, k_rot[b, h, i], v_proj[b, h, i], pos[b, h, i], score[b, h, i])
 
     def _seal_low_pages(self, layer, tier, k_rot, v_proj, pos, score, length):
-        """Per-channel low tier at prefill: write the least significant low tokens as whole pages; the rest of them
-        (fewer than a page per entry) stay high until enough low tokens exist. Returns the updated tiers."""
+        """Per-channel low tier at prefill: the least significant low tokens as whole pages of position neighbours
+        (whose keys share per-channel ranges best); the others (under a page per entry) stay high. Returns the tiers."""
         tier = tier.clone()
         m = mean_score(score, pos, length)
         for g in self.store.groups[layer]:
@@ -372,9 +372,9 @@ class CompressedKV:
             rank = torch.empty_like(order)
             rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
             sealed = is_low & (rank < (n_pages * T)[..., None])
+            order = (~sealed).to(torch.uint8).argsort(dim=-1, stable=True)   # sealed first, in position order
             tier[:, hs] = torch.where(is_low & ~sealed, torch.full_like(tier[:, hs], TIER_HIGH), tier[:, hs])
-            # sealed tokens are written here, every page in one call; TIER_PRUNED keeps _write_prompt from appending
-            # them again
+            # written here, every page in one call; TIER_PRUNED keeps _write_prompt from appending them again
             tier[:, hs] = torch.where(sealed, torch.full_like(tier[:, hs], TIER_PRUNED), tier[:, hs])
             eb, eh, p = torch.nonzero(n_pages[..., None] > torch.arange(int(n_pages.max()), device=tier.device),
                                       as_tuple=True)           # [pages]: entry and page number, pages in order
