@@ -9,6 +9,7 @@ that start `kvcal` in a fresh process to measure it (calibrate_models, cli_captu
 
 from __future__ import annotations
 
+import json
 import runpy
 import shutil
 import sys
@@ -154,3 +155,31 @@ def test_results_pages_names_the_command_for_a_missing_bundle(tmp_path, monkeypa
     assert e.value.code == 1
     assert "kvcal calibrate -m qwen2.5-coder-1.5b --out" in capsys.readouterr().out
     assert not (tmp_path / "results").exists()
+
+
+def test_with_settings_serves_a_hull_point_of_the_report(smoke_env, tmp_path, monkeypatch):
+    """`with_settings.py --hull-point N` copies the bundle with point N of the frontier its report lists: per-head
+    bits become `low_layers` / `low_heads` as the calibration's `to_config` writes them."""
+    from kvcal.profile.allocate import base_settings
+    from kvcal.runtime.bundle import load_bundle
+
+    bundle = tmp_path / "b.kvcal.safetensors"
+    shutil.copy(smoke_env["llama_bundle"], bundle)
+    info = load_bundle(bundle).model
+    bits = [[[4, 4]] * info.num_kv_heads for _ in range(info.num_layers)]
+    bits[0] = [[2, 2]] * info.num_kv_heads
+    bits[1][-1] = [8, 4]
+    point = {"bits": bits, "predicted_loss": 1.0, "held_bytes": 1.0, "high": "K8V8", "alpha_high": 16.0}
+    base = base_settings(list(info.layer_types), head_dim=info.head_dim).to_dict()
+    (tmp_path / "b.kvcal.report.json").write_text(json.dumps({"search": {"quality_model": {"hull": [point],
+                                                                                            "base": base}}}))
+    script = EXPERIMENTS / "with_settings.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--bundle", str(bundle), "--hull-point", "0", "--out",
+                                      str(tmp_path / "c.kvcal.safetensors")])
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
+    runpy.run_path(str(script), run_name="__main__")
+    got = load_bundle(tmp_path / "c.kvcal.safetensors")
+    assert got.settings["low_layers"] == {"0": "K2cnV2nm8"}
+    assert got.settings["low_heads"] == {"1": {str(info.num_kv_heads - 1): "K8cV4nm8"}}
+    assert (got.settings["high"], got.settings["alpha_high"]) == ("K8V8", 16.0)
+    assert got.calibration["hand_set"] == "hull point 0"
