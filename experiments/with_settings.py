@@ -59,7 +59,9 @@ def hull_point(path: str, bundle, index: int) -> CompressionConfig:
     report = report_paths(Path(path))["json"]
     if not report.is_file():
         raise SystemExit(f"--hull-point: no report at {report}; it is written beside the bundle by `kvcal calibrate`")
-    model = json.loads(report.read_text())["search"]["quality_model"]
+    model = json.loads(report.read_text()).get("search", {}).get("quality_model")
+    if model is None:
+        raise SystemExit(f"--hull-point: {report} lists no frontier (calibrated with --no-search); use --swap")
     if not 0 <= index < len(model["hull"]):
         raise SystemExit(f"--hull-point {index}: the frontier has points 0 to {len(model['hull']) - 1}")
     point = model["hull"][index]

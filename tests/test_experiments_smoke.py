@@ -183,3 +183,10 @@ def test_with_settings_serves_a_hull_point_of_the_report(smoke_env, tmp_path, mo
     assert got.settings["low_heads"] == {"1": {str(info.num_kv_heads - 1): "K8cV4nm8"}}
     assert (got.settings["high"], got.settings["alpha_high"]) == ("K8V8", 16.0)
     assert got.calibration["hand_set"] == "hull point 0"
+    # a report without the search's frontier is one line naming the fix, and nothing is written
+    (tmp_path / "b.kvcal.report.json").write_text(json.dumps({"held_out": {}}))
+    monkeypatch.setattr(sys, "argv", [str(script), "--bundle", str(bundle), "--hull-point", "0", "--out",
+                                      str(tmp_path / "d.kvcal.safetensors")])
+    with pytest.raises(SystemExit, match="lists no frontier .* use --swap"):
+        runpy.run_path(str(script), run_name="__main__")
+    assert not (tmp_path / "d.kvcal.safetensors").exists()
