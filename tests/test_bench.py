@@ -313,7 +313,7 @@ def test_bench_json_report_is_stable(bench_run):
     report = json.loads(r.stdout)
     assert validate(report) == []
     assert report == json.loads((out / "bench.json").read_text())
-    assert report["schema_version"] == SCHEMA_VERSION == 3 and report["kind"] == "kvcal-bench"
+    assert report["schema_version"] == SCHEMA_VERSION == 4 and report["kind"] == "kvcal-bench"
     assert set(report) == set(SCHEMA[""]) | {"outputs"}
     assert set(report["summary"]) == set(SCHEMA["summary"])
     keys = [m["key"] for m in report["methods"]]

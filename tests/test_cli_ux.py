@@ -89,7 +89,8 @@ def test_calibrate_defaults_are_the_library_defaults():
     params = {p.name: p.default for p in typer.main.get_command(app).commands["calibrate"].params}
     library = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)
                if f.default is not dataclasses.MISSING and f.name in params}
-    library.update(target_top1=QualityTarget.top1, target_ppl_ratio=QualityTarget.ppl_ratio, target_z=QualityTarget.z)
+    library.update(target_top1=QualityTarget.top1, target_ppl_ratio=QualityTarget.ppl_ratio, target_z=QualityTarget.z,
+                   target_predictions=QualityTarget.held_out_predictions)
     assert len(library) >= 15
     assert {k: params[k] for k in library} == library
 

@@ -59,7 +59,23 @@ def test_target_bound_covers_variation_between_windows():
     assert target.met(steady) and not target.met(spread)
     assert target.top1_bound(spread) == window_lower(spread.top1_windows, 1.5) < wilson_lower(0.985, 1024, 1.5)
     single = SimpleNamespace(top1=0.985, predictions=1024, ppl_ratio=1.0, top1_windows=[0.985])
-    assert target.top1_bound(single) == wilson_lower(0.985, 1024, 1.5)
+    assert target.top1_bound(single) == wilson_lower(0.985, 512, 1.5)          # held to a 512-prediction evaluation
+    assert target.with_(held_out_predictions=0).top1_bound(single) == wilson_lower(0.985, 1024, 1.5)
+
+
+def test_a_check_is_held_to_the_bound_of_the_smaller_held_out_evaluation():
+    """qwen2.5-coder-1.5b's shipped check at bcea9ba: 1003 of 1024 (0.979) met its own Wilson bound, and kvcal
+    bench's 512 predictions on other documents then read 500 (0.977), under the 503 that bench's bound needs. Held to
+    the 512-prediction bound, the same check misses; 503 of 512 meets it; a smaller evaluation is not held to 512."""
+    from kvcal.eval import QualityTarget
+
+    target = QualityTarget()
+    check = {"top1": 1003 / 1024, "predictions": 1024, "ppl_ratio": 1.0}
+    assert target.with_(held_out_predictions=0).met(check) and not target.met(check)
+    assert target.met({**check, "top1": 503 / 512, "predictions": 512})
+    assert not target.met({**check, "top1": 500 / 512, "predictions": 512})
+    assert target.top1_bound({"top1": 0.99, "predictions": 256}) == target.with_(held_out_predictions=0).top1_bound(
+        {"top1": 0.99, "predictions": 256})
 
 
 def test_probe_reports_top1_per_window():
@@ -90,11 +106,16 @@ def test_target_round_trips_and_refuses_what_it_is_not():
 
     target = QualityTarget(top1=0.98, ppl_ratio=1.01, z=2.0)
     assert QualityTarget.from_dict(target.to_dict()) == target
-    assert QualityTarget.from_dict({"top1": 0.9}) == QualityTarget(top1=0.9)
+    # a target recorded before held_out_predictions: the bound over every prediction, as it was decided
+    assert QualityTarget.from_dict({"top1": 0.9}) == QualityTarget(top1=0.9, held_out_predictions=0)
     with pytest.raises(ValueError, match="unknown keys"):
         QualityTarget.from_dict({"top1": 0.9, "margin": 0.01})
     with pytest.raises(ValueError, match="not a number"):
         QualityTarget.from_dict({"top1": "high"})
+    for count in (1.5, -1, "many", float("inf")):
+        with pytest.raises(ValueError, match="count >= 0"):
+            QualityTarget.from_dict({"held_out_predictions": count})
+    assert QualityTarget.from_dict({"held_out_predictions": 1024.0}).held_out_predictions == 1024
     assert target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.0})
     assert not target.met({"top1": 0.999, "predictions": 4096, "ppl_ratio": 1.02})
 

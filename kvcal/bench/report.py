@@ -3,14 +3,15 @@
 Files in the output folder: `bench.json`, `bench.md`, `pareto.png` (quality vs bytes, each method a series, the
 Pareto front drawn through the best points), `decode_time.png` (decode ms/step and prefill tokens/s vs context).
 
-JSON schema, version 3 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`, 3 `environment.threads`). Numbers are
-JSON numbers; `null` where a value does not apply.
+JSON schema, version 4 (`SCHEMA_VERSION`; 2 added `memory.fixed_bytes`, 3 `environment.threads`, 4
+`bundle.target.held_out_predictions`). Numbers are JSON numbers; `null` where a value does not apply.
 
     schema_version int, kind "kvcal-bench", created str, command str, seed int, quick bool, wall_seconds number
     model        {name, family, fingerprint, weights_hash, dtype: str; num_layers, num_kv_heads, num_q_heads,
                   head_dim, max_positions, fp16_bytes_per_token: int}
     bundle       {path, sha256: str|null; created, kvcal_version: str; policy: dict;
-                  target: {top1, ppl_ratio, z: number, source: "bundle"|"default"|"command line"}}
+                  target: {top1, ppl_ratio, z: number, held_out_predictions: int,
+                           source: "bundle"|"default"|"command line"}}
     environment  {kvcal, torch, transformers, python, platform, machine, cpu, attention_backend: str;
                   cpu_count, torch_threads: int; cuda: bool;
                   threads: str}   (why torch_threads: "1 (auto: 1.0 of 2 cores busy)", "2 (--threads 2)", ...)
@@ -38,9 +39,10 @@ JSON numbers; `null` where a value does not apply.
 `family` is one of dense, quantization, eviction, low-rank, seed, kvcal. A "single-family baseline" is any available
 method outside dense and kvcal. The summary compares kvcal joint with the cheapest single-family baseline at equal
 quality, where equal quality means meeting the bundle's quality target as calibrate's search decides it
-(`QualityTarget.met`: top-1 agreement's Wilson lower bound at z >= target and perplexity ratio <= target, as measured
-on the bench's held-out text). If no baseline meets it, the baselines at least as good
-as kvcal joint on both measures are used ("joint-quality"); if none is, the baseline closest in quality ("closest").
+(`QualityTarget.met`: top-1 agreement's Wilson lower bound at z, over at most `held_out_predictions`, >= target and
+perplexity ratio <= target, as measured on the bench's held-out text). If no baseline meets it, the baselines at least
+as good as kvcal joint on both measures are used ("joint-quality"); if none is, the baseline closest in quality
+("closest").
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ import json
 from numbers import Real
 from pathlib import Path
 
+from kvcal.eval.target import bound_in_words
 from kvcal.runtime.config import CompressionConfig
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
 BASELINE_FAMILIES = ("quantization", "eviction", "low-rank", "seed")
 
@@ -67,7 +70,7 @@ SCHEMA = {
               "fp16_bytes_per_token": int},
     "bundle": {"path": _OPT_STR, "sha256": _OPT_STR, "created": str, "kvcal_version": str, "policy": dict,
                "target": dict},
-    "bundle.target": {"top1": _NUM, "ppl_ratio": _NUM, "z": _NUM, "source": str},
+    "bundle.target": {"top1": _NUM, "ppl_ratio": _NUM, "z": _NUM, "held_out_predictions": int, "source": str},
     "environment": {"kvcal": str, "torch": str, "transformers": str, "python": str, "platform": str, "machine": str,
                     "cpu": str, "cpu_count": int, "torch_threads": int, "cuda": bool, "attention_backend": str,
                     "threads": str},
@@ -312,7 +315,7 @@ def markdown(r: dict) -> str:
         f"Quality: KL(dense || method), top-1 agreement with dense and continuation-perplexity ratio over "
         f"{sq['windows']} held-out windows of {sq['prompt']} prompt tokens + {sq['steps']} teacher-forced steps "
         f"({sq['windows'] * sq['steps']} predictions; `{sq['dataset']}`, documents disjoint from calibration). "
-        f"Target (from the {t['source']}): top-1 >= {t['top1']:g} (Wilson lower bound at z = {t.get('z', 0):g}), "
+        f"Target (from the {t['source']}): top-1 >= {t['top1']:g} (its {bound_in_words(t)}), "
         f"perplexity ratio <= {t['ppl_ratio']:g}. "
         f"Bytes: every byte the cache holds at the end of the quality run (pages, metadata and fragmentation for "
         f"the kvcal store; K/V and per-token positions/scores for the others) per token, and over an fp16 dense "

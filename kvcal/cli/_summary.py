@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcal.cli._errors import plain
+from kvcal.eval.target import bound_in_words
 from kvcal.profile.report import bytes_in_words, held_out_met, settings_in_words
 from kvcal.runtime.bundle import Bundle
 from kvcal.runtime.config import CompressionConfig
@@ -144,8 +145,8 @@ def bundle_summary(bundle: Bundle, path: str) -> RenderableType:
     if search:
         search_rows(t, bundle, search)
         target = search["target"]
-        t.add_row("target", f"top-1 >= {target['top1']:g} (at a Wilson bound, z = {target.get('z', 0):g}, in the "
-                            f"search) and perplexity ratio <= {target['ppl_ratio']:g}")
+        t.add_row("target", f"top-1 >= {target['top1']:g} (at its {bound_in_words(target)}, in the search) and "
+                            f"perplexity ratio <= {target['ppl_ratio']:g}")
     else:
         t.add_row("stored", defaults_in_words(bundle, **_rank_means(bundle)))
         t.add_row("size", "not measured (made with `kvcal calibrate --no-search`)")

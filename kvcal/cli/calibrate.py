@@ -81,6 +81,10 @@ def calibrate(
     = QualityTarget.ppl_ratio,
     target_z: Annotated[float, typer.Option(help="Top-1 must hold at this many standard errors (0: as measured).")]
     = QualityTarget.z,
+    target_predictions: Annotated[int, typer.Option(help="Top-1's bound is taken over at most this many predictions, "
+                                                    "as a held-out evaluation of that size would judge it (0: over "
+                                                    "every measured one).")]
+    = QualityTarget.held_out_predictions,
     context: Annotated[int | None, typer.Option(help="Deployment context the search measures at (prompt + "
                                                 "continuation tokens per window).",
                                                 show_default="min(4096, the model's maximum)")]

@@ -10,7 +10,7 @@ report alike.
 from kvcal.eval.fidelity import Fidelity, compare_logits, decode_fidelity, dense_logits, teacher_force
 from kvcal.eval.passkey import passkey, passkey_prompt
 from kvcal.eval.probe import DecodeProbe
-from kvcal.eval.target import QualityTarget, wilson_lower, window_lower
+from kvcal.eval.target import QualityTarget, bound_in_words, wilson_lower, window_lower
 
-__all__ = ["DecodeProbe", "Fidelity", "QualityTarget", "compare_logits", "decode_fidelity", "dense_logits",
-           "passkey", "passkey_prompt", "teacher_force", "wilson_lower", "window_lower"]
+__all__ = ["DecodeProbe", "Fidelity", "QualityTarget", "bound_in_words", "compare_logits", "decode_fidelity",
+           "dense_logits", "passkey", "passkey_prompt", "teacher_force", "wilson_lower", "window_lower"]

@@ -95,6 +95,7 @@ class CalibrationConfig:
     target_top1: float = QualityTarget.top1          # quality target of the searches (see QualityTarget)
     target_ppl_ratio: float = QualityTarget.ppl_ratio
     target_z: float = QualityTarget.z
+    target_predictions: int = QualityTarget.held_out_predictions     # the held-out evaluation's size (QualityTarget)
     context: int | None = None          # deployment context the search measures at; default min(4096, model max)
     search_windows: int = 4             # windows of held-out calibration text per measured point (docs/calibration.md)
     search_prompt: int | None = None    # prompt tokens per window; default context - search_steps - 1
@@ -143,6 +144,9 @@ class CalibrationConfig:
                              f"{self.target_top1}, {self.target_ppl_ratio})")
         if self.max_gauges < 0:
             raise ValueError(f"`--max-gauges {self.max_gauges}` must be at least 0 (0: check without gauging)")
+        if self.target_predictions < 0:
+            raise ValueError(f"`--target-predictions {self.target_predictions}` must be at least 0 (0: the bound over "
+                             f"every measured prediction), e.g. {QualityTarget.held_out_predictions}, the default")
         if not 0 <= self.target_z < math.inf:
             raise ValueError(f"`--target-z {self.target_z:g}` must be a finite number >= 0 (standard errors; 0: as "
                              f"measured), e.g. {QualityTarget.z:g}, the default")

@@ -98,7 +98,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     """Choose `bundle`'s settings (module docstring); sets its settings, ranks and calibration metadata in place and
     returns the report's content."""
     step = progress or (lambda stage, label, point: None)
-    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z)
+    target = QualityTarget(cfg.target_top1, cfg.target_ppl_ratio, cfg.target_z, cfg.target_predictions)
     P, M = prompt, cfg.search_steps
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
                             cfg.seed + 1, long_first=True)

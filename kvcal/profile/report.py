@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcal.eval import QualityTarget
+from kvcal.eval import QualityTarget, bound_in_words
 from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW
 
 STAGE_COLORS = {"probe": "tab:blue", "gauge": "tab:orange", "confirm": "tab:green"}
@@ -103,7 +103,8 @@ def held_out_met(held_out: dict, target: dict, at_bounds: bool = False) -> bool:
     """Whether a configuration meets the quality target on evaluation text: at the target's own bounds (`at_bounds`,
     `target["z"]`: what the calibration's confirmation and `kvcal bench` ask), or as measured (`QualityTarget.met`
     at z = 0: what bundles made before the quality model were decided by, still reported for them).
-    held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z} (the report's JSON)."""
+    held_out: {top1, ppl_ratio, predictions, top1_windows, ...}; target: {top1, ppl_ratio, z, held_out_predictions}
+    (the report's JSON)."""
     rule = QualityTarget.from_dict(target)
     return (rule if at_bounds else rule.with_(z=0.0)).met(held_out)
 
@@ -219,8 +220,8 @@ def _plot(r: dict, path: Path) -> None:
     c = s["chosen"]
     ax.scatter([c["bytes_ratio"]], [c["top1"]], marker="*", s=300, color="red", label="chosen", zorder=5)
     ax.axhline(s["target"]["top1"], color="red", linestyle="--", linewidth=1,
-               label=f"target top-1 {s['target']['top1']} (a point must clear it at its Wilson bound, "
-                     f"z = {s['target'].get('z', 0):g}, and meet the perplexity ratio)")
+               label=f"target top-1 {s['target']['top1']} (a point must clear it at its "
+                     f"{bound_in_words(s['target'])}, and meet the perplexity ratio)")
     ax.set_xlabel("KV bytes held / fp16 dense bytes (lower is better)")
     ax.set_ylabel("top-1 agreement with dense")
     ax.set_title(f"kvcal calibration: {r['model']}")
