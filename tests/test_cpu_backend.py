@@ -374,20 +374,19 @@ def test_registry_names_the_backend():
     assert attention.BACKENDS["cpu"] == "kvcal.runtime.backends.cpu.backend:CpuBackend"
 
 
-@pytest.mark.parametrize("padded,block", [(False, None), (True, None), (False, 2000)])
-def test_flash_prefill_equals_the_reference_prefill(padded, block, monkeypatch):
-    """The CPU prefill (torch's flash attention, significance from its log-sum-exp) against the reference's blocked
-    softmax: the same sums in another float order, so within 1e-5 relative (float32 eps 1.2e-7 times the few
-    hundred terms a probability's exponent and sums gather); with left padding it is the reference itself."""
-    from kvcal.runtime.backends.cpu import backend
+@pytest.mark.parametrize("padded,shape", [(False, (2, 2, 3, 97, 16)), (True, (2, 2, 3, 97, 16)),
+                                          (False, (1, 3, 1, 130, 64)), (False, (1, 1, 2, 5, 8))])
+def test_flash_prefill_equals_the_reference_prefill(padded, shape):
+    """The CPU prefill (torch's flash attention, significance from its log-sum-exp in `kvcal_significance`) against
+    the reference's blocked softmax: the same sums in another float order, so within 1e-5 relative (float32 eps 1.2e-7
+    times the few hundred terms a probability's exponent and sums gather); with left padding it is the reference
+    itself. Shapes: keys over one tile and a part (97, 130: the diagonal tile's causal mask, a part-filled last tile),
+    under one tile (5), groups of 1-3 query heads."""
     from kvcal.runtime.backends.cpu.backend import flash_prefill
     from kvcal.runtime.backends.reference import TorchBackend
 
-    if block:                           # significance blocks of 16 rows: the causal mask of every diagonal block
-        monkeypatch.setattr(backend, "_SCORE_BLOCK_ELEMENTS", block)
-
     torch.manual_seed(0)
-    B, H, g, n, d = 2, 2, 3, 97, 16
+    B, H, g, n, d = shape
     q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, 12)
     real = torch.ones(B, n, dtype=torch.bool)
     if padded:

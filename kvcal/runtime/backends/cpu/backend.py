@@ -10,9 +10,9 @@
              at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
     insert   `kvcal_insert_every`: the decode step once the layer has holes (tiers moved tokens out of the high
              pages): each entry's first hole, else its end, found and written in one call.
-    prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets one more blocked pass
-             exponentiate the logits straight into significance (no softmax, no probability-times-V product);
-             prompts with padding take the torch reference.
+    prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets `kvcal_significance`
+             exponentiate the logits straight into significance in one pass over tiles of keys (no softmax, no
+             [n, n] block in memory, no probability-times-V product); prompts with padding take the torch reference.
     pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
              page's tokens), as the torch writer writes them.
 
@@ -46,10 +46,6 @@ DUE_SLACK = 1e-5
 MAX_RANK = 512        # per-channel key scales live in a stack buffer of this many channels (paged_attention.cpp)
 
 _FP16_MAX = 65504.0
-# elements of one significance block [B, H, g, rows, w] (6 MB): blocks this small stay in cache between the GEMM
-# that writes them and the max that reads them back, where the reference prefill's larger blocks (`prefill_rows`) go
-# out to memory and back
-_SCORE_BLOCK_ELEMENTS = 3 << 19
 
 
 def flash_prefill(query, keys, values, mask, scale):
@@ -57,7 +53,8 @@ def flash_prefill(query, keys, values, mask, scale):
     -> out [B, H, g, n, r_v], score [B, H, n] (each key's probability summed over queries, max over the group).
 
     The same sums as the reference up to float order: the probabilities are exp(logit - logsumexp), with the
-    logsumexp of torch's flash attention instead of a softmax's own max and sum (relative error ~1e-6)."""
+    logsumexp of torch's flash attention instead of a softmax's own max and sum, and the kernel's exp (within 2 ulp
+    of std::exp; relative error ~1e-6)."""
     B, H, g, n, d = query.shape
     if not bool(mask[:, -1].all()):               # padding: a masked key column the causal rule alone would allow
         return TorchBackend.prefill(query, keys, values, mask, scale)
@@ -68,23 +65,10 @@ def flash_prefill(query, keys, values, mask, scale):
     v_heads = F.pad(values.float(), (0, D - r_v))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_heads, k_heads, v_heads, 0.0, True,
                                                                           scale=scale)[:2]
-    lse = lse.view(B, H, g, n)
-    # logit - lse in the GEMM itself: q gets a column -lse and k a column of ones, so the [g·c, w] block is written
-    # once and read once (amax), not also rewritten by a subtraction
-    qa = torch.cat([query.float() * scale, -lse[..., None]], -1)                          # [B, H, g, n, d + 1]
-    ka = torch.cat([keys.float(), keys.new_ones(B, H, n, 1, dtype=torch.float32)], -1).transpose(-1, -2)
-    score = torch.zeros(B, H, n, device=query.device)
-    step = max(16, _SCORE_BLOCK_ELEMENTS // max(B * H * g * n, 1))
-    for start in range(0, n, step):
-        w = min(start + step, n)
-        c = w - start
-        # one batched GEMM per block: the group's query heads stacked as rows against the KV head's keys, then the max
-        # over the group before exp (exp is monotonic): a g-th of the exponentials
-        top = torch.matmul(qa[:, :, :, start:w].reshape(B, H, g * c, d + 1), ka[..., :w]).view(B, H, g, c, w)
-        top = top.amax(dim=2)                                                                   # [B, H, c, w]
-        top[..., start:].masked_fill_(torch.ones(c, c, dtype=torch.bool, device=query.device).triu_(1),
-                                      float("-inf"))                        # causal: only the diagonal block
-        score[:, :, :w] += top.exp_().sum(dim=2)
+    score = torch.empty(B, H, n, device=query.device)
+    q32, k32, lse = query.float().contiguous(), keys.float().contiguous(), lse.reshape(B, H, g, n).contiguous()
+    load_library().kvcal_significance(_ptr(q32), _ptr(k32), _ptr(lse), _ptr(score), B, H, g, n, d, scale,
+                                      torch.get_num_threads())
     return out.view(B, H, g, n, D)[..., :r_v].contiguous(), score
 
 

@@ -952,4 +952,55 @@ int kvcal_round_trip(const float* x, int64_t blocks, int64_t T, int64_t n, int32
     return 0;
 }
 
+
+// The prefill's significance (flash_prefill's second pass): for each KV head, score[j] = sum over the queries i >= j
+// of the max over the head's group of exp(scale * q_gi . k_j - lse_gi), lse_gi the log-sum-exp of query row gi's
+// scaled logits (from the flash attention that made the output). q [B, H, G, n, d], k [B, H, n, d], lse [B, H, G, n],
+// score [B, H, n], all float32 and contiguous. Work: tasks of SIG_TILE keys of one (b, h), each holding its keys
+// transposed so a query's logits against them are SIG_TILE-wide FMAs, and the sum in registers over the queries;
+// no [n, n] block is ever written. Tasks with more queries (the first keys) come first in a dynamic schedule.
+constexpr int SIG_TILE = 64;
+
+int kvcal_significance(const float* q, const float* k, const float* lse, float* score, int64_t B, int64_t H,
+                       int64_t G, int64_t n, int64_t d, float scale, int threads) {
+    const int64_t tiles = (n + SIG_TILE - 1) / SIG_TILE, tasks = B * H * tiles;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> kt(d * SIG_TILE);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t t = task / (B * H), bh = task % (B * H);     // t outer: the longest tasks first
+            const int64_t j0 = t * SIG_TILE, w = std::min<int64_t>(SIG_TILE, n - j0);
+            const float* kb = k + (bh * n + j0) * d;
+            for (int64_t c = 0; c < d; ++c)
+                for (int64_t j = 0; j < SIG_TILE; ++j) kt[c * SIG_TILE + j] = j < w ? kb[j * d + c] : 0.f;
+            alignas(64) float sum[SIG_TILE] = {};
+            for (int64_t i = j0; i < n; ++i) {
+                alignas(64) float best[SIG_TILE] = {};
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qi = q + ((bh * G + g) * n + i) * d;
+                    alignas(64) float acc[SIG_TILE] = {};
+                    for (int64_t c = 0; c < d; ++c) {
+                        const float qc = qi[c] * scale;
+                        const float* kc = kt.data() + c * SIG_TILE;
+#pragma omp simd
+                        for (int j = 0; j < SIG_TILE; ++j) acc[j] += qc * kc[j];
+                    }
+                    const float l = lse[(bh * G + g) * n + i];
+                    // keys after query i (the diagonal tile only) are not read: -inf before exp, weight 0
+                    const int64_t last = i - j0;
+#pragma omp simd
+                    for (int j = 0; j < SIG_TILE; ++j)
+                        best[j] = std::max(best[j], exp_le0(j <= last ? acc[j] - l : NEG_INF));
+                }
+#pragma omp simd
+                for (int j = 0; j < SIG_TILE; ++j) sum[j] += best[j];
+            }
+            float* out = score + bh * n + j0;
+            for (int64_t j = 0; j < w; ++j) out[j] = sum[j];
+        }
+    }
+    return 0;
+}
+
 }  // extern "C"
