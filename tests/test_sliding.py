@@ -293,3 +293,92 @@ def test_the_quality_model_knows_which_keys_each_decode_query_reads_exact(fmt, r
         got = int(first_exact(base, True, torch.tensor([i]), prompt, window))
         assert max(got, i - (window - 1)) == i - unquantized, i
         layer.update(torch.randn(1, 1, 1, d, generator=g), torch.randn(1, 1, 1, d, generator=g))
+
+
+def _window_after(fmt: str, B: int, H: int, d: int, window: int, block: int, steps: int, recent: int = 0):
+    """A served sliding layer (torch reference) after a prompt of 3 * window tokens and `steps` decode tokens: the
+    `SlidingWindow` its last step handed to the attention."""
+    from kvcal.runtime.hf import pending
+    from kvcal.runtime.options import ServeOptions
+
+    gen = torch.Generator().manual_seed(steps)
+    rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    basis = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    layer = QuantizedSlidingLayer(window, TierFormat.parse(fmt), rotation, basis, recent=recent, block=block,
+                                  serve=ServeOptions(backend="torch"))
+    layer.layer_idx = 0
+    layer.update(torch.randn(B, H, 3 * window, d, generator=gen), torch.randn(B, H, 3 * window, d, generator=gen))
+    for _ in range(steps):
+        layer.update(torch.randn(B, H, 1, d, generator=gen), torch.randn(B, H, 1, d, generator=gen))
+        pending.clear()
+    return layer, layer.window
+
+
+# per-channel keys over blocks (the oldest block partly out of the window after 1..9 steps), per-token keys with
+# and without groups, fp16 and 8-bit pairs, 2/4/8 bits
+@pytest.mark.parametrize("fmt,steps", [("K8cV8g32m8", 1), ("K4cV4g32m8", 5), ("K2cV2g16", 9), ("K8V4kg8m8", 3),
+                                       ("K4V2", 2), ("K2cV4m8", 8)])
+def test_the_cpu_kernel_reads_a_sliding_window_as_the_torch_reference(fmt, steps):
+    """`CpuBackend.sliding_decode` reads the codes in place and equals the torch reference, which dequantizes them,
+    within 1e-5 of the output's scale: the same products in another order (dots in 16 lanes, softmax sums in one
+    pass) and the kernel's exp, within 2 ulp of std::exp."""
+    from kvcal.runtime.backends.base import AttentionBackend
+    from kvcal.runtime.backends.cpu.backend import CpuBackend
+
+    pytest.importorskip("kvcal.runtime.backends.cpu.build").load_library()
+    B, H, G, d = 2, 2, 3, 64
+    _, window = _window_after(fmt, B, H, d, window=40, block=8, steps=steps, recent=3 if steps % 2 else 0)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, G, d, generator=gen)
+    r = window.tail_keys.shape[2]
+    tail_k, tail_v = torch.randn(B, H, r, d, generator=gen), torch.randn(B, H, r, d, generator=gen)
+    want = AttentionBackend.sliding_decode(window, q, tail_k, tail_v, 0.2)
+    got = CpuBackend.sliding_decode(window, q, tail_k, tail_v, 0.2)
+    assert window.coded > 0 and r >= 1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_served_decode_step_reads_the_codes_as_attention_reads_the_dequantized_window(monkeypatch):
+    """In a KvcalCache a decode step's sliding layers attend to their codes through the backend (`attend`: query
+    rotated into the key basis, output back from the value basis) and give the logits transformers' attention gives
+    over the dequantized window in the model basis, up to float order (the rotations are applied to the query and
+    the output instead of every key and value); with left padding the step takes that path itself."""
+    from kvcal.runtime.backends.base import AttentionBackend
+
+    model, tok = make_model("gemma3_text")
+    bundle = random_bundle(model, tok)
+    config = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse("K4cV4g16m8"), page_tokens=8)
+    ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
+    calls = []
+    reference = AttentionBackend.sliding_decode
+    monkeypatch.setattr(AttentionBackend, "sliding_decode",
+                        staticmethod(lambda *a: calls.append(1) or reference(*a)))
+
+    def serve(read_codes: bool, mask=None, ids=ids):
+        from kvcal.runtime.options import ServeOptions
+
+        cache = KvcalCache.from_bundle(bundle, model, config, serve=ServeOptions(backend="torch"))
+        for layer in cache.layers:
+            if isinstance(layer, QuantizedSlidingLayer) and not read_codes:
+                layer.serve = None            # on its own: `update` returns the dequantized window
+        with torch.inference_mode():
+            if mask is None:
+                return decode_logits(model, cache, ids, 36)
+            out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            step = model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1), cache=cache,
+                         use_cache=True)
+            return torch.cat([out.logits[:, -1:], step.logits], 1)
+
+    sliding = sum(layer == "sliding_attention" for layer in model.config.layer_types)
+    dequantized = serve(False)
+    assert not calls
+    read = serve(True)
+    assert len(calls) == sliding * 12                   # every decode step of every sliding layer
+    torch.testing.assert_close(read, dequantized, rtol=0, atol=1e-4 * float(dequantized.abs().max()))
+    short = ids[:, :12]                                 # shorter than the window (16): the padding stays in it
+    mask = torch.ones_like(short)
+    mask[0, :5] = 0                                     # left padding: the step reads the dequantized window
+    calls.clear()
+    padded = serve(True, mask, short)
+    assert not calls
+    torch.testing.assert_close(padded, serve(False, mask, short), rtol=0, atol=0)

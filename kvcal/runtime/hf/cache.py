@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from contextvars import ContextVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -32,12 +31,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from kvcal.runtime.adapters import adapter_for, fingerprint, weights_hash
 from kvcal.runtime.bundle import BundleMismatchError
 from kvcal.runtime.cache import CompressedKV, CompressionConfig
+from kvcal.runtime.hf import pending
 from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.storage.bases import served_bases
 
 KVCAL_IMPL = "kvcal"
-_PENDING: ContextVar[tuple | None] = ContextVar("kvcal_pending", default=None)
 logger = logging.getLogger(__package__)    # "kvcal.runtime.hf": the public module path
 
 
@@ -58,7 +57,7 @@ def _hand_token_ids(module, args, kwargs) -> None:
     """Forward pre-hook on the decoder: a KvcalCache in this call checks the call (`KvcalCache._begin_call`) and gets
     the ids of the tokens the call adds (FastGen classifies tokens by id; attention functions see only K/V). The ids
     go to the cache of this very call, so any number of caches can take turns on one model."""
-    _PENDING.set(None)          # one left by a call that failed between a layer's update and its attention
+    pending.clear()             # one left by a call that failed between a layer's update and its attention
     cache = cache_argument(kwargs)
     if isinstance(cache, KvcalCache):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -77,18 +76,22 @@ def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise. Parameters in
     transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by
     position."""
-    pending = _PENDING.get()
-    if pending is None or pending[0].layer_idx != module.layer_idx or pending[1] is not key:
+    due = pending.take(module, key)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if due is not None and isinstance(due[0], QuantizedSlidingLayer):
+        if attention_mask is None or bool(attention_mask.all()):      # every held token visible: no padding
+            return due[0].attend(query, scale).transpose(1, 2).contiguous(), None
+        key, value = due[0].model_basis(due[0].window)
+        due = None
+    if due is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    _PENDING.set(None)
-    layer = pending[0]
+    layer = due[0]
     pad = None
     if layer.owner.kv is None or layer.owner.kv.length[layer.layer_idx] == 0:
         pad = real_tokens(attention_mask, query.shape[2])
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.owner.kv.forward(layer.layer_idx, query, key, value, pad, scale)   # [B, Hq, n, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -159,17 +162,11 @@ class KvcalLayer(SeenLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if _PENDING.get() is not None:
-            # the previous layer's keys never reached kvcal's attention: the model attended to the new tokens only
-            _PENDING.set(None)
-            raise BundleMismatchError(
-                "the model calling this KvcalCache does not run kvcal's attention, so it would attend to the new "
-                "tokens only: use the cache with the model given to `KvcalCache.from_bundle(bundle, model)`, which "
-                "installs that attention")
+        pending.claim_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
-        _PENDING.set((self, key_states, value_states))
+        pending.hand_over(self, key_states, value_states)
         return key_states, value_states
 
     def reset(self) -> None:
@@ -223,8 +220,10 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
-        return QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0], self.config.sliding_recent,
-                                     self.config.sliding_block)
+        quantized = QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0],
+                                          self.config.sliding_recent, self.config.sliding_block, serve=self.serve)
+        quantized.layer_idx = layer
+        return quantized
 
     @classmethod
     def from_bundle(cls, bundle, model, config: CompressionConfig | None = None, tokenizer=None,
@@ -307,6 +306,7 @@ class KvcalCache(Cache):
             if self.sliding[i]:
                 keys, values, seen = records[i]
                 layer.update(keys, values)
+                pending.clear()                         # a replayed window has no attention call to hand over to
                 layer.cumulative_length = seen
             else:
                 key, value, score, real, statistics = records[i]

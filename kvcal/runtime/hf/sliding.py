@@ -34,15 +34,75 @@ per-channel keys, once a block of tokens has left them):
 
 A local layer's queries put most of their weight on the last few tokens, so these are where quantization error
 costs most (docs/calibration.md).
+
+Reads. In a `KvcalCache` (`serve` given), a decode step reads the codes where they lie: `update` keeps the window
+as a `SlidingWindow` and returns only the new token, kvcal's attention function calls `attend`, which rotates the
+query into the key basis (q · (y Mᵀ) = (q M) · y, M = the query rotation) and runs the backend's `sliding_decode`
+(the CPU kernel reads the codes in place; the torch reference dequantizes them), and rotates the output back from
+the value basis. A prefill, or a layer used on its own, gets the whole window back from `update`, dequantized into
+the model basis, for transformers' attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from kvcal.runtime.cache import per_head_matmul
+from kvcal.runtime.hf.pending import claim_pending, hand_over
 from kvcal.runtime.storage import codec, quant
 from kvcal.runtime.storage.layout import TierFormat, check_sliding_format
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """What one step's queries of a sliding layer read: the layer's coded tokens before the step, then its exact ones
+    (the recent tokens, then the step's own), which the step's new tokens attend to as they came.
+
+        keys         uint8 [B, H, m, k_row]            codes (per-token keys: then their pairs), whole blocks
+        key_scales   uint8 [B, H, m / block, pair * d]  per-channel keys' (scale, zero) per block; [B, H, 0, 0] else
+        values       uint8 [B, H, n, v_row]            the window's n coded tokens (the last n key rows), then pairs
+        tail_keys, tail_values  [B, H, r, d]            the exact tokens, model basis and dtype
+    """
+
+    fmt: TierFormat
+    block: int                 # tokens per per-channel key block (1 for per-token keys)
+    keys: torch.Tensor
+    key_scales: torch.Tensor
+    values: torch.Tensor
+    tail_keys: torch.Tensor
+    tail_values: torch.Tensor
+
+    @property
+    def coded(self) -> int:
+        return self.values.shape[2]
+
+    def coded_keys(self) -> torch.Tensor:
+        """The window's coded keys float32 [B, H, n, d] in the stored (rotated) basis."""
+        fmt, d = self.fmt, self.tail_keys.shape[-1]
+        B, H, m, row = self.keys.shape
+        if fmt.k_mode != "channel":
+            return _decode_rows(self.keys, fmt, fmt.k_bits, fmt.k_group, d)[:, :, m - self.coded:]
+        blocks = m // self.block
+        y = codec.decode_channel_keys(self.keys.reshape(B * H, blocks, self.block, row),
+                                      self.key_scales.reshape(B * H, blocks, self.key_scales.shape[-1]), fmt.k_bits,
+                                      d, fmt.meta_bits)
+        return y.view(B, H, m, d)[:, :, m - self.coded:]
+
+    def coded_values(self) -> torch.Tensor:
+        """The window's coded values float32 [B, H, n, d] in the stored basis."""
+        return _decode_rows(self.values, self.fmt, self.fmt.v_bits, self.fmt.v_group, self.tail_values.shape[-1])
+
+
+def _decode_rows(rows: torch.Tensor, fmt: TierFormat, bits: int, group: int | None, d: int) -> torch.Tensor:
+    """Per-token rows uint8 [B, H, n, row] (codes, then a pair per `group` channels) -> float32 [B, H, n, d]."""
+    nbytes = quant.packed_size(d, bits)
+    codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, d)
+    scale, zero = quant.meta_from_bytes(rows[..., nbytes:].contiguous(), fmt.meta_bits, bits,
+                                        (*rows.shape[:-1], d // group if group else 1))
+    return quant.dequantize_per_token(codes, scale, zero, group)
 
 
 class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
@@ -53,7 +113,7 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
     block: tokens per per-channel key block (only read when `fmt` has per-channel keys)."""
 
     def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
-                 query_rotation: torch.Tensor | None = None, recent: int = 0, block: int = 32):
+                 query_rotation: torch.Tensor | None = None, recent: int = 0, block: int = 32, serve=None):
         check_sliding_format(fmt)
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"`block={block!r}` must be a positive number of tokens per per-channel key block")
@@ -65,6 +125,9 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         d = rotation.shape[-1]
         self.head_dim = d
         self.k_bytes, self.v_bytes = quant.packed_size(d, fmt.k_bits), quant.packed_size(d, fmt.v_bits)
+        self.serve, self.backend = serve, None        # ServeOptions; the backend is resolved on the first K/V's device
+        self.layer_idx: int | None = None             # set by the KvcalCache that holds the layer
+        self.window: SlidingWindow | None = None      # the window a decode step's query reads (handed to `attend`)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -80,6 +143,8 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         self.values = torch.empty(B, H, 0, self._row(self.v_bytes, self.fmt.v_group), dtype=torch.uint8,
                                   device=self.device)
         self.recent_keys, self.recent_values = key_states[:, :, :0], value_states[:, :, :0]
+        if self.serve is not None:
+            self.backend = self.serve.resolve(self.device, (), self.head_dim)
 
     def activate_past_recording(self):
         raise NotImplementedError("a quantized sliding layer keeps no tokens beyond its window, so it cannot be "
@@ -97,15 +162,6 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         codes, scale, zero = quant.quantize_per_token(y, bits, group, self.fmt.meta_bits)
         return torch.cat([quant.pack(codes, bits), quant.meta_to_bytes(scale, zero)], -1)
 
-    def _decode(self, rows: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None,
-                nbytes: int) -> torch.Tensor:
-        """packed rows uint8 [B, H, n, row] -> [B, H, n, d] in the model basis and dtype."""
-        codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, self.head_dim)
-        scale, zero = quant.meta_from_bytes(rows[..., nbytes:].contiguous(), self.fmt.meta_bits, bits,
-                                            (*rows.shape[:-1], self._groups(group)))
-        y = quant.dequantize_per_token(codes, scale, zero, group)
-        return torch.einsum("bhne,hde->bhnd", y, basis).to(self.dtype)
-
     def _encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k [B, H, n, d] (model basis; n a multiple of `block` with per-channel keys) -> (codes or rows uint8
         [B, H, n, ...], per-channel block scales uint8 [B, H, n / block, pair * d], empty for per-token keys)."""
@@ -117,42 +173,54 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         codes, scales = codec.encode_channel_keys(y, fmt.k_bits, fmt.meta_bits)
         return codes.view(B, H, n, self.k_bytes), scales.view(B, H, n // self.block, self.key_scales.shape[-1])
 
-    def _decode_keys(self, n: int) -> torch.Tensor:
-        """The newest n coded keys [B, H, n, d] in the model basis and dtype (n <= the coded tokens held)."""
-        fmt = self.fmt
-        if not self.channel:
-            keys = self._decode(self.keys, self.key_inverse_t, fmt.k_bits, fmt.k_group, self.k_bytes)
-            return keys[:, :, keys.shape[2] - n:]
-        B, H, m, k_bytes = self.keys.shape
-        blocks, d = m // self.block, self.head_dim
-        y = codec.decode_channel_keys(self.keys.reshape(B * H, blocks, self.block, k_bytes),
-                                      self.key_scales.reshape(B * H, blocks, self.key_scales.shape[-1]), fmt.k_bits,
-                                      d, fmt.meta_bits)
-        y = y.view(B, H, m, d)[:, :, m - n:]
-        return torch.einsum("bhne,hde->bhnd", y, self.key_inverse_t).to(self.dtype)
-
     def update(self, key_states, value_states, *args, **kwargs):
+        claim_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         fmt = self.fmt
-        old_k = torch.cat([self._decode_keys(self.values.shape[2]), self.recent_keys], -2)
-        old_v = torch.cat([self._decode(self.values, self.basis, fmt.v_bits, fmt.v_group, self.v_bytes),
-                           self.recent_values], -2)
+        window = SlidingWindow(fmt, self.block, self.keys, self.key_scales, self.values,
+                               torch.cat([self.recent_keys, key_states], -2),
+                               torch.cat([self.recent_values, value_states], -2))
         keep = self.sliding_window - 1
-        unquantized_k = torch.cat([self.recent_keys, key_states], -2)[:, :, -keep:]
-        unquantized_v = torch.cat([self.recent_values, value_states], -2)[:, :, -keep:]
+        unquantized_k, unquantized_v = window.tail_keys[:, :, -keep:], window.tail_values[:, :, -keep:]
         leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now,
         leaving -= leaving % self.block                               # in whole blocks
-        new_k, new_scales = self._encode_keys(unquantized_k[:, :, :leaving])
-        new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
+        if leaving:                                   # most decode steps with per-channel keys code nothing
+            new_k, new_scales = self._encode_keys(unquantized_k[:, :, :leaving])
+            new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
+            self.keys, self.key_scales = torch.cat([self.keys, new_k], -2), torch.cat([self.key_scales, new_scales], -2)
+            self.values = torch.cat([self.values, new_v], -2)
         self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
         self.cumulative_length += key_states.shape[-2]
         rows = keep - self.recent_keys.shape[-2]          # quantized tokens the window still holds
-        self.values = _last(torch.cat([self.values, new_v], -2), rows)
         blocks = -(-rows // self.block)                   # the blocks that hold them
-        self.keys = _last(torch.cat([self.keys, new_k], -2), blocks * self.block)
-        self.key_scales = _last(torch.cat([self.key_scales, new_scales], -2), blocks if self.channel else 0)
-        return torch.cat([old_k, key_states], -2), torch.cat([old_v, value_states], -2)
+        self.values, self.keys = _last(self.values, rows), _last(self.keys, blocks * self.block)
+        self.key_scales = _last(self.key_scales, blocks if self.channel else 0)
+        if self.backend is not None and key_states.shape[-2] == 1:
+            self.window = window                          # kvcal's attention reads the codes (`attend`)
+            hand_over(self, key_states)
+            return key_states, value_states
+        return self.model_basis(window)
+
+    def model_basis(self, window: SlidingWindow) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's keys and values [B, H, n + r, d] in the model basis and dtype: the coded tokens dequantized
+        and rotated back, then the exact ones."""
+        keys = torch.einsum("bhne,hde->bhnd", window.coded_keys(), self.key_inverse_t).to(self.dtype)
+        values = torch.einsum("bhne,hde->bhnd", window.coded_values(), self.basis).to(self.dtype)
+        return torch.cat([keys, window.tail_keys], -2), torch.cat([values, window.tail_values], -2)
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The decode step's attention over the window `update` handed over: query [B, Hq, 1, d] (model basis;
+        Hq = G * H, query head i reads KV head i // G) -> out [B, Hq, 1, d] in the query's dtype. The query is
+        rotated into the key basis and the output back from the value basis, so the window is read as stored."""
+        window, self.window = self.window, None
+        B, Hq, n, d = query.shape
+        H = self.rotation.shape[0]
+        q = per_head_matmul(query.float().reshape(B, H, Hq // H, d), self.key_inverse_t)
+        tail_k = per_head_matmul(window.tail_keys.float(), self.rotation)
+        tail_v = per_head_matmul(window.tail_values.float(), self.basis)
+        out = self.backend.sliding_decode(window, q, tail_k, tail_v, scale)       # [B, H, G, d], value basis
+        return per_head_matmul(out, self.basis.transpose(1, 2)).reshape(B, Hq, n, d).to(query.dtype)
 
     # the block scales and the recent tokens follow the rows through generate's edits of the batch
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -13,6 +13,7 @@
     prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets `kvcal_significance`
              exponentiate the logits straight into significance in one pass over tiles of keys (no softmax, no
              [n, n] block in memory, no probability-times-V product); prompts with padding take the torch reference.
+    sliding  `kvcal_sliding_decode`: a sliding-window layer's decode step, read from its codes in place.
     pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
              page's tokens), as the torch writer writes them.
 
@@ -192,6 +193,22 @@ class CpuBackend(AttentionBackend):
         if rc != 0:
             raise RuntimeError(f"layer {layer}: a page the fill counts promise is missing from the page table")
         return out, exact_score
+
+    @staticmethod
+    def sliding_decode(window, query, tail_keys, tail_values, scale):
+        """As AttentionBackend.sliding_decode, by `kvcal_sliding_decode`: the codes read in place, where the torch
+        reference dequantizes the window and rotates nothing back but still makes four [B, H, n, d] tensors."""
+        fmt = window.fmt
+        B, H, g, d = query.shape
+        keys, key_scales, values = (t.contiguous() for t in (window.keys, window.key_scales, window.values))
+        query, tail_keys, tail_values = (t.float().contiguous() for t in (query, tail_keys, tail_values))
+        out = torch.empty(B, H, g, d)
+        load_library().kvcal_sliding_decode(
+            _ptr(query), _ptr(keys), _ptr(key_scales), _ptr(values), _ptr(tail_keys), _ptr(tail_values), _ptr(out),
+            B, H, g, d, keys.shape[2], values.shape[2], tail_keys.shape[2], fmt.k_bits, int(fmt.k_mode == "channel"),
+            fmt.k_group or 0, fmt.v_bits, fmt.v_group or 0, int(fmt.meta_bits == 8), window.block, float(scale),
+            torch.get_num_threads())
+        return out
 
     @staticmethod
     def low_pages_due(store, layer, n_pad, length, tiering) -> bool:

@@ -1003,4 +1003,82 @@ int kvcal_significance(const float* q, const float* k, const float* lse, float* 
     return 0;
 }
 
+// A sliding layer's decode step (kvcal.runtime.hf.sliding.SlidingWindow), read in place from its codes: the G query
+// heads of each KV head attend to the window's n coded tokens and then its r exact ones (the tail), in the stored
+// bases, with no dequantized window in memory. q [B, H, G, d] float32, rotated into the key basis; keys uint8
+// [B, H, m, k_row], whole blocks, the window's coded tokens the last n rows; key_scales uint8 [B, H, m / block,
+// pair * d], one (scale, zero) per channel and block (per-channel keys; per-token keys carry one pair per k_group
+// channels after each row's codes instead); values uint8 [B, H, n, v_row], codes then one pair per v_group channels;
+// tail_k, tail_v float32 [B, H, r, d]; out float32 [B, H, G, d], in the value basis. Group 0: the whole vector.
+// Uniform levels only (sliding formats have no calibrated ones). Items (b, h) in parallel.
+int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key_scales, const uint8_t* values,
+                         const float* tail_k, const float* tail_v, float* out, int64_t B, int64_t H, int64_t G,
+                         int64_t d, int64_t m, int64_t n, int64_t r, int32_t k_bits, int32_t k_channel,
+                         int32_t k_group, int32_t v_bits, int32_t v_group, int32_t meta8, int64_t block, float scale,
+                         int threads) {
+    const int pair = meta8 ? 2 : 4;
+    const int64_t k_bytes = (d * k_bits + 7) / 8, v_bytes = (d * v_bits + 7) / 8;
+    const int64_t kg = k_group ? k_group : d, vg = v_group ? v_group : d;
+    const int64_t k_row = k_bytes + (k_channel ? 0 : pair * (d / kg)), v_row = v_bytes + pair * (d / vg);
+    const int64_t blocks = k_channel ? m / block : 0, S = n + r;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < B * H; ++item) {
+        std::vector<float> x(d), s(d), z(d), w(G * S);
+        const float* qi = q + item * G * d;
+        for (int64_t t = 0; t < n; ++t) {
+            const int64_t j = m - n + t;                                  // the token's row among the key rows
+            const uint8_t* row = keys + (item * m + j) * k_row;
+            unpack(row, k_bits, (int)d, x.data());
+            if (k_channel) {
+                if (t == 0 || j % block == 0) {                           // a new block: its channels' pairs
+                    const uint8_t* meta = key_scales + (item * blocks + j / block) * pair * d;
+                    for (int64_t c = 0; c < d; ++c) read_meta(meta + c * pair, meta8, k_bits, &s[c], &z[c]);
+                }
+                for (int64_t c = 0; c < d; ++c) x[c] = x[c] * s[c] + z[c];
+            } else {
+                for (int64_t c0 = 0; c0 < d; c0 += kg) {
+                    float sc, ze;
+                    read_meta(row + k_bytes + (c0 / kg) * pair, meta8, k_bits, &sc, &ze);
+                    for (int64_t c = c0; c < c0 + kg; ++c) x[c] = x[c] * sc + ze;
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) w[g * S + t] = scale * dot(qi + g * d, x.data(), (int)d);
+        }
+        const float* tk = tail_k + item * r * d;
+        for (int64_t t = 0; t < r; ++t)
+            for (int64_t g = 0; g < G; ++g) w[g * S + n + t] = scale * dot(qi + g * d, tk + t * d, (int)d);
+        std::vector<float> inv(G);
+        for (int64_t g = 0; g < G; ++g) {                                 // softmax weights, unnormalised
+            float* wg = w.data() + g * S, mx = NEG_INF, sum = 0.f;
+            for (int64_t t = 0; t < S; ++t) mx = std::max(mx, wg[t]);
+            for (int64_t t = 0; t < S; ++t) sum += (wg[t] = exp_le0(wg[t] - mx));
+            inv[g] = 1.f / sum;
+        }
+        float* o = out + item * G * d;
+        std::fill(o, o + G * d, 0.f);
+        for (int64_t t = 0; t < n; ++t) {
+            const uint8_t* row = values + (item * n + t) * v_row;
+            unpack(row, v_bits, (int)d, x.data());
+            for (int64_t c0 = 0; c0 < d; c0 += vg) {
+                float sc, ze;
+                read_meta(row + v_bytes + (c0 / vg) * pair, meta8, v_bits, &sc, &ze);
+                for (int64_t c = c0; c < c0 + vg; ++c) x[c] = x[c] * sc + ze;
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const float wt = w[g * S + t];
+                for (int64_t c = 0; c < d; ++c) o[g * d + c] += wt * x[c];
+            }
+        }
+        const float* tv = tail_v + item * r * d;
+        for (int64_t t = 0; t < r; ++t)
+            for (int64_t g = 0; g < G; ++g) {
+                const float wt = w[g * S + n + t];
+                for (int64_t c = 0; c < d; ++c) o[g * d + c] += wt * tv[t * d + c];
+            }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t c = 0; c < d; ++c) o[g * d + c] *= inv[g];
+    }
+    return 0;
+}
+
 }  // extern "C"
