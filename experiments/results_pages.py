@@ -3,10 +3,13 @@ regenerates them all:
 
     python experiments/results_pages.py                                  # every packaged model, the full bench
     python experiments/results_pages.py --models smollm2-135m -- --quick  # one model; after `--`: bench arguments
+    python experiments/results_pages.py --render                         # reword the pages from their JSON
 
 For each model, in this process, from the clone's root: `kvcal bench -m MODEL -b BUNDLES/MODEL.kvcal.safetensors
 -o bench-MODEL --overwrite [ARGS]` (bench-*/ is git-ignored there), then its report copied flat into `--out`:
 MODEL.md (the plot links renamed), MODEL.json, MODEL-pareto.png and MODEL-decode_time.png, replacing the last ones.
+`--render` runs nothing: it recomputes each page's summary from its JSON and rewrites MODEL.md and MODEL.json, after
+a change to how a report says what it measured (the measurements, the command and its date stay the page's own).
 A model without a bundle is skipped with the command that makes one (exit status 1), or calibrated first with
 `--calibrate-missing` (`kvcal calibrate -m MODEL --out BUNDLES/MODEL.kvcal.safetensors`, its report next to it).
 """
@@ -40,6 +43,13 @@ def kvcal(*args: str) -> None:
         os.chdir(cwd)
 
 
+def flat_links(md: str, name: str) -> str:
+    """A report's markdown with its plot links renamed for the flat folder (NAME-pareto.png, ...)."""
+    for plot in PLOTS:
+        md = md.replace(f"]({plot})", f"]({name}-{plot})")
+    return md
+
+
 def bench_page(model: str, bundle: Path, work: Path, out: Path, extra: list[str]) -> list[Path]:
     """Run `kvcal bench` for `model` into work/bench-NAME and copy its report into `out` as NAME.*; returns the
     files written."""
@@ -48,9 +58,8 @@ def bench_page(model: str, bundle: Path, work: Path, out: Path, extra: list[str]
     kvcal("bench", "-m", model, "-b", str(bundle), "-o", str(folder), "--overwrite", *extra)
     folder = folder if folder.is_absolute() else ROOT / folder
     out.mkdir(parents=True, exist_ok=True)
-    md = (folder / "bench.md").read_text()
+    md = flat_links((folder / "bench.md").read_text(), name)
     for plot in PLOTS:
-        md = md.replace(f"]({plot})", f"]({name}-{plot})")
         (out / f"{name}-{plot}").write_bytes((folder / plot).read_bytes())
     report = json.loads((folder / "bench.json").read_text())
     report["outputs"] = {"json": f"{name}.json", "md": f"{name}.md", "pareto_png": f"{name}-pareto.png",
@@ -58,6 +67,18 @@ def bench_page(model: str, bundle: Path, work: Path, out: Path, extra: list[str]
     (out / f"{name}.md").write_text(md)
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     return [out / f"{name}.md", out / f"{name}.json", *(out / f"{name}-{plot}" for plot in PLOTS)]
+
+
+def render_page(name: str, out: Path) -> list[Path]:
+    """Rewrite NAME.md and NAME.json in `out` from NAME.json, the summary recomputed; returns the files written."""
+    from kvcal.bench.report import markdown, summarise
+
+    path = out / f"{name}.json"
+    report = json.loads(path.read_text())
+    report["summary"] = summarise(report)
+    (out / f"{name}.md").write_text(flat_links(markdown(report), name))
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return [out / f"{name}.md", path]
 
 
 def main() -> None:
@@ -72,10 +93,17 @@ def main() -> None:
                     help="where bench-MODEL/ folders go (relative to the clone's root, where they are git-ignored)")
     ap.add_argument("--calibrate-missing", action="store_true",
                     help="calibrate a model that has no bundle in --bundles (default: skip it)")
+    ap.add_argument("--render", action="store_true",
+                    help="run nothing: rewrite each page (MODEL.md, MODEL.json in --out) from its JSON")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)       # after `--`: more `kvcal bench` arguments
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]
 
+    if args.render:
+        for model in args.models:
+            for path in render_page(Path(model).name, args.out):
+                print(f"  {path}", flush=True)
+        return
     missing = []
     for model in args.models:
         bundle = args.bundles / f"{Path(model).name}.kvcal.safetensors"

@@ -157,6 +157,23 @@ def test_results_pages_names_the_command_for_a_missing_bundle(tmp_path, monkeypa
     assert not (tmp_path / "results").exists()
 
 
+def test_results_pages_render_rewords_a_page_from_its_json(tmp_path, monkeypatch):
+    """`--render` rewrites a page from its JSON alone: the shipped smollm2-135m page comes back line for line but
+    for its verdict, which now states the target's bound as the bundle recorded it (over at most N predictions)."""
+    script = EXPERIMENTS / "results_pages.py"
+    shutil.copy(ROOT / "docs" / "results" / "smollm2-135m.json", tmp_path / "smollm2-135m.json")
+    monkeypatch.setattr(sys, "argv", [str(script), "--render", "--models", "smollm2-135m", "--out", str(tmp_path)])
+    runpy.run_path(str(script), run_name="__main__")
+    before = (ROOT / "docs" / "results" / "smollm2-135m.md").read_text().splitlines()
+    after = (tmp_path / "smollm2-135m.md").read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and len(changed) <= 1
+    report = json.loads((tmp_path / "smollm2-135m.json").read_text())
+    n = report["bundle"]["target"]["held_out_predictions"]
+    assert f"over at most {n} predictions" in report["summary"]["verdict"]
+    assert report["summary"]["verdict"] in after
+
+
 def test_with_settings_serves_a_hull_point_of_the_report(smoke_env, tmp_path, monkeypatch):
     """`with_settings.py --hull-point N` copies the bundle with point N of the frontier its report lists: per-head
     bits become `low_layers` / `low_heads` as the calibration's `to_config` writes them."""

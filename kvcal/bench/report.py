@@ -172,7 +172,7 @@ def summarise(report: dict) -> dict:
     best_kvcal = min(kvcal_ok, key=lambda r: r["memory"]["bytes_per_token"]) if kvcal_ok else None
     bpt = lambda r: r["memory"]["bytes_per_token"]          # noqa: E731
     # reports written before bench applied QualityTarget.met decided on the point estimate, i.e. z = 0
-    goal = (f"top-1 >= {target['top1']:g} at {target.get('z', 0):g} standard errors and perplexity ratio <= "
+    goal = (f"top-1 >= {target['top1']:g} at its {bound_in_words(target)} and perplexity ratio <= "
             f"{target['ppl_ratio']:g}")
     out = {"target": target, "basis": "none", "kvcal_joint": _brief(joint), "best_baseline": None,
            "best_kvcal": _brief(best_kvcal), "bytes_joint_over_baseline": None, "kvcal_ahead": None,
