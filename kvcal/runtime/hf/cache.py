@@ -13,10 +13,10 @@ never see, reach the cache through a pre-hook on the model's decoder that hands 
 `KvcalCache` of that call (FastGen keeps them). The same hook checks each call before any layer runs: the model is the
 one the cache was made for, the batch size is the cache's, no other thread is inside a call with it.
 
-Sliding-window layers (Gemma3) hold at most `sliding_window` tokens by design and run transformers' SDPA on their
-window. They keep transformers' own `DynamicSlidingWindowLayer`, uncompressed, unless the settings name a `sliding`
-format: then `QuantizedSlidingLayer` stores the same window in that format (kvcal.runtime.hf.sliding). The paged,
-tiered layers are the global ones, where the cache grows with the context.
+Sliding-window layers (Gemma3) hold at most `sliding_window` tokens by design. They keep transformers' own
+`DynamicSlidingWindowLayer`, uncompressed, with SDPA, unless the settings name a `sliding` format: then
+`QuantizedSlidingLayer` stores the same window in that format and its decode steps read the codes in place
+(kvcal.runtime.hf.sliding). The paged, tiered layers are the global ones, where the cache grows with the context.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def _end_call(module, args, kwargs, output) -> None:
 
 
 def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: compressed path for a pending kvcal layer, SDPA otherwise. Parameters in
+    """transformers attention function: the compressed path of the kvcal layer handed over (a paged layer's
+    `CompressedKV.forward`; a quantized sliding layer's decode step over its codes, `QuantizedSlidingLayer.attend`,
+    unless padding inside its window needs the mask), SDPA otherwise. Parameters in
     transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by
     position."""
     due = pending.take(module, key)
@@ -82,7 +84,7 @@ def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         if attention_mask is None or bool(attention_mask.all()):      # every held token visible: no padding
             return due[0].attend(query, scale).transpose(1, 2).contiguous(), None
         key, value = due[0].model_basis(due[0].window)
-        due = None
+        due[0].window, due = None, None
     if due is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
