@@ -1,10 +1,12 @@
 """Peak RSS and seconds of the confirmation's recording prefill (`DecodeProbe.__init__`) at the default
 calibration's shape: smollm2-135m in float32, 4 evaluation windows of 3839 prompt tokens + 256 scored steps.
 
-    python experiments/probe_rss.py [--bundle artifacts/smollm2-135m.kvcal.safetensors]
+    python experiments/probe_rss.py [--bundle artifacts/smollm2-135m.kvcal.safetensors] [--mmap-threshold BYTES]
 
 Prints the process's peak RSS before the probe (model and inputs loaded) and after it; the difference is the
-recording's own peak.
+recording's own peak. `--mmap-threshold`: glibc's `mallopt(M_MMAP_THRESHOLD, BYTES)` before anything is allocated,
+which fixes the threshold above which an allocation gets its own mapping (glibc otherwise raises it as mapped blocks
+are freed, so a prefill's large transients come from the heap and fragment it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=3839)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--windows", type=int, default=4, help="windows of the evaluation split")
+    ap.add_argument("--mmap-threshold", type=int, help="glibc M_MMAP_THRESHOLD in bytes (default: glibc's own)")
     args = ap.parse_args()
+    if args.mmap_threshold:
+        import ctypes
+
+        M_MMAP_THRESHOLD = -3
+        if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, args.mmap_threshold):
+            raise SystemExit(f"mallopt(M_MMAP_THRESHOLD, {args.mmap_threshold}) failed: not glibc, or out of range")
     lm = load_model(args.model, dtype="float32")
     bundle = load_bundle(args.bundle)
     P, M = args.prompt, args.steps
