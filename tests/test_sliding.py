@@ -332,17 +332,23 @@ def test_the_cpu_kernel_reads_a_sliding_window_as_the_torch_reference(fmt, steps
     q = torch.randn(B, H, G, d, generator=gen)
     r = window.tail_keys.shape[2]
     tail_k, tail_v = torch.randn(B, H, r, d, generator=gen), torch.randn(B, H, r, d, generator=gen)
-    want = AttentionBackend.sliding_decode(window, q, tail_k, tail_v, 0.2)
-    got = CpuBackend.sliding_decode(window, q, tail_k, tail_v, 0.2)
-    assert window.coded > 0 and r >= 1
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    visible = torch.ones(B, window.coded + r, dtype=torch.bool)
+    visible[0, :steps + 2] = False                      # the first sequence's left padding
+    for seen in (None, visible):
+        want = AttentionBackend.sliding_decode(window, q, tail_k, tail_v, 0.2, seen)
+        got = CpuBackend.sliding_decode(window, q, tail_k, tail_v, 0.2, seen)
+        assert window.coded > 0 and r >= 1
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    seen_all = AttentionBackend.sliding_decode(window, q, tail_k, tail_v, 0.2)
+    assert torch.equal(want[1], seen_all[1]) and not torch.allclose(want[0], seen_all[0])    # the padding hidden
 
 
 def test_a_served_decode_step_reads_the_codes_as_attention_reads_the_dequantized_window(monkeypatch):
     """In a KvcalCache a decode step's sliding layers attend to their codes through the backend (`attend`: query
     rotated into the key basis, output back from the value basis) and give the logits transformers' attention gives
     over the dequantized window in the model basis, up to float order (the rotations are applied to the query and
-    the output instead of every key and value); with left padding the step takes that path itself."""
+    the output instead of every key and value); with left padding inside the window too, hidden as the mask hides
+    it."""
     from kvcal.runtime.backends.base import AttentionBackend
 
     model, tok = make_model("gemma3_text")
@@ -377,8 +383,13 @@ def test_a_served_decode_step_reads_the_codes_as_attention_reads_the_dequantized
     torch.testing.assert_close(read, dequantized, rtol=0, atol=1e-4 * float(dequantized.abs().max()))
     short = ids[:, :12]                                 # shorter than the window (16): the padding stays in it
     mask = torch.ones_like(short)
-    mask[0, :5] = 0                                     # left padding: the step reads the dequantized window
+    mask[0, :5] = 0                                     # left padding of the first sequence
     calls.clear()
     padded = serve(True, mask, short)
-    assert not calls
-    torch.testing.assert_close(padded, serve(False, mask, short), rtol=0, atol=0)
+    assert len(calls) == sliding
+    want = serve(False, mask, short)
+    torch.testing.assert_close(padded, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    calls.clear()
+    unmasked = serve(True, torch.ones_like(short), short)   # the same tokens seen, padding and all: other logits
+    assert (unmasked[0, -1] - padded[0, -1]).abs().max() > 1e-2 * float(want.abs().max())
+    torch.testing.assert_close(unmasked[1], padded[1], rtol=0, atol=1e-4 * float(want.abs().max()))

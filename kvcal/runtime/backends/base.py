@@ -22,8 +22,8 @@ token policy reads them, it does neither). The
 softmax scale is the model's (1/sqrt(d) of the original head dim), because the rotated, truncated product
 approximates the original logits.
 
-    sliding_decode(window, query [B, H, g, d], tail_keys [B, H, r, d], tail_values [B, H, r, d], scale)
-        -> out [B, H, g, d]
+    sliding_decode(window, query [B, H, g, d], tail_keys [B, H, r, d], tail_values [B, H, r, d], scale,
+                   visible [B, n + r] bool or None) -> out [B, H, g, d]
 
 `sliding_decode` is a sliding-window layer's decode step over its coded window (kvcal.runtime.hf.sliding), in the
 window's stored bases; the default is torch's.
@@ -102,15 +102,18 @@ class AttentionBackend(ABC):
     def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None): ...
 
     @staticmethod
-    def sliding_decode(window, query, tail_keys, tail_values, scale):
+    def sliding_decode(window, query, tail_keys, tail_values, scale, visible=None):
         """A sliding layer's decode step (kvcal.runtime.hf.sliding.SlidingWindow): query float32 [B, H, g, d] in the
-        window's key basis; tail_keys, tail_values float32 [B, H, r, d], its exact tokens in the stored bases -> out
+        window's key basis; tail_keys, tail_values float32 [B, H, r, d], its exact tokens in the stored bases;
+        visible bool [B, n + r] or None: the window's tokens each sequence sees (not its left padding) -> out
         float32 [B, H, g, d] in the value basis: one softmax over the window's coded tokens, then the tail. The
         default dequantizes the codes with torch."""
         keys = torch.cat([window.coded_keys(), tail_keys], 2)
         values = torch.cat([window.coded_values(), tail_values], 2)
-        probs = torch.softmax(torch.einsum("bhgd,bhnd->bhgn", query, keys) * scale, -1)
-        return torch.einsum("bhgn,bhnd->bhgd", probs, values)
+        logits = torch.einsum("bhgd,bhnd->bhgn", query, keys) * scale
+        if visible is not None:
+            logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+        return torch.einsum("bhgn,bhnd->bhgd", torch.softmax(logits, -1), values)
 
     @staticmethod
     def low_pages_due(store, layer: int, n_pad: torch.Tensor, length: int, tiering) -> bool:

@@ -74,17 +74,16 @@ def _end_call(module, args, kwargs, output) -> None:
 
 def kvcal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: the compressed path of the kvcal layer handed over (a paged layer's
-    `CompressedKV.forward`; a quantized sliding layer's decode step over its codes, `QuantizedSlidingLayer.attend`,
-    unless padding inside its window needs the mask), SDPA otherwise. Parameters in
+    `CompressedKV.forward`; a quantized sliding layer's decode step over its codes, `QuantizedSlidingLayer.attend`),
+    SDPA otherwise. Parameters in
     transformers' order (dropout before scaling): wrappers such as kvpress's attention patch pass dropout by
     position."""
     due = pending.take(module, key)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if due is not None and isinstance(due[0], QuantizedSlidingLayer):
-        if attention_mask is None or bool(attention_mask.all()):      # every held token visible: no padding
-            return due[0].attend(query, scale).transpose(1, 2).contiguous(), None
-        key, value = due[0].model_basis(due[0].window)
-        due[0].window, due = None, None
+        visible = None if attention_mask is None else real_tokens(attention_mask, attention_mask.shape[-1])
+        visible = None if visible is None or bool(visible.all()) else visible
+        return due[0].attend(query, scale, visible).transpose(1, 2).contiguous(), None
     if due is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

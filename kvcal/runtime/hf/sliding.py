@@ -39,8 +39,8 @@ Reads. In a `KvcalCache` (`serve` given), a decode step reads the codes where th
 as a `SlidingWindow` and returns only the new token, kvcal's attention function calls `attend`, which rotates the
 query into the key basis (q · (y Mᵀ) = (q M) · y, M = the query rotation) and runs the backend's `sliding_decode`
 (the CPU kernel reads the codes in place; the torch reference dequantizes them), and rotates the output back from
-the value basis. A prefill, or a layer used on its own, gets the whole window back from `update`, dequantized into
-the model basis, for transformers' attention.
+the value basis; a sequence's left padding still in the window is hidden from it. A prefill, or a layer used on its
+own, gets the whole window back from `update`, dequantized into the model basis, for transformers' attention.
 """
 
 from __future__ import annotations
@@ -209,17 +209,20 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         values = torch.einsum("bhne,hde->bhnd", window.coded_values(), self.basis).to(self.dtype)
         return torch.cat([keys, window.tail_keys], -2), torch.cat([values, window.tail_values], -2)
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
         """The decode step's attention over the window `update` handed over: query [B, Hq, 1, d] (model basis;
-        Hq = G * H, query head i reads KV head i // G) -> out [B, Hq, 1, d] in the query's dtype. The query is
-        rotated into the key basis and the output back from the value basis, so the window is read as stored."""
+        Hq = G * H, query head i reads KV head i // G); visible bool [B, n + r] or None, the window's tokens each
+        sequence sees (left padding hidden) -> out [B, Hq, 1, d] in the query's dtype. The query is rotated into the
+        key basis and the output back from the value basis, so the window is read as stored."""
         window, self.window = self.window, None
         B, Hq, n, d = query.shape
         H = self.rotation.shape[0]
         q = per_head_matmul(query.float().reshape(B, H, Hq // H, d), self.key_inverse_t)
+        if visible is not None:
+            visible = visible[:, visible.shape[-1] - window.coded - window.tail_keys.shape[2]:]   # the window's own
         tail_k = per_head_matmul(window.tail_keys.float(), self.rotation)
         tail_v = per_head_matmul(window.tail_values.float(), self.basis)
-        out = self.backend.sliding_decode(window, q, tail_k, tail_v, scale)       # [B, H, G, d], value basis
+        out = self.backend.sliding_decode(window, q, tail_k, tail_v, scale, visible)   # [B, H, G, d], value basis
         return per_head_matmul(out, self.basis.transpose(1, 2)).reshape(B, Hq, n, d).to(query.dtype)
 
     # the block scales and the recent tokens follow the rows through generate's edits of the batch

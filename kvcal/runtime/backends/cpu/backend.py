@@ -195,16 +195,18 @@ class CpuBackend(AttentionBackend):
         return out, exact_score
 
     @staticmethod
-    def sliding_decode(window, query, tail_keys, tail_values, scale):
+    def sliding_decode(window, query, tail_keys, tail_values, scale, visible=None):
         """As AttentionBackend.sliding_decode, by `kvcal_sliding_decode`: the codes read in place, where the torch
         reference dequantizes the window and rotates nothing back but still makes four [B, H, n, d] tensors."""
         fmt = window.fmt
         B, H, g, d = query.shape
         keys, key_scales, values = (t.contiguous() for t in (window.keys, window.key_scales, window.values))
         query, tail_keys, tail_values = (t.float().contiguous() for t in (query, tail_keys, tail_values))
+        seen = None if visible is None else visible.to(torch.uint8).contiguous()
         out = torch.empty(B, H, g, d)
         load_library().kvcal_sliding_decode(
-            _ptr(query), _ptr(keys), _ptr(key_scales), _ptr(values), _ptr(tail_keys), _ptr(tail_values), _ptr(out),
+            _ptr(query), _ptr(keys), _ptr(key_scales), _ptr(values), _ptr(tail_keys), _ptr(tail_values), _ptr(seen),
+            _ptr(out),
             B, H, g, d, keys.shape[2], values.shape[2], tail_keys.shape[2], fmt.k_bits, int(fmt.k_mode == "channel"),
             fmt.k_group or 0, fmt.v_bits, fmt.v_group or 0, int(fmt.meta_bits == 8), window.block, float(scale),
             torch.get_num_threads())

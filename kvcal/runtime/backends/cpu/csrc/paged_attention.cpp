@@ -1009,13 +1009,14 @@ int kvcal_significance(const float* q, const float* k, const float* lse, float* 
 // [B, H, m, k_row], whole blocks, the window's coded tokens the last n rows; key_scales uint8 [B, H, m / block,
 // pair * d], one (scale, zero) per channel and block (per-channel keys; per-token keys carry one pair per k_group
 // channels after each row's codes instead); values uint8 [B, H, n, v_row], codes then one pair per v_group channels;
-// tail_k, tail_v float32 [B, H, r, d]; out float32 [B, H, G, d], in the value basis. Group 0: the whole vector.
-// Uniform levels only (sliding formats have no calibrated ones). Items (b, h) in parallel.
+// tail_k, tail_v float32 [B, H, r, d]; visible uint8 [B, n + r] or NULL: which of the window's tokens each sequence
+// sees (0 for its left padding); out float32 [B, H, G, d], in the value basis. Group 0: the whole vector. Uniform
+// levels only (sliding formats have no calibrated ones). Items (b, h) in parallel.
 int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key_scales, const uint8_t* values,
-                         const float* tail_k, const float* tail_v, float* out, int64_t B, int64_t H, int64_t G,
-                         int64_t d, int64_t m, int64_t n, int64_t r, int32_t k_bits, int32_t k_channel,
-                         int32_t k_group, int32_t v_bits, int32_t v_group, int32_t meta8, int64_t block, float scale,
-                         int threads) {
+                         const float* tail_k, const float* tail_v, const uint8_t* visible, float* out, int64_t B,
+                         int64_t H, int64_t G, int64_t d, int64_t m, int64_t n, int64_t r, int32_t k_bits,
+                         int32_t k_channel, int32_t k_group, int32_t v_bits, int32_t v_group, int32_t meta8,
+                         int64_t block, float scale, int threads) {
     const int pair = meta8 ? 2 : 4;
     const int64_t k_bytes = (d * k_bits + 7) / 8, v_bytes = (d * v_bits + 7) / 8;
     const int64_t kg = k_group ? k_group : d, vg = v_group ? v_group : d;
@@ -1047,6 +1048,12 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
         const float* tk = tail_k + item * r * d;
         for (int64_t t = 0; t < r; ++t)
             for (int64_t g = 0; g < G; ++g) w[g * S + n + t] = scale * dot(qi + g * d, tk + t * d, (int)d);
+        if (visible != nullptr) {                                          // padding: weight 0
+            const uint8_t* seen = visible + (item / H) * S;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t t = 0; t < S; ++t)
+                    if (!seen[t]) w[g * S + t] = NEG_INF;
+        }
         std::vector<float> inv(G);
         for (int64_t g = 0; g < G; ++g) {                                 // softmax weights, unnormalised
             float* wg = w.data() + g * S, mx = NEG_INF, sum = 0.f;
