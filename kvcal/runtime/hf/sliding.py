@@ -99,10 +99,8 @@ class SlidingWindow:
 def _decode_rows(rows: torch.Tensor, fmt: TierFormat, bits: int, group: int | None, d: int) -> torch.Tensor:
     """Per-token rows uint8 [B, H, n, row] (codes, then a pair per `group` channels) -> float32 [B, H, n, d]."""
     nbytes = quant.packed_size(d, bits)
-    codes = quant.unpack(rows[..., :nbytes].contiguous(), bits, d)
-    scale, zero = quant.meta_from_bytes(rows[..., nbytes:].contiguous(), fmt.meta_bits, bits,
-                                        (*rows.shape[:-1], d // group if group else 1))
-    return quant.dequantize_per_token(codes, scale, zero, group)
+    return codec.decode_tokens(rows[..., :nbytes].contiguous(), rows[..., nbytes:].contiguous(), bits, group, d,
+                               d // group if group else 1, fmt.meta_bits)
 
 
 class QuantizedSlidingLayer(DynamicSlidingWindowLayer):

@@ -442,6 +442,19 @@ inline int check_vector(const float* x, int r, int bits, float* bad_value) {
     return 0;
 }
 
+// One per-token row of a sliding window (kvcal.runtime.hf.sliding) into x [d]: `nbytes` of packed codes, then one
+// (scale, zero) pair per `group` channels.
+inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t group, int64_t nbytes, bool meta8,
+                           float* x) {
+    const int pair = meta8 ? 2 : 4;
+    unpack(row, bits, (int)d, x);
+    for (int64_t c0 = 0; c0 < d; c0 += group) {
+        float s, z;
+        read_meta(row + nbytes + (c0 / group) * pair, meta8, bits, &s, &z);
+        for (int64_t c = c0; c < c0 + group; ++c) x[c] = x[c] * s + z;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1029,19 +1042,15 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
         for (int64_t t = 0; t < n; ++t) {
             const int64_t j = m - n + t;                                  // the token's row among the key rows
             const uint8_t* row = keys + (item * m + j) * k_row;
-            unpack(row, k_bits, (int)d, x.data());
             if (k_channel) {
                 if (t == 0 || j % block == 0) {                           // a new block: its channels' pairs
                     const uint8_t* meta = key_scales + (item * blocks + j / block) * pair * d;
                     for (int64_t c = 0; c < d; ++c) read_meta(meta + c * pair, meta8, k_bits, &s[c], &z[c]);
                 }
+                unpack(row, k_bits, (int)d, x.data());
                 for (int64_t c = 0; c < d; ++c) x[c] = x[c] * s[c] + z[c];
             } else {
-                for (int64_t c0 = 0; c0 < d; c0 += kg) {
-                    float sc, ze;
-                    read_meta(row + k_bytes + (c0 / kg) * pair, meta8, k_bits, &sc, &ze);
-                    for (int64_t c = c0; c < c0 + kg; ++c) x[c] = x[c] * sc + ze;
-                }
+                dequantize_row(row, k_bits, d, kg, k_bytes, meta8, x.data());
             }
             for (int64_t g = 0; g < G; ++g) w[g * S + t] = scale * dot(qi + g * d, x.data(), (int)d);
         }
@@ -1064,13 +1073,7 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
         float* o = out + item * G * d;
         std::fill(o, o + G * d, 0.f);
         for (int64_t t = 0; t < n; ++t) {
-            const uint8_t* row = values + (item * n + t) * v_row;
-            unpack(row, v_bits, (int)d, x.data());
-            for (int64_t c0 = 0; c0 < d; c0 += vg) {
-                float sc, ze;
-                read_meta(row + v_bytes + (c0 / vg) * pair, meta8, v_bits, &sc, &ze);
-                for (int64_t c = c0; c < c0 + vg; ++c) x[c] = x[c] * sc + ze;
-            }
+            dequantize_row(values + (item * n + t) * v_row, v_bits, d, vg, v_bytes, meta8, x.data());
             for (int64_t g = 0; g < G; ++g) {
                 const float wt = w[g * S + t];
                 for (int64_t c = 0; c < d; ++c) o[g * d + c] += wt * x[c];
