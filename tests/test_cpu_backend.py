@@ -27,6 +27,7 @@ from kvcal.runtime.storage.store import CompressedStore
 
 # (high, low) tier formats: precisions, per-token / per-channel keys, value and key groups, raw tiers
 MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K4V2", "K2cV2"), ("K8V8", "K8cV4"), ("K16V16", "K4cV2"),
+         ("K8V3", "K3cV3"), ("K4V3kg4m8", "K3V2g4m8"),     # 3-bit codes straddle bytes
          ("K32V32", "K8V8"), ("K8V4g4", "K2V2g4"), ("K8V4kg4", "K4cV4g4"), ("K2V2", "K2V2"),
          ("K8V4m8", "K4cV2m8"), ("K16V16", "K4cV4m8"), ("K8V4kg4m8", "K2V2g4m8"),
          ("K8V8m8", "K4cV4m8")]     # m8: 8-bit scales and zeros
@@ -220,7 +221,7 @@ def test_decode_insert_into_holes_equals_the_torch_insert(high, low):
     assert torch.equal(store.arena.arena, ref.arena.arena)
 
 
-@pytest.mark.parametrize("low", ["K4cV2", "K2cV2", "K4cV4m8", "K2cV2m8", "K8cV4g4"])
+@pytest.mark.parametrize("low", ["K4cV2", "K2cV2", "K3cV3m8", "K4cV4m8", "K2cV2m8", "K8cV4g4"])
 def test_write_pages_bytes_equal_the_torch_writer(low):
     """kvcal_write_pages: per-channel key scales over the page, per-token values, score and position, in the same
     pages with the same bytes as CompressedStore.write_pages_torch."""

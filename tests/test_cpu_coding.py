@@ -29,7 +29,7 @@ def _levels(H, bits, seed=1):
     return levels
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("meta_bits", [16, 8])
 @pytest.mark.parametrize("calibrated", [False, True])
 @pytest.mark.parametrize("layout", ["channel", "token", "token-groups"])

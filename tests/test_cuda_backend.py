@@ -37,6 +37,7 @@ SPILL_BUDGET = (0, 0)           # (store, load) bytes per function: local-memory
 
 # (high, low) tiers; a trailing "u": the low tier is untracked (no score or position in its pages)
 MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K16V16", "K4cV2"), ("K16V16", "K4cV4u"), ("K8V4", "K4V2u"),
+         ("K8V3", "K3cV3"), ("K16V16", "K3V3g4m8"),
          ("K8V4m8", "K4cV2m8"), ("K16V16", "K4cV4m8u"), ("K8V4g4m8", "K2V2m8"),
          ("K8V8m8", "K4cV4m8u")]      # m8: 8-bit scales and zeros
 

@@ -43,7 +43,7 @@ def random_levels(shape: tuple[int, ...], bits: int, seed: int = 0) -> torch.Ten
 
 def bundle_levels(L: int, H: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"levels.{side}.{bits}": random_levels((L, H), bits, seed + 3 * i + bits)
-            for i, side in enumerate("kv") for bits in (2, 4, 8)}
+            for i, side in enumerate("kv") for bits in (2, 3, 4, 8)}
 
 
 def brute_round_trip(x: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def test_nearest_level_ties_go_to_the_lower_level():
     assert quant.nearest_level(u, levels).tolist() == [[0, 0, 1, 1, 2, 3, 3]]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_nearest_level_is_the_binary_search_over_midpoints(bits):
     """The counted comparisons (up to 4 bits) and the binary search (8 bits) give the same code as searchsorted over
     the midpoints, including on the midpoints themselves and outside the grid."""
@@ -106,7 +106,8 @@ def test_nearest_level_is_the_binary_search_over_midpoints(bits):
     assert got.dtype == torch.uint8 and torch.equal(got.long(), want)
 
 
-@pytest.mark.parametrize("bits,group,meta_bits", [(2, None, 16), (4, 4, 16), (2, 8, 8), (8, None, 16)])
+@pytest.mark.parametrize("bits,group,meta_bits", [(2, None, 16), (3, None, 16), (4, 4, 16), (2, 8, 8), (3, 8, 8),
+                                                  (8, None, 16)])
 def test_per_token_round_trip_is_the_nearest_level(bits, group, meta_bits):
     gen = torch.Generator().manual_seed(bits)
     x = torch.randn(3, 20, 16, generator=gen) * 2                                   # [H, S, n]
@@ -137,7 +138,7 @@ def test_per_channel_round_trip_uses_the_levels():
 # ---------------------------------------------------------------------------------------------- the store
 
 MIXES = [("K8nV4n", "K4cnV2n"), ("K8V4n", "K2nV2"), ("K4nV2g4", "K2cnV2n"), ("K8nV4m8", "K4cnV4nm8"),
-         ("K16V16", "K4cnV4n"), ("K8V8", "K8cV4n")]
+         ("K16V16", "K4cnV4n"), ("K8V8", "K8cV4n"), ("K8V3n", "K3cnV3nm8")]
 
 
 @pytest.mark.parametrize("high,low", MIXES)
@@ -216,7 +217,7 @@ def test_cpu_writers_write_the_torch_bytes(high, low):
     """kvcal_write / append_every / insert_every / write_pages encode the nearest level bit for bit as the torch
     store does (including ties at a midpoint and constant vectors)."""
     levels = bundle_levels(1, 3, seed=5)
-    for bits in (2, 4, 8):                 # head 0's values on the uniform grid: ties at the midpoints k + 0.5
+    for bits in (2, 3, 4, 8):              # head 0's values on the uniform grid: ties at the midpoints k + 0.5
         levels[f"levels.v.{bits}"][0, 0] = torch.arange(1 << bits).float()
     ref = random_store(high, low, seed=7, holes=0.3, levels=levels)
     store = copy.deepcopy(ref)

@@ -198,11 +198,25 @@ def test_bad_bits():
     x = _randn(4, 8)
     for fn in (quantize_per_token, quantize_per_channel):
         with pytest.raises(ValueError, match="bits"):
-            fn(x, 3)
+            fn(x, 5)
     with pytest.raises(ValueError, match="bits"):
-        pack(torch.zeros(4, dtype=torch.uint8), 3)
+        pack(torch.zeros(4, dtype=torch.uint8), 6)
     with pytest.raises(ValueError, match="bits"):
-        packed_size(4, 3)
+        packed_size(4, 7)
+
+
+def test_three_bit_codes_fill_a_little_endian_bit_stream():
+    """Eight 3-bit codes fill three bytes, codes 2 and 5 straddling a byte boundary; a row whose length 8 does not
+    divide ends in a zero-padded partial byte, and unpack inverts pack at every length."""
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
+    stream = int.from_bytes(bytes(pack(codes, 3).tolist()), "little")
+    assert [(stream >> (3 * i)) & 7 for i in range(8)] == codes.tolist() and packed_size(8, 3) == 3
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 3, 5, 8, 11, 64):
+        c = torch.randint(0, 8, (2, n), generator=gen, dtype=torch.uint8)
+        packed = pack(c, 3)
+        assert packed.shape == (2, -(-3 * n // 8)) and torch.equal(unpack(packed, 3, n), c)
+        assert int(packed[:, -1].max()) < 1 << (3 * n - 8 * (packed.shape[-1] - 1))      # the padding is zero
 
 
 def test_non_finite_input():

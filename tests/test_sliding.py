@@ -315,9 +315,9 @@ def _window_after(fmt: str, B: int, H: int, d: int, window: int, block: int, ste
 
 
 # per-channel keys over blocks (the oldest block partly out of the window after 1..9 steps), per-token keys with
-# and without groups, fp16 and 8-bit pairs, 2/4/8 bits
+# and without groups, fp16 and 8-bit pairs, 2/3/4/8 bits (3-bit codes straddling bytes)
 @pytest.mark.parametrize("fmt,steps", [("K8cV8g32m8", 1), ("K4cV4g32m8", 5), ("K2cV2g16", 9), ("K8V4kg8m8", 3),
-                                       ("K4V2", 2), ("K2cV4m8", 8)])
+                                       ("K4V2", 2), ("K2cV4m8", 8), ("K3cV3g32m8", 4), ("K3V3kg8", 7)])
 def test_the_cpu_kernel_reads_a_sliding_window_as_the_torch_reference(fmt, steps):
     """`CpuBackend.sliding_decode` reads the codes in place and equals the torch reference, which dequantizes them,
     within 1e-5 of the output's scale: the same products in another order (dots in 16 lanes, softmax sums in one

@@ -183,7 +183,7 @@ def test_generation_tracks_dense_more_closely_with_more_bits():
 def test_methods_are_quantization_baselines_with_no_calibration():
     model, _ = make_model("llama")
     methods = turboquant_methods(model)
-    assert [m.key for m in methods] == ["turboquant-k4v4", "turboquant-k4v2", "turboquant-k2v2",
+    assert [m.key for m in methods] == ["turboquant-k4v4", "turboquant-k3v3", "turboquant-k4v2", "turboquant-k2v2",
                                         "turboquant-k2v2-w64"]
     assert {(m.family, m.series) for m in methods} == {("quantization", "TurboQuant-style")}
     assert all(m.config is None and m.factory is not None and not m.unavailable for m in methods)

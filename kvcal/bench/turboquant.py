@@ -35,7 +35,7 @@ from kvcal.bench.caches import CountingCache, CountingLayer, dense_bytes, memory
 from kvcal.bench.method import Method
 from kvcal.runtime.storage.quant import pack, packed_size, unpack
 
-TURBOQUANT_BITS = (1, 2, 4, 8)     # what `pack` can store; 3-bit codes would need a packer that straddles bytes
+TURBOQUANT_BITS = (1, 2, 3, 4, 8)  # what `pack` can store
 ROTATION_SEED = 0
 LLOYD_GRID = 1 << 17               # cells of the scaled coordinate's support the density is integrated on
 LLOYD_SPAN = 12.0                  # ... which is cut to [-12, 12] where sqrt(dim) is larger
@@ -258,7 +258,7 @@ class TurboQuantCache(CountingCache):
 
 # --------------------------------------------------------------------------------------------- bench methods
 
-TURBOQUANT_SETTINGS = ((4, 4, 0), (4, 2, 0), (2, 2, 0), (2, 2, 64))     # (K bits, V bits, fp16 window)
+TURBOQUANT_SETTINGS = ((4, 4, 0), (3, 3, 0), (4, 2, 0), (2, 2, 0), (2, 2, 64))     # (K bits, V bits, fp16 window)
 
 
 def turboquant_methods(model) -> list[Method]:

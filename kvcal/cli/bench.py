@@ -61,8 +61,9 @@ def _ints(spec: str | None, name: str) -> tuple[int, ...] | None:
 METHOD_FAMILIES = ("dense", "quantization", "eviction", "low-rank", "seed", "kvcal")
 METHOD_KEYS = ("dense", "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8", "uniform-k8v8", "uniform-k4v4",
                "uniform-k2v2", "kivi-k8v4", "kivi-k4v4", "kivi-k4v2", "kivi-k2v2", "kvtuner-4bit", "kvtuner-3bit",
-               "kvtuner-2.5bit", "turboquant-k4v4", "turboquant-k4v2", "turboquant-k2v2", "turboquant-k2v2-w64",
-               "kvquant-k4v4", "kvquant-k3v3", "kvquant-k2v2", "fdc-ranks", "diffkv-tiers", "fastgen", "kvcal-joint",
+               "kvtuner-2.5bit", "turboquant-k4v4", "turboquant-k3v3", "turboquant-k4v2", "turboquant-k2v2",
+               "turboquant-k2v2-w64", "kvquant-k4v4", "kvquant-k3v3", "kvquant-k2v2", "fdc-ranks", "diffkv-tiers",
+               "fastgen", "kvcal-joint",
                "streamingllm", "h2o", "snapkv", "palu", "kvpress-snapkv", "kvpress-streamingllm",
                "kvpress-expected-attention", "kvpress-tova", "kvpress-knorm", "kvpress-adakv")
 METHODS_HELP = (f"Comma-separated method keys or families to run; kvcal-joint always runs. Families: "

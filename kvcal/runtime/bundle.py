@@ -16,7 +16,7 @@ Tensors (L layers, H KV heads, d head dim):
                                        for the static key tiers (`K4sV4`; kvcal.profile.key_ranges). Both or neither.
     qk.smoothing [L, H, d]    float32  optional (schema 2): channel smoothing factor D > 0 per column of qk.rotation
                                        (keys stored / D, queries * D; kvcal.profile.smoothing), for `smooth` settings
-    levels.k.{b}, levels.v.{b}  [L, H, 2**b] float32  optional (schema 3), b in 2, 4, 8: calibrated levels of the
+    levels.k.{b}, levels.v.{b}  [L, H, 2**b] float32  optional (schema 3), b in 2, 3, 4, 8: calibrated levels of the
                                        formats with an `n` after that side's bits (`K4cnV2n`): sorted, first 0, last
                                        2**b - 1 (kvcal.runtime.storage.levels)
 

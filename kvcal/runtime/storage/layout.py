@@ -31,7 +31,7 @@ from kvcal.runtime.storage.quant import packed_size
 
 ALIGN = 16
 RAW_BITS = (16, 32)
-QUANT_BITS = (2, 4, 8)
+QUANT_BITS = (2, 3, 4, 8)
 META_BITS = (16, 8)
 K_MODES = ("token", "channel", "static")
 _MODE_LETTER = {"token": "", "channel": "c", "static": "s"}
@@ -52,7 +52,7 @@ class TierFormat:
     the bundle's levels of its (layer, KV head, side, bits), x = zero + scale * levels[code], instead of the uniform
     x = zero + scale * code; the pages hold the same bytes either way."""
 
-    k_bits: int = 8                  # 2, 4, 8, or 16/32 for raw floats
+    k_bits: int = 8                  # 2, 3, 4, 8, or 16/32 for raw floats
     v_bits: int = 4
     k_mode: str = "token"            # "token", "channel" or "static"
     k_group: int | None = None       # channels per (scale, zero) for per-token keys; None = the whole vector
@@ -68,7 +68,7 @@ class TierFormat:
         if self.k_mode not in K_MODES:
             raise ValueError(f"`k_mode={self.k_mode}` must be one of {', '.join(K_MODES)}")
         if self.k_mode != "token" and self.k_bits in RAW_BITS:
-            raise ValueError(f"{self.k_mode} key scales need quantized keys (k_bits 2, 4 or 8)")
+            raise ValueError(f"{self.k_mode} key scales need quantized keys (k_bits 2, 3, 4 or 8)")
         if self.meta_bits not in META_BITS:
             raise ValueError(f"`meta_bits={self.meta_bits}` must be one of {META_BITS}")
         if self.meta_bits != 16 and self.k_bits in RAW_BITS and self.v_bits in RAW_BITS:
@@ -80,7 +80,7 @@ class TierFormat:
                 raise ValueError(f"`{side.lower()}_levels={levels}` must be one of {', '.join(LEVELS)}")
             if levels == "calibrated" and bits in RAW_BITS:
                 raise ValueError(f"{side}{bits} stores raw floats, which have no levels; drop the `n` after "
-                                 f"`{side}{bits}` or quantize that side (2, 4 or 8 bits)")
+                                 f"`{side}{bits}` or quantize that side (2, 3, 4 or 8 bits)")
 
     @property
     def name(self) -> str:

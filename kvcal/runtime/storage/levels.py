@@ -4,7 +4,7 @@ A tier format side marked calibrated (`TierFormat.k_levels` / `v_levels`, an `n`
 `zero + scale * levels[code]` (`quant` module docstring). The levels are constants of the bundle, one row of 2**b
 per (layer, KV head), per side and bit width:
 
-    levels.k.{bits}, levels.v.{bits}   float32 [L, H, 2**bits]   (bits 2, 4, 8)
+    levels.k.{bits}, levels.v.{bits}   float32 [L, H, 2**bits]   (bits 2, 3, 4, 8)
 
 so the pages hold the same bytes as a uniform format and only these constants are added, counted as the bundle's
 fixed bytes (`CompressedStore.fixed_bytes`).
@@ -16,7 +16,7 @@ import torch
 
 from kvcal.runtime.storage import quant
 
-LEVEL_BITS = (2, 4, 8)
+LEVEL_BITS = (2, 3, 4, 8)
 SIDES = ("k", "v")
 KERNEL_ROW = 256      # floats per level row of a kernel's level table (the most levels: 8 bits)
 

@@ -34,8 +34,10 @@ encoding picks the level nearest to ``u = (x - zero) / scale`` (ties to the lowe
 even); given levels, they broadcast (numpy rules) against the code tensor's leading dims plus ``(2**bits,)``, e.g.
 ``[H, 1, K]`` per KV head for ``x: [H, S, n]``.
 
-Codes are uint8 with one code per byte; ``pack`` / ``unpack`` squeeze them to ``bits`` bits each, element 0 in the
-least-significant bits of byte 0 (little-endian within a byte).
+Codes are uint8 with one code per byte; ``pack`` / ``unpack`` squeeze them to ``bits`` bits each into one
+little-endian bit stream: code i holds bits ``[i*bits, (i+1)*bits)``, bit j of the stream being bit ``j % 8`` of byte
+``j // 8``. At 2, 4 and 8 bits no code straddles a byte; at 3 bits eight codes fill three bytes, and codes 2 and 5 of
+each eight straddle one.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import math
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 # 1-bit is accepted too (handy for ablations) but is not part of the advertised set.
 _VALID_BITS = (1, *SUPPORTED_BITS)
 _FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
@@ -70,18 +72,21 @@ def packed_size(n: int, bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack codes ``uint8 [..., n]`` (values < 2**bits) into ``uint8 [..., packed_size(n, bits)]``.
-
-    Code i lands in byte ``(i*bits)//8`` at bit offset ``(i*bits)%8``. Since bits divides 8, no code straddles a byte;
-    a trailing partial byte is zero-padded.
-    """
+    """Pack codes ``uint8 [..., n]`` (values < 2**bits) into ``uint8 [..., packed_size(n, bits)]``: code i in bits
+    ``[i*bits, (i+1)*bits)`` of the little-endian bit stream (module docstring); a trailing partial byte is
+    zero-padded."""
     _check_bits(bits)
     _check_uint8(codes, "codes")
     if codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"codes must be < 2**bits = {1 << bits} for bits={bits}, got max {int(codes.max())}")
-    per = 8 // bits
     *lead, n = codes.shape
     nbytes = packed_size(n, bits)
+    if 8 % bits:                                     # codes straddle bytes: through the stream's single bits
+        stream = (codes.unsqueeze(-1) >> torch.arange(bits, dtype=torch.uint8, device=codes.device)) & 1
+        stream = torch.nn.functional.pad(stream.reshape(*lead, n * bits), (0, nbytes * 8 - n * bits))
+        weights = torch.arange(8, dtype=torch.int32, device=codes.device)
+        return (stream.reshape(*lead, nbytes, 8).to(torch.int32) << weights).sum(dim=-1).to(torch.uint8)
+    per = 8 // bits
     if nbytes * per != n:
         codes = torch.nn.functional.pad(codes, (0, nbytes * per - n))
     groups = codes.reshape(*lead, nbytes, per).to(torch.int32)
@@ -97,6 +102,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     nbytes = packed_size(n, bits)
     if packed.shape[-1] != nbytes:
         raise ValueError(f"packed last dim must be packed_size({n}, {bits}) = {nbytes}, got {packed.shape[-1]}")
+    if 8 % bits:
+        stream = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+        stream = stream.reshape(*packed.shape[:-1], nbytes * 8)[..., :n * bits]
+        weights = torch.arange(bits, dtype=torch.int32, device=packed.device)
+        fields = stream.reshape(*packed.shape[:-1], n, bits).to(torch.int32) << weights
+        return fields.sum(dim=-1).to(torch.uint8)
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., nbytes, per]

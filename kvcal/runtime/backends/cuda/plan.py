@@ -51,9 +51,6 @@ def format_limits(fmt, rank: int) -> list[str]:
         if per_token and -(-rank // group) > MAX_GROUPS:
             reasons.append(f"{fmt.name} has more than {MAX_GROUPS} quantization groups per vector; use a larger "
                            "group")
-        if group % (8 // bits):
-            reasons.append(f"{fmt.name}: group {group} must be a multiple of {8 // bits} codes (one byte) at "
-                           f"{bits} bits")
     return reasons
 
 

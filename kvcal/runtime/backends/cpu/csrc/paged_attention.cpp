@@ -128,19 +128,43 @@ inline void meta8_encode(float mn, float mx, int bits, uint8_t* pair, float* s, 
     *z = zc * (*s * unit);
 }
 
-// Unpacked codes of one token: element i sits in byte (i * bits) / 8 at bit offset (i * bits) % 8. Written byte by
-// byte (whole bytes first) so that the compiler vectorizes the loops.
+// Code i of a packed row: bits [i * bits, (i + 1) * bits) of its little-endian bit stream (kvcal.runtime.storage.quant
+// .pack). A 3-bit code may straddle two bytes; the second is read only then, so a row is never read past its end.
+inline unsigned code_at(const uint8_t* src, int i, int bits) {
+    const int bit = i * bits, b = bit >> 3, off = bit & 7;
+    const unsigned word = off + bits > 8 ? (unsigned)src[b] | ((unsigned)src[b + 1] << 8) : (unsigned)src[b];
+    return (word >> off) & ((1u << bits) - 1u);
+}
+
+// Code i into a packed row whose bytes start zeroed (`code_at`'s layout).
+inline void put_code(uint8_t* dst, int i, int bits, unsigned code) {
+    const int bit = i * bits, b = bit >> 3, off = bit & 7;
+    dst[b] |= (uint8_t)(code << off);
+    if (off + bits > 8) dst[b + 1] |= (uint8_t)(code >> (8 - off));
+}
+
+// Unpacked codes of one token (`code_at`). Written a whole byte (or at 3 bits three bytes) at a time so that the
+// compiler vectorizes the loops.
 inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
+    int done = 0;
     if (bits == 8) {
         for (int i = 0; i < r; ++i) codes[i] = (float)src[i];
+        return;
     } else if (bits == 4) {
         const int whole = r / 2;
         for (int j = 0; j < whole; ++j) {
             codes[2 * j] = (float)(src[j] & 0xF);
             codes[2 * j + 1] = (float)(src[j] >> 4);
         }
-        for (int i = 2 * whole; i < r; ++i) codes[i] = (float)((src[i >> 1] >> ((i & 1) * 4)) & 0xF);
-    } else {
+        done = 2 * whole;
+    } else if (bits == 3) {
+        const int whole = r / 8;
+        for (int j = 0; j < whole; ++j) {
+            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) | ((uint32_t)src[3 * j + 2] << 16);
+            for (int k = 0; k < 8; ++k) codes[8 * j + k] = (float)((w >> (3 * k)) & 0x7);
+        }
+        done = 8 * whole;
+    } else if (bits == 2) {
         const int whole = r / 4;
         for (int j = 0; j < whole; ++j) {
             codes[4 * j] = (float)(src[j] & 0x3);
@@ -148,8 +172,9 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
             codes[4 * j + 2] = (float)((src[j] >> 4) & 0x3);
             codes[4 * j + 3] = (float)(src[j] >> 6);
         }
-        for (int i = 4 * whole; i < r; ++i) codes[i] = (float)((src[i >> 2] >> ((i & 3) * 2)) & 0x3);
+        done = 4 * whole;
     }
+    for (int i = done; i < r; ++i) codes[i] = (float)code_at(src, i, bits);
 }
 
 // Every byte's levels at 2 or 4 bits: table[b * per + k] = lut[(b >> (k * bits)) & mask], per = 8 / bits codes in
@@ -178,8 +203,7 @@ inline void unpack_levels(const uint8_t* src, int bits, int r, const float* lut,
         for (int j = 0; j < r / 4; ++j) std::memcpy(out + 4 * j, table + 4 * src[j], 4 * sizeof(float));
         done = r / 4 * 4;
     }
-    const int per = 8 / bits, mask = (1 << bits) - 1;
-    for (int i = done; i < r; ++i) out[i] = lut[(src[i / per] >> ((i % per) * bits)) & mask];
+    for (int i = done; i < r; ++i) out[i] = lut[code_at(src, i, bits)];
 }
 
 // Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r]. lut:
@@ -426,7 +450,7 @@ void write_token(uint8_t* page, const Desc& D, int which, int64_t t, const float
         put_meta(mn, mx, bits, D.meta8, meta + pair * gi, &s, &z);
         for (int c = 0; c < group; ++c) {
             const int e = gi * group + c;
-            data[(e * bits) >> 3] |= (uint8_t)(encode(xg[c], s, z, top, lut) << ((e * bits) & 7));
+            put_code(data, e, bits, encode(xg[c], s, z, top, lut));
         }
     }
 }
@@ -825,8 +849,7 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
             float s, z;
             put_meta(mn, mx, bits, D.meta8, meta + pair * c, &s, &z);
             for (int64_t t = 0; t < T; ++t)
-                page[D.k_off + t * D.k_bytes + ((c * bits) >> 3)] |=
-                    (uint8_t)(encode(k[t * k_stride + c], s, z, top, k_lut) << ((c * bits) & 7));
+                put_code(page + D.k_off + t * D.k_bytes, c, bits, encode(k[t * k_stride + c], s, z, top, k_lut));
         }
         for (int64_t t = 0; t < T; ++t)
             write_token(page, D, 1, t, values + (i * T + t) * v_stride, level_row(luts, D, 1, H, h[i], 1));

@@ -25,6 +25,14 @@ __device__ __forceinline__ unsigned encode(float x, float s, float z, int bits)
     return (unsigned)fminf(fmaxf(q, 0.f), (float)((1 << bits) - 1));
 }
 
+// The part of a code that lands in one byte of the packed row, `shift` = the code's first bit minus the byte's first
+// bit (negative for the high part of a code that straddles into this byte from the one before; kvcal.runtime.storage
+// .quant.pack's bit stream)
+__device__ __forceinline__ unsigned code_bits(unsigned code, int shift)
+{
+    return (shift >= 0 ? code << shift : code >> -shift) & 0xFFu;
+}
+
 // (scale, zero) of [mn, mx] at `bits`, written as pair `i` of the meta segment at `meta`: two fp16, or
 // quant.meta8_encode's codes (the smallest grid scale whose grid covers [mn, mx] from an int8 zero code)
 __device__ __forceinline__ float2 put_meta(unsigned char* meta, int i, int meta8, int bits, float mn, float mx)
@@ -77,16 +85,13 @@ __device__ void put_vector(unsigned char* page, int off, int meta_off, int nbyte
         if (lane == 0) sz_warp[gi] = put_meta(meta, gi, meta8, bits, mn, mx);
     }
     __syncwarp();
-    const int per = 8 / bits;                     // codes per byte; group % per == 0, so a byte never spans groups
-    for (int b = lane; b < nbytes; b += 32) {
+    for (int b = lane; b < nbytes; b += 32) {     // one lane per output byte, whatever the groups
         unsigned byte = 0;
-        for (int k = 0; k < per; ++k) {
-            const int d = b * per + k;
-            if (d >= r) break;                    // a trailing partial byte is zero-padded
+        for (int d = 8 * b / bits; d < r && d * bits < 8 * b + 8; ++d) {
             const float2 sz = sz_warp[d / group];
-            byte |= encode(x[d], sz.x, sz.y, bits) << (k * bits);
+            byte |= code_bits(encode(x[d], sz.x, sz.y, bits), d * bits - 8 * b);
         }
-        row[b] = (unsigned char)byte;
+        row[b] = (unsigned char)byte;             // a trailing partial byte is zero-padded
     }
     __syncwarp();                                 // sz_warp is reused by the next vector
 }
@@ -143,15 +148,11 @@ extern "C" __global__ void __launch_bounds__(128) write_channel_keys(
         sz[d] = put_meta(page + L.k_meta_off, d, L.meta8, L.k_bits, mn, mx);   // [r_k] pairs
     }
     __syncthreads();
-    const int per = 8 / L.k_bits;
     for (int e = threadIdx.x; e < L.tokens * L.k_bytes; e += blockDim.x) {  // one thread per output byte
         const int t = e / L.k_bytes, b = e % L.k_bytes;
         unsigned byte = 0;
-        for (int k = 0; k < per; ++k) {
-            const int d = b * per + k;
-            if (d >= L.r_k) break;
-            byte |= encode(x[t * k_stride + d], sz[d].x, sz[d].y, L.k_bits) << (k * L.k_bits);
-        }
+        for (int d = 8 * b / L.k_bits; d < L.r_k && d * L.k_bits < 8 * b + 8; ++d)
+            byte |= code_bits(encode(x[t * k_stride + d], sz[d].x, sz[d].y, L.k_bits), d * L.k_bits - 8 * b);
         page[L.k_off + t * L.k_bytes + b] = (unsigned char)byte;
     }
 }

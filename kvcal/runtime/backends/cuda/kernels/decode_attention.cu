@@ -28,7 +28,9 @@
 // exp(a - b) where b may be -inf (nothing seen yet): 0 for a = -inf, 1 when both are -inf handled by the caller
 __device__ __forceinline__ float exp_diff(float a, float b) { return a == NEG_INF ? 0.f : expf(a - b); }
 
-extern "C" __global__ void __launch_bounds__(THREADS) decode_split(
+// at least 4 blocks per SM: ptxas may then use up to 128 registers a thread (it held this kernel to 64 otherwise, and
+// spilled once 3-bit codes could straddle a byte)
+extern "C" __global__ void __launch_bounds__(THREADS, 4) decode_split(
     const unsigned char* __restrict__ arena,     // the page arena, flat bytes
     const int* __restrict__ descs,               // [n_desc, sizeof(PageDesc) / 4]
     const long long* __restrict__ page_off,      // [P] byte offset of each plan page in the arena

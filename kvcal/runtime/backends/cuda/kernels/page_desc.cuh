@@ -15,7 +15,7 @@ struct PageDesc {
     int tokens;       // T: token slots per page
     int r_k;          // stored key rank of the head (rotated, truncated K)
     int r_v;          // stored value rank (projected V)
-    int k_bits;       // 2, 4, 8: packed codes; 16, 32: raw floats
+    int k_bits;       // 2, 3, 4, 8: packed codes; 16, 32: raw floats
     int v_bits;
     int k_channel;    // 1: per-channel key (scale, zero) [r_k, 2] over the page's tokens (KIVI); 0: per token
     int k_group;      // channels per per-token key (scale, zero) group (r_k when ungrouped)
@@ -62,11 +62,14 @@ __device__ __forceinline__ float dequant(unsigned code, const unsigned char* met
     return __fadd_rn(__fmul_rn((float)code, s), z);
 }
 
-// bits-wide code d of a packed row; element 0 in the least-significant bits of byte 0 (kvcal.runtime.quant.pack)
+// bits-wide code d of a packed row: bits [d * bits, (d + 1) * bits) of its little-endian bit stream
+// (kvcal.runtime.storage.quant.pack); a 3-bit code may straddle two bytes, and the second is read only then
 __device__ __forceinline__ unsigned code_at(const unsigned char* row, int d, int bits)
 {
-    const int bit = d * bits;
-    return (row[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u);
+    const int bit = d * bits, off = bit & 7;
+    unsigned code = row[bit >> 3] >> off;
+    if (off + bits > 8) code |= (unsigned)row[(bit >> 3) + 1] << (8 - off);
+    return code & ((1u << bits) - 1u);
 }
 
 __device__ __forceinline__ float raw_at(const unsigned char* row, int d, int bits, int bf16)
