@@ -160,7 +160,8 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
     } else if (bits == 3) {
         const int whole = r / 8;
         for (int j = 0; j < whole; ++j) {
-            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) | ((uint32_t)src[3 * j + 2] << 16);
+            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) |
+                               ((uint32_t)src[3 * j + 2] << 16);
             for (int k = 0; k < 8; ++k) codes[8 * j + k] = (float)((w >> (3 * k)) & 0x7);
         }
         done = 8 * whole;
@@ -178,12 +179,13 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
 }
 
 // Every byte's levels at 2 or 4 bits: table[b * per + k] = lut[(b >> (k * bits)) & mask], per = 8 / bits codes in
-// a byte. The dequantizer then moves a byte's levels with one copy, where converting each code to an index and
-// reading the level one at a time was most of a decode layer's time.
+// a byte; at 3 bits every pair of codes' (6 bits): table[p * 2 + k] = lut[(p >> (3 * k)) & 7]. The dequantizer then
+// moves a byte's (a pair's) levels with one copy, where converting each code to an index and reading the level one at
+// a time was most of a decode layer's time.
 std::vector<float> byte_levels(const float* lut, int bits) {
-    const int per = 8 / bits, mask = (1 << bits) - 1;
-    std::vector<float> table(256 * per);
-    for (int b = 0; b < 256; ++b)
+    const int per = bits == 3 ? 2 : 8 / bits, span = bits == 3 ? 64 : 256, mask = (1 << bits) - 1;
+    std::vector<float> table(span * per);
+    for (int b = 0; b < span; ++b)
         for (int k = 0; k < per; ++k) table[b * per + k] = lut[(b >> (k * bits)) & mask];
     return table;
 }
@@ -202,6 +204,14 @@ inline void unpack_levels(const uint8_t* src, int bits, int r, const float* lut,
     } else if (table && bits == 2) {
         for (int j = 0; j < r / 4; ++j) std::memcpy(out + 4 * j, table + 4 * src[j], 4 * sizeof(float));
         done = r / 4 * 4;
+    } else if (table && bits == 3) {                      // eight codes in three bytes, a pair of codes per copy
+        for (int j = 0; j < r / 8; ++j) {
+            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) |
+                               ((uint32_t)src[3 * j + 2] << 16);
+            for (int k = 0; k < 4; ++k)
+                std::memcpy(out + 8 * j + 2 * k, table + 2 * ((w >> (6 * k)) & 63), 2 * sizeof(float));
+        }
+        done = r / 8 * 8;
     }
     for (int i = done; i < r; ++i) out[i] = lut[code_at(src, i, bits)];
 }
@@ -495,7 +505,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H, qn = g * n;
 
-    // ---- the byte tables of the level rows at 2 and 4 bits, per (tier side, KV head, K or V): level_row's order
+    // ---- the byte tables of the level rows at 2, 3 and 4 bits, per (tier side, KV head, K or V): level_row's order
     std::vector<std::vector<float>> tables(4 * H);
     for (int side = 0; side < 2; ++side)
         for (int64_t h = 0; h < H; ++h)
@@ -503,7 +513,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const Desc& D = descs[2 * head_group[h] + side];
                 const float* lut = level_row(luts, D, side, H, h, which);
                 const int bits = which ? D.v_bits : D.k_bits;
-                if (lut && (bits == 2 || bits == 4)) tables[(side * H + h) * 2 + which] = byte_levels(lut, bits);
+                if (lut && bits <= 4) tables[(side * H + h) * 2 + which] = byte_levels(lut, bits);
             }
     auto table_of = [&](int side, int64_t h, int which) -> const float* {
         const std::vector<float>& t = tables[(side * H + h) * 2 + which];
