@@ -51,7 +51,7 @@ from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.bases import ServedBases
 from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
-BITS = (8, 4, 3, 2)           # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
+BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
 HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
 # and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
 # paged layer, on a doubling grid
@@ -60,7 +60,7 @@ BASE_ALPHA = 1                # ALPHAS[BASE_ALPHA]: the base settings' threshold
 SIDES = ("k", "v")
 # bit widths whose codes index calibrated levels (fitted from the recording, `fit_layer_levels`) in paged layers; 8
 # bits have enough uniform steps, and sliding layers are served uniform
-LEVELED = (4, 3, 2)
+LEVELED = (4, 2)
 
 
 def layer_format(base: CompressionConfig, sliding: bool, k_bits: int, v_bits: int) -> TierFormat:
