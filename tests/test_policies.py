@@ -4,6 +4,7 @@ tiers, the H2O / SnapKV / StreamingLLM eviction baselines) runs end to end throu
 on the fused cpu backend and on the CUDA backend's CPU emulation (the kernels' plans, descriptor tables and page
 writes, run on the CPU), and all give the same tiers and logits."""
 
+import copy
 import functools
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from conftest import make_model, random_bundle
 
 from kvcal.runtime import backends as attention
+from kvcal.runtime.backends.cuda import cuda_status
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.options import ServeOptions
@@ -73,9 +75,15 @@ def _model():
     return model, tok, random_bundle(model, tok, ranks_k, ranks_v, seed=5)
 
 
-def _serve(config: CompressionConfig, serve: ServeOptions, prompt: int = 40, steps: int = 12):
+@functools.cache
+def _gpu_model():
     model, tok, bundle = _model()
-    ids = torch.randint(3, len(tok), (2, prompt + steps), generator=torch.Generator().manual_seed(7))
+    return copy.deepcopy(model).cuda(), tok, bundle
+
+
+def _serve(config: CompressionConfig, serve: ServeOptions, prompt: int = 40, steps: int = 12, device: str = "cpu"):
+    model, tok, bundle = _model() if device == "cpu" else _gpu_model()
+    ids = torch.randint(3, len(tok), (2, prompt + steps), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.inference_mode():
         cache = KvcalCache.from_bundle(bundle, model, config, tokenizer=tok, serve=serve)
         logits = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
@@ -107,6 +115,26 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
     ref_logits, ref_tiers, _, _ = _serve(POLICIES[policy], ServeOptions("torch", PAGE_BYTES.get(policy)))
     assert tiers == ref_tiers
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
+
+
+def _gpu_skip_reason() -> str:
+    if not torch.cuda.is_available():
+        return "torch has no CUDA device"
+    return "" if cuda_status().available else f"cuda-python backend unavailable: {cuda_status().reason}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_gpu_skip_reason()), reason=_gpu_skip_reason() or "GPU available")
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+def test_policy_serves_the_same_through_the_cuda_kernels(policy):
+    """On the GPU, the CUDA kernels (decode, fused scores, page writes) and the torch reference give the same tiers
+    and, to fp32 summation order across a 2-layer model, the same logits."""
+    page_bytes = PAGE_BYTES.get(policy)
+    logits, tiers, served_by, _ = _serve(POLICIES[policy], ServeOptions("cuda", page_bytes), device="cuda")
+    ref_logits, ref_tiers, _, _ = _serve(POLICIES[policy], ServeOptions("torch", page_bytes), device="cuda")
+    assert served_by == "cuda"
+    assert tiers == ref_tiers
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

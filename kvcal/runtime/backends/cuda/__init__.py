@@ -124,4 +124,5 @@ def load_module(compiled: CompiledModule):
         raise RuntimeError(f"cubin is for `{compiled.arch}` but the GPU is `{gpu}`; compile with arch=`{gpu}`")
     cc = cuda_core()
     cc.Device(0).set_current()  # the primary context, the same one torch uses
-    return cc.ObjectCode.from_cubin(compiled.cubin, symbol_mapping=dict(compiled.symbols))
+    # cuda.core hands a mapped name to cuLibraryGetKernel as it is, and that takes bytes
+    return cc.ObjectCode.from_cubin(compiled.cubin, symbol_mapping={k: v.encode() for k, v in compiled.symbols.items()})
