@@ -30,7 +30,21 @@ from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.store import CompressedStore
 
 GEOMETRIES = {"smollm2-135m shape": (3, 3, 64), "qwen2.5-1.5b shape": (2, 6, 128), "llama-3-8b shape": (8, 4, 128)}
-PAIRS = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K8V8", "K4V4")]
+# uniform KIVI-like pairs, and the calibrated formats a bundle's allocation picks most (per-channel keys, levels, 8-bit
+# scales and zeros)
+PAIRS = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K8V8", "K4cnV2nm8"), ("K8V8", "K2cnV2nm8")]
+
+
+def random_levels(H: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Bundle-style levels (`levels.{k,v}.{bits}` [1, H, 2**bits]): sorted, endpoints pinned, the inner ones random."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for side in "kv":
+        for bits in (2, 3, 4, 8):
+            top = (1 << bits) - 1
+            inner = torch.rand(1, H, top - 1, generator=gen).sort(-1).values * top
+            out[f"levels.{side}.{bits}"] = torch.cat([torch.zeros(1, H, 1), inner, torch.full((1, H, 1), top)], -1)
+    return out
 
 
 def build_store(H: int, d: int, B: int, T: int, high: str, low: str, recent: int, dev: torch.device,
@@ -39,7 +53,7 @@ def build_store(H: int, d: int, B: int, T: int, high: str, low: str, recent: int
     the low tier may hold a few tokens less), the last `recent` in `high`."""
     rank = torch.full((1, H), d)
     store = CompressedStore(rank, rank.clone(), [0], high=TierFormat.parse(high), low=TierFormat.parse(low),
-                            head_dim=d, batch=B, device=dev)
+                            head_dim=d, batch=B, device=dev, levels=random_levels(H, seed))
     gen = torch.Generator(device=dev).manual_seed(seed)
     b, h = torch.arange(B, device=dev).repeat_interleave(H), torch.arange(H, device=dev).repeat(B)
     n = len(b)
@@ -115,7 +129,7 @@ def decode_row(backend, geometry: str, B: int, T: int, high: str, low: str, args
                         dev)
     dense_bytes = 2 * dense_k.numel() * dense_k.element_size()
     gpu = {}
-    if dev.type == "cuda":
+    if dev.type == "cuda" and args.gpu_time:
         kernel_gpu = device_ms(lambda: backend.attend(store, 0, q, kn, vn, scale), args.iters)
         gpu = dict(kernel_gpu_ms=kernel_gpu["all"], split_gpu_ms=kernel_gpu.get("decode_split", 0.0),
                    merge_gpu_ms=kernel_gpu.get("decode_merge", 0.0),
@@ -174,6 +188,8 @@ def main() -> None:
     p.add_argument("--pairs", nargs="+", default=[f"{h}/{lo}" for h, lo in PAIRS], help="high/low tier formats")
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
+                   help="skip the profiler's GPU times (e.g. under ncu, which needs CUPTI to itself)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     dev = torch.device(args.device)

@@ -93,13 +93,13 @@ def test_decode_matches_torch_reference(high, low, g, n):
     assert_decode_matches(random_store(high, low, seed=MIXES.index((high, low)) * 10 + g + n), g, n)
 
 
-def assert_decode_matches(store, g: int, n: int) -> None:
-    """The fused decode's attention, new scores and score update of the stored tokens equal the torch reference's on
-    a copy of `store` (float32 tolerance: only the order of the sums differs)."""
+def assert_decode_matches(store, g: int, n: int, backend=CpuBackend) -> None:
+    """`backend`'s attention, new scores and score update of the stored tokens equal the torch reference's on a copy
+    of `store` (float32 tolerance: only the order of the sums differs)."""
     ref = copy.deepcopy(store)
     q, kn, vn = decode_inputs(store, g, n)
     out_ref, score_ref = TorchBackend.attend(ref, 0, q, kn, vn, 16 ** -0.5)
-    out, score = CpuBackend.attend(store, 0, q, kn, vn, 16 ** -0.5)
+    out, score = backend.attend(store, 0, q, kn, vn, 16 ** -0.5)
     torch.testing.assert_close(out, out_ref, **TOL)
     torch.testing.assert_close(score, score_ref, **TOL)
     assert_same_scores(store, ref)                                   # the score update of the stored tokens

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from test_levels import bundle_levels
 from typer.testing import CliRunner
 
 from kvcal.runtime.backends import TorchBackend, select_backend
@@ -39,7 +40,9 @@ SPILL_BUDGET = (0, 0)           # (store, load) bytes per function: local-memory
 MIXES = [("K8V4", "K4cV2"), ("K8V4", "K2V2"), ("K16V16", "K4cV2"), ("K16V16", "K4cV4u"), ("K8V4", "K4V2u"),
          ("K8V3", "K3cV3"), ("K16V16", "K3V3g4m8"),
          ("K8V4m8", "K4cV2m8"), ("K16V16", "K4cV4m8u"), ("K8V4g4m8", "K2V2m8"),
-         ("K8V8m8", "K4cV4m8u")]      # m8: 8-bit scales and zeros
+         ("K8V8m8", "K4cV4m8u"),      # m8: 8-bit scales and zeros
+         ("K8nV4n", "K4cnV2n"), ("K8V4n", "K2nV2"), ("K8nV4m8", "K4cnV4nm8"), ("K8V3n", "K3cnV3nm8"),
+         ("K16V16", "K2cnV2nm8u")]    # n: calibrated levels (tests/test_levels.py)
 
 
 # ---------------------------------------------------------------- random stores of mixed tiers and ranks
@@ -56,7 +59,7 @@ def random_store(high: str, low: str, *, seed: int = 0, B: int = 2, H: int = 3, 
     tracked = not low.endswith("u")
     store = CompressedStore(rank_k, rank_v, [0], high=TierFormat.parse(high), low=TierFormat.parse(low.rstrip("u")),
                             head_dim=d, batch=B, page_bytes=512, initial_pages=4, device=device, raw16=raw16,
-                            low_tracked=tracked)
+                            low_tracked=tracked, levels=bundle_levels(1, H, seed))   # uniform sides ignore levels
     dev = store.device
     pos = 0
     for side, fmt in ((LOW, store.low), (HIGH, store.high)):
@@ -312,12 +315,13 @@ def test_write_launch_args_are_packed_at_c_sizes():
     plan = build_write_plan(store, 0, HIGH, b, h, slot)
     keys, values = torch.randn(2, 16), torch.randn(2, 16)
     packed = write_args(plan, store.arena.arena, keys, values, torch.tensor([5, 6], dtype=torch.int32),
-                        torch.rand(2))
+                        torch.rand(2), store.num_kv_heads)
     named = dict(zip([p.name for p in packed.params], packed.values))
     assert type(named["n_tokens"]) is np.int32 and named["n_tokens"] == 2 and named["k_stride"] == 16
     assert named["tok_page_off"] == plan.page_off.data_ptr() and type(named["write_keys"]) is np.int32
+    assert named["levels"] == 0 and named["H"] == 3 and named["tok_head"] == plan.head.data_ptr()   # uniform: null
     with pytest.raises(TypeError, match="pos"):
-        write_args(plan, store.arena.arena, keys, values, torch.tensor([5, 6]), torch.rand(2))   # int64 pos
+        write_args(plan, store.arena.arena, keys, values, torch.tensor([5, 6]), torch.rand(2), 3)   # int64 pos
 
 
 def test_grid_and_shared_memory_math():
@@ -406,7 +410,8 @@ def test_gpu_decode_matches_torch_reference(high, low, g, n, chunk):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("high,low", [("K8V4", "K2V2"), ("K16V16", "K4V2"), ("K8V4", "K4cV2")])
+@pytest.mark.parametrize("high,low", [("K8V4", "K2V2"), ("K16V16", "K4V2"), ("K8V4", "K4cV2"), ("K8nV4n", "K4cnV2nm8"),
+                                      ("K8V3n", "K3cnV3n")])
 def test_gpu_cache_writes_match_store_bytes(high, low):
     """write_tokens / write_channel_keys produce the torch store's bytes (same rounding, same layout)."""
     ref = random_store(high, low, seed=12, device="cuda", holes=0.0)

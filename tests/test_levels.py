@@ -18,6 +18,7 @@ from kvcal.export import export_manifest
 from kvcal.profile.codebooks import fit_levels
 from kvcal.runtime.backends import TorchBackend, select_backend
 from kvcal.runtime.backends.cpu.backend import CpuBackend
+from kvcal.runtime.backends.cuda import cuda_status
 from kvcal.runtime.backends.cuda.backend import CudaBackend
 from kvcal.runtime.backends.cuda.emulate import EmulatedCudaBackend
 from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
@@ -212,16 +213,18 @@ def test_cpu_decode_matches_the_torch_reference(high, low, g, n):
                                        levels=bundle_levels(1, 3)), g, n)
 
 
+@pytest.mark.parametrize("writer", [CpuBackend, EmulatedCudaBackend])
 @pytest.mark.parametrize("high,low", MIXES)
-def test_cpu_writers_write_the_torch_bytes(high, low):
-    """kvcal_write / append_every / insert_every / write_pages encode the nearest level bit for bit as the torch
-    store does (including ties at a midpoint and constant vectors)."""
+def test_writers_write_the_torch_bytes(high, low, writer):
+    """The CPU kernels' kvcal_write / append_every / insert_every / write_pages, and the CUDA writers' plans (through
+    their emulation), encode the nearest level bit for bit as the torch store does (including ties at a midpoint and
+    constant vectors)."""
     levels = bundle_levels(1, 3, seed=5)
     for bits in (2, 3, 4, 8):              # head 0's values on the uniform grid: ties at the midpoints k + 0.5
         levels[f"levels.v.{bits}"][0, 0] = torch.arange(1 << bits).float()
     ref = random_store(high, low, seed=7, holes=0.3, levels=levels)
     store = copy.deepcopy(ref)
-    store.writer = CpuBackend
+    store.writer = writer
     gen = torch.Generator().manual_seed(8)
     b, h = ref.every_entry()
     for step in range(12):
@@ -248,13 +251,21 @@ def test_cpu_writers_write_the_torch_bytes(high, low):
 # ---------------------------------------------------------------------------------------------- CUDA, selection
 
 
-def test_cuda_and_its_emulation_refuse_levels_and_auto_falls_back():
+def test_cuda_serves_levels_and_auto_falls_back_without_a_gpu():
+    """The CUDA kernels read a layer's level table (tests/test_cuda_backend.py serves calibrated tiers through them
+    and their emulation); `auto` still picks a CPU backend where no GPU is."""
     fmts = (TierFormat.parse("K8V4"), TierFormat.parse("K4cnV2n"))
     for backend in (CudaBackend, EmulatedCudaBackend):
-        reasons = backend.supports_formats(fmts, 64)
-        assert len(reasons) == 1 and "calibrated levels" in reasons[0]
-    assert not CudaBackend.supports_formats(fmts[:1], 64)
+        assert backend.supports_formats(fmts, 64) == []
     assert select_backend("auto", "cpu", fmts, 64) in (CpuBackend, TorchBackend)
+
+
+@pytest.mark.parametrize("g,n", [(2, 1), (3, 3)])
+@pytest.mark.parametrize("high,low", MIXES)
+def test_emulated_cuda_decode_matches_the_torch_reference(high, low, g, n):
+    """The CUDA kernels' plan and arithmetic (their CPU emulation) decode each page with its head's levels."""
+    assert_decode_matches(random_store(high, low, seed=MIXES.index((high, low)) + 10 * g + n,
+                                       levels=bundle_levels(1, 3)), g, n, backend=EmulatedCudaBackend)
 
 
 # ---------------------------------------------------------------------------------------------- the bundle
@@ -364,6 +375,28 @@ def test_whole_decode_cpu_matches_torch_and_counts_the_levels(tiny, name):
     with pytest.raises(ValueError, match="needs calibrated levels") as e:
         _decode_logits(model, KvcalCache.from_bundle(bundle, model, CONFIGS[name], tokenizer=tok), ids[:, :5], 4)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_status().available,
+                    reason="needs a CUDA GPU and the cuda-python backend")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_whole_decode_through_the_cuda_kernels_matches_torch(tiny, name):
+    """The same bundle with levels on the GPU: the CUDA kernels' logits equal the torch backend's there (fp32, only
+    the order of the sums differs)."""
+    model, tok = tiny
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    bundle = random_bundle(model, tok)
+    bundle.extras = bundle_levels(L, H)
+    gpu_model = copy.deepcopy(model).cuda()
+    ids = tok([random_text(50, seed=1), random_text(50, seed=2)], return_tensors="pt").input_ids[:, :40].cuda()
+    runs = {}
+    for backend in ("torch", "cuda"):
+        cache = KvcalCache.from_bundle(bundle, gpu_model, CONFIGS[name], tokenizer=tok, raw_tokens=0,
+                                       serve=ServeOptions(backend, 256))
+        runs[backend] = _decode_logits(gpu_model, cache, ids, 16)
+        assert cache.kv.backend.name() == backend
+    torch.testing.assert_close(runs["cuda"], runs["torch"], rtol=1e-3, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- fitting

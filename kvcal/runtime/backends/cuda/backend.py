@@ -23,7 +23,15 @@ from kvcal.runtime.storage.pages import LOW
 
 from . import cuda_status
 from .launch import PackedArgs, ceil_div, pack_args
-from .plan import DecodePlan, WritePlan, build_decode_plan, build_write_plan, desc_table, format_limits
+from .plan import (
+    DecodePlan,
+    WritePlan,
+    build_decode_plan,
+    build_write_plan,
+    desc_table,
+    format_limits,
+    level_table,
+)
 from .sources import KERNELS, kernel_signature, kernel_text
 
 THREADS = 128          # decode_attention.cu THREADS and cache_write.cu WARPS * 32
@@ -60,7 +68,7 @@ def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, exac
     flat = arena.view(-1)
     split = pack_args(signature("decode_split"), [
         flat, plan.descs, plan.page_off, plan.page_desc, plan.page_fill, plan.task_item, plan.task_begin,
-        plan.task_end, query, logits, part_m, part_l, part_acc, qn, r, rv, plan.t_max, float(scale)])
+        plan.task_end, query, logits, part_m, part_l, part_acc, plan.levels, qn, r, rv, plan.t_max, float(scale), H])
     merge = pack_args(signature("decode_merge"), [
         flat, plan.descs, plan.page_off, plan.page_desc, plan.page_fill, plan.item_page_start,
         plan.item_task_start, plan.item_tasks, part_m, part_l, part_acc, logits, query, exact_keys, exact_values,
@@ -69,11 +77,12 @@ def decode_args(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, exac
 
 
 def write_args(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-               score: torch.Tensor, write_keys: bool = True) -> PackedArgs:
-    """Packed arguments of write_tokens; keys [n, k_stride], values [n, v_stride] float32, pos int32, score float32."""
+               score: torch.Tensor, heads: int, write_keys: bool = True) -> PackedArgs:
+    """Packed arguments of write_tokens; keys [n, k_stride], values [n, v_stride] float32, pos int32, score float32;
+    heads: the store's KV heads (rows of the level table)."""
     return pack_args(signature("write_tokens"), [
-        arena.view(-1), plan.descs, plan.page_off, plan.slot, plan.desc, keys, values, pos, score, len(plan.slot),
-        keys.shape[-1], values.shape[-1], int(write_keys)])
+        arena.view(-1), plan.descs, plan.page_off, plan.slot, plan.desc, keys, values, pos, score, plan.levels,
+        plan.head, len(plan.slot), keys.shape[-1], values.shape[-1], int(write_keys), heads])
 
 
 @functools.cache
@@ -167,34 +176,31 @@ class CudaBackend(AttentionBackend):
         plan = build_write_plan(store, layer, side, b, h, slot)
         keys, values = keys.float().contiguous(), values.float().contiguous()
         args = write_args(plan, store.arena.arena, keys, values, pos.to(torch.int32).contiguous(),
-                          score.float().contiguous())
+                          score.float().contiguous(), store.num_kv_heads)
         _launch("write_tokens", ceil_div(len(b), WRITE_WARPS), WRITE_WARPS * 32, args)
 
     @staticmethod
     def write_pages(store, layer, b, h, keys, values, pos, score) -> None:
         """As CompressedStore.write_pages: one whole new per-channel low page per entry (b, h) [n];
         keys [n, T, >= r_k]; values [n, T, >= r_v]; pos, score [n, T]."""
-        descs = desc_table(store, layer)
-        gi_of = torch.empty(store.num_kv_heads, dtype=torch.int64, device=store.device)
-        for gi, g in enumerate(store.groups[layer]):
-            gi_of[g.heads] = gi
-        for gi, g in enumerate(store.groups[layer]):
-            sel = gi_of[h] == gi
-            if not bool(sel.any()):
-                continue
+        descs, levels, H = desc_table(store, layer), level_table(store, layer), store.num_kv_heads
+        for g, sel in store.group_rows(layer, h):
+            gi = store.groups[layer].index(g)
             lay = g.layouts[LOW]
             bs, hs, T = b[sel], h[sel], lay.tokens
             base = store.reserve_low_page(layer, bs, hs, lay)
             k = keys[sel].float().contiguous()                             # [m, T, k_stride]
             assert k.shape[1] == T, f"keys hold {k.shape[1]} tokens per page, the group's low pages hold {T}"
             rows = torch.full((len(bs),), 2 * gi + LOW, dtype=torch.int32, device=store.device)
+            hs32 = hs.to(torch.int32).contiguous()
             args = pack_args(signature("write_channel_keys"), [store.arena.arena.view(-1), descs, base, rows, k,
-                                                               len(bs), k.shape[-1]])
+                                                               levels, hs32, len(bs), k.shape[-1], H])
             _launch("write_channel_keys", len(bs), 128, args)
             slot = torch.arange(T, device=store.device).repeat(len(bs))
-            plan = WritePlan(descs, base.repeat_interleave(T), slot.to(torch.int32), rows.repeat_interleave(T))
+            plan = WritePlan(descs, base.repeat_interleave(T), slot.to(torch.int32), rows.repeat_interleave(T),
+                             hs32.repeat_interleave(T), levels)
             args = write_args(plan, store.arena.arena, k.reshape(len(bs) * T, -1),
                               values[sel].float().reshape(len(bs) * T, -1).contiguous(),
                               pos[sel].reshape(-1).to(torch.int32).contiguous(),
-                              score[sel].reshape(-1).float().contiguous(), write_keys=False)
+                              score[sel].reshape(-1).float().contiguous(), H, write_keys=False)
             _launch("write_tokens", ceil_div(len(bs) * T, WRITE_WARPS), WRITE_WARPS * 32, args)

@@ -17,7 +17,15 @@ from kvcal.runtime.storage import quant
 from kvcal.runtime.storage.pages import LOW
 
 from .backend import CudaBackend
-from .plan import DecodePlan, WritePlan, build_decode_plan, build_write_plan, desc_fields, desc_table
+from .plan import (
+    DecodePlan,
+    WritePlan,
+    build_decode_plan,
+    build_write_plan,
+    desc_fields,
+    desc_table,
+    level_table,
+)
 
 _NEG_INF = float("-inf")
 
@@ -26,8 +34,17 @@ def _desc(descs: torch.Tensor, row: int) -> dict[str, int]:
     return dict(zip(desc_fields(), descs[row].tolist()))
 
 
-def _vectors(page: torch.Tensor, D: dict, which: str, fill: int) -> torch.Tensor:
-    """Per-token vectors float32 [fill, r] of segment `which` ("k" or "v") of one page (uint8 [page_bytes])."""
+def _level_row(levels: torch.Tensor | None, D: dict, h: int, which: str) -> torch.Tensor | None:
+    """KV head h's levels [LEVEL_ROW] of side `which` of a descriptor row, None for a uniform side (page_desc.cuh
+    `level_row`)."""
+    if not D[f"{which}_levels"]:
+        return None
+    return levels[D["side"], h, "kv".index(which), :1 << D[f"{which}_bits"]]
+
+
+def _vectors(page: torch.Tensor, D: dict, which: str, fill: int, lut: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token vectors float32 [fill, r] of segment `which` ("k" or "v") of one page (uint8 [page_bytes]); lut: the
+    head's levels of that side (`_level_row`)."""
     r, bits, nbytes = D[f"r_{which}"], D[f"{which}_bits"], D[f"{which}_bytes"]
     raw = page[D[f"{which}_off"]:D[f"{which}_off"] + fill * nbytes].reshape(fill, nbytes)
     if bits >= 16:
@@ -37,12 +54,12 @@ def _vectors(page: torch.Tensor, D: dict, which: str, fill: int) -> torch.Tensor
     pair, meta_bits = _meta_format(D)
     if which == "k" and D["k_channel"]:
         meta = page[D["k_meta_off"]:D["k_meta_off"] + pair * r].contiguous()
-        return quant.dequantize_per_channel(codes, *quant.meta_from_bytes(meta, meta_bits, bits, (r,)))
+        return quant.dequantize_per_channel(codes, *quant.meta_from_bytes(meta, meta_bits, bits, (r,)), levels=lut)
     groups, group = D[f"{which}_groups"], D[f"{which}_group"]
     off = D[f"{which}_meta_off"]
     scale, zero = quant.meta_from_bytes(page[off:off + pair * groups * fill].contiguous(), meta_bits, bits,
                                         (fill, groups))
-    return quant.dequantize_per_token(codes, scale, zero, group if groups > 1 else None)
+    return quant.dequantize_per_token(codes, scale, zero, group if groups > 1 else None, levels=lut)
 
 
 def _meta_format(D: dict) -> tuple[int, int]:
@@ -92,14 +109,15 @@ def emulate_decode(plan: DecodePlan, arena: torch.Tensor, query: torch.Tensor, e
         for p in range(int(plan.task_begin[task]), int(plan.task_end[task])):
             D, page, fill = page_of(p)
             valid = _valid(page, D, fill)                                                  # [fill]
-            k = _vectors(page, D, "k", fill)                                               # [fill, r_k]
+            k = _vectors(page, D, "k", fill, _level_row(plan.levels, D, item % H, "k"))   # [fill, r_k]
             x = (q[item, :, :D["r_k"]] @ k.T).masked_fill(~valid, _NEG_INF)               # [qn, fill]
             logits[p, :fill] = x.T
             m_new = torch.maximum(m, x.amax(1) if fill else m)
             alpha = torch.where(m_new == _NEG_INF, 1.0, _exp_diff(m, m_new))
             e = _exp_diff(x, m_new[:, None])
             l = l * alpha + e.sum(1)
-            v = torch.where(valid[:, None], _vectors(page, D, "v", fill), 0.0)            # holes may hold NaN
+            v = _vectors(page, D, "v", fill, _level_row(plan.levels, D, item % H, "v"))
+            v = torch.where(valid[:, None], v, 0.0)                                        # holes may hold NaN
             acc = acc * alpha[:, None]
             acc[:, :D["r_v"]] += e @ v
             m = m_new
@@ -156,7 +174,7 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
                 groups = D[f"{which}_groups"]
                 pair, meta_bits = _meta_format(D)
                 codes, s, z = quant.quantize_per_token(x, bits, D[f"{which}_group"] if groups > 1 else None,
-                                                       meta_bits)
+                                                       meta_bits, _level_row(plan.levels, D, int(plan.head[i]), which))
                 data = quant.pack(codes, bits)
                 off = D[f"{which}_meta_off"] + pair * groups * t
                 page[off:off + pair * groups] = quant.meta_to_bytes(s, z)
@@ -168,15 +186,18 @@ def emulate_write(plan: WritePlan, arena: torch.Tensor, keys: torch.Tensor, valu
 
 
 def emulate_channel_keys(descs: torch.Tensor, arena: torch.Tensor, base: torch.Tensor, rows: torch.Tensor,
-                         keys: torch.Tensor) -> None:
+                         keys: torch.Tensor, heads: torch.Tensor, levels: torch.Tensor | None) -> None:
     """write_channel_keys on the CPU: per-channel key codes and (scale, zero) of one whole low page per entry.
-    base int64 [n] page byte offsets; rows [n] descriptor rows; keys float32 [n, T, >= r_k]."""
+    base int64 [n] page byte offsets; rows [n] descriptor rows; keys float32 [n, T, >= r_k]; heads [n] KV heads;
+    levels: the level table (`plan.level_table`) or None."""
     flat = arena.view(-1)
     for i in range(len(base)):
         D = _desc(descs, int(rows[i]))
         r, bits, T = D["r_k"], D["k_bits"], D["tokens"]
         pair, meta_bits = _meta_format(D)
-        codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits, meta_bits=meta_bits)  # [1, T, r]
+        lut = _level_row(levels, D, int(heads[i]), "k")
+        codes, s, z = quant.quantize_per_channel(keys[i, :T, :r].float()[None], bits, meta_bits=meta_bits,
+                                                 levels=lut)                                          # [1, T, r]
         page = flat[int(base[i]):int(base[i]) + D["end"]]
         data = quant.pack(codes[0], bits).reshape(-1)
         page[D["k_off"]:D["k_off"] + len(data)] = data
@@ -211,16 +232,17 @@ class EmulatedCudaBackend(CudaBackend):
 
     @staticmethod
     def write_pages(store, layer, b, h, keys, values, pos, score) -> None:
-        descs = desc_table(store, layer)
+        descs, levels = desc_table(store, layer), level_table(store, layer)
         for g, sel in store.group_rows(layer, h):
             gi = store.groups[layer].index(g)
             lay = g.layouts[LOW]
             bs, hs, T = b[sel], h[sel], lay.tokens
             base = store.reserve_low_page(layer, bs, hs, lay)
             rows = torch.full((len(bs),), 2 * gi + LOW, dtype=torch.int64)
-            emulate_channel_keys(descs, store.arena.arena, base, rows, keys[sel])
+            emulate_channel_keys(descs, store.arena.arena, base, rows, keys[sel], hs, levels)
             slot = torch.arange(T).repeat(len(bs))
-            plan = WritePlan(descs, base.repeat_interleave(T), slot.to(torch.int32), rows.repeat_interleave(T))
+            plan = WritePlan(descs, base.repeat_interleave(T), slot.to(torch.int32), rows.repeat_interleave(T),
+                             hs.repeat_interleave(T), levels)
             emulate_write(plan, store.arena.arena, keys[sel].reshape(len(bs) * T, -1),
                           values[sel].reshape(len(bs) * T, -1), pos[sel].reshape(-1), score[sel].reshape(-1),
                           write_keys=False)

@@ -22,12 +22,14 @@ SMs to fill (flash-decoding), and leaves one task per item otherwise.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from kvcal.runtime.storage.layout import PageLayout
+from kvcal.runtime.storage.levels import kernel_table
 from kvcal.runtime.storage.pages import HIGH, LOW
 
 MAX_GROUPS = 32       # per-token (scale, zero) groups per vector (cache_write.cu MAX_GROUPS)
@@ -40,8 +42,6 @@ def format_limits(fmt, rank: int) -> list[str]:
     if fmt.k_mode == "static":       # PageDesc has no field for them, so the emulation cannot serve them either
         reasons.append(f"{fmt.name}: the CUDA kernels read per-token or per-page key scales, not static calibrated "
                        "ones")
-    if fmt.calibrated:               # PageDesc has no level table, so the emulation cannot serve them either
-        reasons.append(f"{fmt.name}: the CUDA kernels decode uniform codes, not calibrated levels")
     if rank > MAX_RANK:
         reasons.append(f"stored rank {rank} exceeds the CUDA kernels' limit of {MAX_RANK}")
     # (bits, channels per group, whether the group gives per-token (scale, zero) pairs); per-channel keys have none
@@ -64,7 +64,7 @@ def desc_fields() -> tuple[str, ...]:
     return tuple(re.findall(r"^\s*int\s+(\w+)\s*;", body.group(1), re.M))
 
 
-def _desc_values(lay: PageLayout, raw_bf16: bool) -> dict[str, int]:
+def _desc_values(lay: PageLayout, raw_bf16: bool, side: int) -> dict[str, int]:
     """One PageDesc row: PageLayout's own fields plus the few the kernels derive nothing from."""
     fmt = lay.fmt
     return dict(tokens=lay.tokens, r_k=lay.r_k, r_v=lay.r_v, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
@@ -73,7 +73,8 @@ def _desc_values(lay: PageLayout, raw_bf16: bool) -> dict[str, int]:
                 k_bytes=lay.k_bytes, v_bytes=lay.v_bytes, k_groups=lay.k_groups, v_groups=lay.v_groups,
                 k_off=lay.k_off, k_meta_off=lay.k_meta_off, v_off=lay.v_off, v_meta_off=lay.v_meta_off,
                 score_off=lay.score_off, pos_off=lay.pos_off, end=lay.end, raw_bf16=int(raw_bf16),
-                meta8=int(fmt.meta_bits == 8))
+                meta8=int(fmt.meta_bits == 8), side=side, k_levels=int(fmt.k_levels == "calibrated"),
+                v_levels=int(fmt.v_levels == "calibrated"))
 
 
 def desc_table(store, layer: int) -> torch.Tensor:
@@ -86,9 +87,21 @@ def desc_table(store, layer: int) -> torch.Tensor:
             reasons = format_limits(lay.fmt, max(g.r_k, g.r_v))
             if reasons:
                 raise ValueError(reasons[0])
-            values = _desc_values(lay, store.raw16 == torch.bfloat16)
+            values = _desc_values(lay, store.raw16 == torch.bfloat16, side)
             rows.append([values[f] for f in fields])
     return torch.tensor(rows, dtype=torch.int32, device=store.device)
+
+
+_LEVELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def level_table(store, layer: int) -> torch.Tensor | None:
+    """The layer's calibrated levels as the kernels read them (`levels.kernel_table`: float32 [2, H, 2, 256] on the
+    store's device), None when every side is uniform; built once per store and layer (the levels never change)."""
+    tables = _LEVELS.setdefault(store, {})
+    if layer not in tables:
+        tables[layer] = kernel_table(store, layer)
+    return tables[layer]
 
 
 def _head_group(store, layer: int) -> torch.Tensor:
@@ -120,6 +133,7 @@ class DecodePlan:
     item_tasks: torch.Tensor
     t_max: int            # most tokens per page over the descriptors (rows of the logits scratch per page)
     chunk: int            # pages per task
+    levels: torch.Tensor | None = None   # `level_table`
 
     @property
     def num_pages(self) -> int:
@@ -188,18 +202,20 @@ def build_decode_plan(store, layer: int, *, chunk: int | None = None, target_blo
         page_fill=i32(page_fill), item_page_start=i32(item_page_start), task_item=i32(task_item[order]),
         task_begin=i32(begin[order]), task_end=i32(end[order]), item_task_start=i32(item_task_start),
         item_tasks=i32(rank), t_max=max(g.layouts[s].tokens for g in store.groups[layer] for s in (HIGH, LOW)),
-        chunk=chunk)
+        chunk=chunk, levels=level_table(store, layer))
 
 
 @dataclass
 class WritePlan:
     """Where write_tokens puts each token: page byte offset int64 [n], slot in the page int32 [n], descriptor row
-    int32 [n], and the descriptor table."""
+    int32 [n], KV head int32 [n] (its level rows), the descriptor table and the level table (`level_table`)."""
 
     descs: torch.Tensor
     page_off: torch.Tensor
     slot: torch.Tensor
     desc: torch.Tensor
+    head: torch.Tensor
+    levels: torch.Tensor | None = None
 
 
 def build_write_plan(store, layer: int, side: int, b: torch.Tensor, h: torch.Tensor,
@@ -213,4 +229,5 @@ def build_write_plan(store, layer: int, side: int, b: torch.Tensor, h: torch.Ten
         sel = gi == i
         if bool(sel.any()):
             page_off[sel], in_page[sel] = store.page_of(layer, side, b[sel], h[sel], slot[sel], g.layouts[side])
-    return WritePlan(desc_table(store, layer), page_off, in_page.to(torch.int32), (2 * gi + side).to(torch.int32))
+    return WritePlan(desc_table(store, layer), page_off, in_page.to(torch.int32), (2 * gi + side).to(torch.int32),
+                     h.to(torch.int32).contiguous(), level_table(store, layer))

@@ -16,8 +16,8 @@
 //                 token's score its probability (sum over n of the max over g), read back from `logits`.
 //
 // Query rows are pre-scaled by `scale`. Everything is fp32; dequantization is bit-exact with kvcal.runtime.quant.
-// NOT EXECUTED IN DEVELOPMENT (no GPU was available): only compiled by NVRTC; the same plan and math run on the CPU
-// in kvcal/runtime/cuda/emulate.py, which is tested against the torch reference.
+// Checked on a GPU by tests/test_cuda_backend.py and tests/test_levels.py (`-m gpu`); the same plan and math run on
+// the CPU in kvcal/runtime/backends/cuda/emulate.py, tested against the torch reference.
 #include "page_desc.cuh"
 
 #define THREADS 128           // 4 warps
@@ -44,7 +44,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) decode_split(
     float* __restrict__ part_m,                  // [NT, qn] running max
     float* __restrict__ part_l,                  // [NT, qn] running sum of exp(logit - m)
     float* __restrict__ part_acc,                // [NT, qn, rv] unnormalized sum of p * v
-    int qn, int r, int rv, int t_max, float scale)
+    const float* __restrict__ levels,            // [2, H, 2, LEVEL_ROW] calibrated levels, or null (page_desc.cuh)
+    int qn, int r, int rv, int t_max, float scale, int H)
 {
     extern __shared__ float smem[];
     float* q_s = smem;                           // [QT, r] scaled query rows of this tile
@@ -79,6 +80,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) decode_split(
             // an untracked tier (pos_off < 0) has no position segment and no holes below the fill
             const bool tracked = L.pos_off >= 0;
             const int* pos = reinterpret_cast<const int*>(page + L.pos_off);
+            const float* k_lut = level_row(levels, L, H, item % H, 0);
+            const float* v_lut = level_row(levels, L, H, item % H, 1);
 
             // A: one thread per slot -> logits of the QT rows (q_s reads are warp broadcasts)
             for (int t = tid; t < fill; t += THREADS) {
@@ -89,13 +92,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) decode_split(
                 for (int j = 0; j < QT; ++j) dot[j] = 0.f;
                 if (ps >= 0 && L.meta8) {
                     for (int d = 0; d < L.r_k; ++d) {
-                        const float k = key_at<true>(page, L, t, d);
+                        const float k = key_at<true>(page, L, t, d, k_lut);
 #pragma unroll
                         for (int j = 0; j < QT; ++j) dot[j] += q_s[j * r + d] * k;
                     }
                 } else if (ps >= 0) {
                     for (int d = 0; d < L.r_k; ++d) {
-                        const float k = key_at<false>(page, L, t, d);
+                        const float k = key_at<false>(page, L, t, d, k_lut);
 #pragma unroll
                         for (int j = 0; j < QT; ++j) dot[j] += q_s[j * r + d] * k;
                     }
@@ -141,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) decode_split(
                 for (int j = 0; j < QT; ++j) acc[j][k] *= alpha_s[j];
                 for (int t = 0; t < fill; ++t) {
                     if (pos_s[t] < 0) continue;
-                    const float v = L.meta8 ? value_at<true>(page, L, t, d) : value_at<false>(page, L, t, d);
+                    const float v = L.meta8 ? value_at<true>(page, L, t, d, v_lut)
+                                            : value_at<false>(page, L, t, d, v_lut);
 #pragma unroll
                     for (int j = 0; j < QT; ++j) acc[j][k] += p_s[j * t_max + t] * v;
                 }

@@ -33,7 +33,19 @@ struct PageDesc {
     int end;          // bytes of the page in use
     int raw_bf16;     // 1: 16-bit raw tiers hold bfloat16 (the store's `raw16`), 0: float16
     int meta8;        // 1: (scale, zero) pairs are 8-bit codes (kvcal.runtime.quant.meta8_encode), 0: two fp16
+    int side;         // the tier (0 high, 1 low): which half of the layer's level table its rows are in
+    int k_levels;     // 1: key codes index the head's calibrated levels (level table), 0: the uniform grid
+    int v_levels;
 };
+
+// The layer's calibrated levels, float [2 tiers, H, 2 (K, V), LEVEL_ROW] (kvcal.runtime.storage.levels
+// .kernel_table): a code c of a calibrated side means levels[c] instead of c. Null when every side is uniform.
+#define LEVEL_ROW 256
+__device__ __forceinline__ const float* level_row(const float* levels, const PageDesc& L, int H, int h, int which)
+{
+    const int on = which ? L.v_levels : L.k_levels;
+    return on ? levels + (((long long)L.side * H + h) * 2 + which) * LEVEL_ROW : nullptr;
+}
 
 // 8-bit (scale, zero) codes: kvcal.runtime.quant.LOG_SCALES, META8_ZERO_UNITS. A scale is the fp16 rounding of
 // 2^((c % 16) / 16) times 2^(c / 16 - 10): exp2f is within 2 fp32 ulps and every 2^(k/16) lies at least 800 ulps from
@@ -45,10 +57,10 @@ __device__ __forceinline__ float meta8_scale(int c)
 }
 __device__ __forceinline__ float meta8_unit(int bits) { return pow2(bits - 5); }     // zero code unit, in steps
 
-// code * (scale, zero) pair `i` of the meta segment at `meta`: code * scale + zero, fp32 multiply then fp32 add (no
-// FMA), what quant.dequantize_* computes
+// code (or lut[code], calibrated levels) * (scale, zero) pair `i` of the meta segment at `meta`: level * scale + zero,
+// fp32 multiply then fp32 add (no FMA), what quant.dequantize_* computes
 template <bool META8>
-__device__ __forceinline__ float dequant(unsigned code, const unsigned char* meta, int i, int bits)
+__device__ __forceinline__ float dequant(unsigned code, const float* lut, const unsigned char* meta, int i, int bits)
 {
     float s, z;
     if (META8) {
@@ -59,7 +71,7 @@ __device__ __forceinline__ float dequant(unsigned code, const unsigned char* met
         s = __half2float(h[0]);
         z = __half2float(h[1]);
     }
-    return __fadd_rn(__fmul_rn((float)code, s), z);
+    return __fadd_rn(__fmul_rn(lut ? lut[code] : (float)code, s), z);
 }
 
 // bits-wide code d of a packed row: bits [d * bits, (d + 1) * bits) of its little-endian bit stream
@@ -79,23 +91,25 @@ __device__ __forceinline__ float raw_at(const unsigned char* row, int d, int bit
     return bf16 ? __bfloat162float(__ushort_as_bfloat16(u)) : __half2float(__ushort_as_half(u));
 }
 
-// Key channel d of token slot t in `page` (META8 = L.meta8: callers branch once, outside their loops)
+// Key channel d of token slot t in `page`; lut: the head's key levels (level_row) or null (META8 = L.meta8: callers
+// branch once, outside their loops)
 template <bool META8>
-__device__ __forceinline__ float key_at(const unsigned char* page, const PageDesc& L, int t, int d)
+__device__ __forceinline__ float key_at(const unsigned char* page, const PageDesc& L, int t, int d, const float* lut)
 {
     const unsigned char* row = page + L.k_off + t * L.k_bytes;
     if (L.k_bits >= 16) return raw_at(row, d, L.k_bits, L.raw_bf16);
     const int pair = L.k_channel ? d : t * L.k_groups + d / L.k_group;   // [r_k, 2] or [T, k_groups, 2]
-    return dequant<META8>(code_at(row, d, L.k_bits), page + L.k_meta_off, pair, L.k_bits);
+    return dequant<META8>(code_at(row, d, L.k_bits), lut, page + L.k_meta_off, pair, L.k_bits);
 }
 
-// Value channel d of token slot t in `page` (values are always per token; META8 as key_at)
+// Value channel d of token slot t in `page` (values are always per token; lut and META8 as key_at)
 template <bool META8>
-__device__ __forceinline__ float value_at(const unsigned char* page, const PageDesc& L, int t, int d)
+__device__ __forceinline__ float value_at(const unsigned char* page, const PageDesc& L, int t, int d, const float* lut)
 {
     const unsigned char* row = page + L.v_off + t * L.v_bytes;
     if (L.v_bits >= 16) return raw_at(row, d, L.v_bits, L.raw_bf16);
-    return dequant<META8>(code_at(row, d, L.v_bits), page + L.v_meta_off, t * L.v_groups + d / L.v_group, L.v_bits);
+    return dequant<META8>(code_at(row, d, L.v_bits), lut, page + L.v_meta_off, t * L.v_groups + d / L.v_group,
+                          L.v_bits);
 }
 
 __device__ __forceinline__ float warp_max(float x)
