@@ -196,6 +196,9 @@ def main() -> None:
     if dev.type == "cuda":
         from kvcal.runtime.backends.cuda import cuda_status
         from kvcal.runtime.backends.cuda.backend import CudaBackend as backend
+        if reasons := backend.supports(dev):
+            raise SystemExit(f"cannot run the CUDA kernels here: {'; '.join(reasons)}; `--device cpu` runs their "
+                             "CPU emulation")
         print(cuda_status().reason, flush=True)
     else:
         from kvcal.runtime.backends.cuda.emulate import EmulatedCudaBackend as backend
