@@ -371,6 +371,21 @@ def test_bench_backend_cuda_prints_one_line_and_fails(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "attention backend `cuda`" in r.stderr
 
 
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"])
+def test_the_shipped_bundles_formats_are_served_by_the_kernels(model):
+    """Every tier format of each bundle in artifacts/ (calibrated levels, per-channel keys, 8-bit scales) is one the
+    CUDA kernels declare they serve, so on a GPU `auto` serves them through the kernels, not the torch reference."""
+    from pathlib import Path
+
+    from kvcal.runtime.bundle import load_bundle
+    from kvcal.runtime.config import CompressionConfig
+
+    bundle = load_bundle(Path(__file__).resolve().parents[1] / "artifacts" / f"{model}.kvcal.safetensors")
+    formats = CompressionConfig.from_dict(bundle.settings).formats
+    assert any(f.calibrated for f in formats)
+    assert CudaBackend.supports_formats(formats, bundle.shape[-1]) == []
+
+
 def test_supports_names_a_non_cuda_device():
     assert any("`cpu` is not a CUDA device" in x for x in CudaBackend.supports(torch.device("cpu")))
     assert CudaBackend.prefill is TorchBackend.prefill or CudaBackend.prefill.__func__ is TorchBackend.prefill
