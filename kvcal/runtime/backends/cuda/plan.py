@@ -77,8 +77,25 @@ def _desc_values(lay: PageLayout, raw_bf16: bool, side: int) -> dict[str, int]:
                 v_levels=int(fmt.v_levels == "calibrated"))
 
 
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _per_store(store, key: tuple, make):
+    """`make()` once per store and key: a store's layouts, formats and levels never change after it is made, so its
+    tables are built (and copied to its device) once, not on every decode step and write."""
+    tables = _TABLES.setdefault(store, {})
+    if key not in tables:
+        tables[key] = make()
+    return tables[key]
+
+
 def desc_table(store, layer: int) -> torch.Tensor:
-    """int32 [2 * groups, len(desc_fields())]: row 2 * group + side describes that group's pages on that side."""
+    """int32 [2 * groups, len(desc_fields())]: row 2 * group + side describes that group's pages on that side (built
+    once per store and layer)."""
+    return _per_store(store, ("descs", layer), lambda: _desc_table(store, layer))
+
+
+def _desc_table(store, layer: int) -> torch.Tensor:
     fields = desc_fields()
     rows = []
     for g in store.groups[layer]:
@@ -92,16 +109,10 @@ def desc_table(store, layer: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=store.device)
 
 
-_LEVELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def level_table(store, layer: int) -> torch.Tensor | None:
     """The layer's calibrated levels as the kernels read them (`levels.kernel_table`: float32 [2, H, 2, 256] on the
-    store's device), None when every side is uniform; built once per store and layer (the levels never change)."""
-    tables = _LEVELS.setdefault(store, {})
-    if layer not in tables:
-        tables[layer] = kernel_table(store, layer)
-    return tables[layer]
+    store's device), None when every side is uniform; built once per store and layer."""
+    return _per_store(store, ("levels", layer), lambda: kernel_table(store, layer))
 
 
 def _head_group(store, layer: int) -> torch.Tensor:
