@@ -143,6 +143,11 @@ inline void put_code(uint8_t* dst, int i, int bits, unsigned code) {
     if (off + bits > 8) dst[b + 1] |= (uint8_t)(code >> (8 - off));
 }
 
+// The little-endian word of three packed bytes: eight 3-bit codes, code k in bits [3k, 3k + 3)
+inline uint32_t three_bytes(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+}
+
 // Unpacked codes of one token (`code_at`). Written a whole byte (or at 3 bits three bytes) at a time so that the
 // compiler vectorizes the loops.
 inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
@@ -160,8 +165,7 @@ inline void unpack(const uint8_t* src, int bits, int r, float* codes) {
     } else if (bits == 3) {
         const int whole = r / 8;
         for (int j = 0; j < whole; ++j) {
-            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) |
-                               ((uint32_t)src[3 * j + 2] << 16);
+            const uint32_t w = three_bytes(src + 3 * j);
             for (int k = 0; k < 8; ++k) codes[8 * j + k] = (float)((w >> (3 * k)) & 0x7);
         }
         done = 8 * whole;
@@ -206,8 +210,7 @@ inline void unpack_levels(const uint8_t* src, int bits, int r, const float* lut,
         done = r / 4 * 4;
     } else if (table && bits == 3) {                      // eight codes in three bytes, a pair of codes per copy
         for (int j = 0; j < r / 8; ++j) {
-            const uint32_t w = (uint32_t)src[3 * j] | ((uint32_t)src[3 * j + 1] << 8) |
-                               ((uint32_t)src[3 * j + 2] << 16);
+            const uint32_t w = three_bytes(src + 3 * j);
             for (int k = 0; k < 4; ++k)
                 std::memcpy(out + 8 * j + 2 * k, table + 2 * ((w >> (6 * k)) & 63), 2 * sizeof(float));
         }
