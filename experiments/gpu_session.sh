@@ -3,7 +3,7 @@
 # the GPU tests, the decode benchmark and one ncu look at decode_split. Logs and JSON under $OUT (default ./gpu-out).
 #
 # The device image has torch, pytest, safetensors and rich but older transformers and its own cuda-core; kvcal's pins
-# travel as wheels in .whl/ (git-ignored through .git/info/exclude), made on the development machine with
+# travel as wheels in .whl/ (git-ignored), made on the development machine with
 #   for p in transformers==5.24.0 gguf==0.19.0 cuda-core==1.2.2 cuda-bindings==13.4.4 cuda-pathfinder==1.9.1 \
 #            cuda-python==13.4.4; do python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $p; done
