@@ -30,6 +30,19 @@ TINY = {
 }
 
 
+def gpu_skip_reason() -> str:
+    """Why the CUDA kernels cannot run here ("" where they can): the cuda-python probe, then torch's CUDA."""
+    from kvcal.runtime.backends.cuda import cuda_status
+
+    status = cuda_status()
+    if not status.available:
+        return f"cuda-python backend unavailable: {status.reason}"
+    return "" if torch.cuda.is_available() else "torch has no CUDA (CPU build of torch)"
+
+
+needs_gpu = pytest.mark.skipif(bool(gpu_skip_reason()), reason=gpu_skip_reason() or "GPU available")
+
+
 def make_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast

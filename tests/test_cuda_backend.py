@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import needs_gpu
 from test_levels import bundle_levels
 from typer.testing import CliRunner
 
@@ -394,18 +395,10 @@ def test_supports_names_a_non_cuda_device():
 # ---------------------------------------------------------------- GPU: kernels vs the torch reference
 
 
-def _gpu_skip_reason() -> str:
-    status = cuda_status()
-    if not status.available:
-        return f"cuda-python backend unavailable: {status.reason}"
-    return "" if torch.cuda.is_available() else "torch has no CUDA (CPU build of torch)"
-
-
-gpu = pytest.mark.skipif(bool(_gpu_skip_reason()), reason=_gpu_skip_reason() or "GPU available")
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gpu
 @pytest.mark.parametrize("chunk", [1, None])
 @pytest.mark.parametrize("g,n", [(2, 1), (4, 3)])
 @pytest.mark.parametrize("high,low", MIXES)
@@ -424,7 +417,7 @@ def test_gpu_decode_matches_torch_reference(high, low, g, n, chunk):
 
 
 @pytest.mark.gpu
-@gpu
+@needs_gpu
 @pytest.mark.parametrize("high,low", [("K8V4", "K2V2"), ("K16V16", "K4V2"), ("K8V4", "K4cV2"), ("K8nV4n", "K4cnV2nm8"),
                                       ("K8V3n", "K3cnV3n")])
 def test_gpu_cache_writes_match_store_bytes(high, low):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import needs_gpu
 
 from kvcal.runtime.backends.cuda import (
     CudaStatus,
@@ -246,15 +247,8 @@ def test_gpu_entry_points_refuse_cleanly_without_gpu(nvrtc_cache):
             load_module(mod)
 
 
-def _gpu_skip_reason() -> str:
-    status = cuda_status()
-    if not status.available:
-        return f"cuda-python backend unavailable: {status.reason}"
-    return "" if torch.cuda.is_available() else "torch has no CUDA (CPU build of torch)"
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(bool(_gpu_skip_reason()), reason=_gpu_skip_reason() or "GPU available")
+@needs_gpu
 def test_smoke_kernel_matches_torch_reference(tmp_path):
     from kvcal.runtime.backends.cuda import launch, load_module
 

@@ -11,14 +11,13 @@ import json
 
 import pytest
 import torch
-from conftest import make_model, random_bundle, random_text
+from conftest import make_model, needs_gpu, random_bundle, random_text
 from test_cpu_backend import _decode_logits, assert_decode_matches, random_store
 
 from kvcal.export import export_manifest
 from kvcal.profile.codebooks import fit_levels
 from kvcal.runtime.backends import TorchBackend, select_backend
 from kvcal.runtime.backends.cpu.backend import CpuBackend
-from kvcal.runtime.backends.cuda import cuda_status
 from kvcal.runtime.backends.cuda.backend import CudaBackend
 from kvcal.runtime.backends.cuda.emulate import EmulatedCudaBackend
 from kvcal.runtime.bundle import BundleError, load_bundle, save_bundle
@@ -378,8 +377,7 @@ def test_whole_decode_cpu_matches_torch_and_counts_the_levels(tiny, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_status().available,
-                    reason="needs a CUDA GPU and the cuda-python backend")
+@needs_gpu
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_whole_decode_through_the_cuda_kernels_matches_torch(tiny, name):
     """The same bundle with levels on the GPU: the CUDA kernels' logits equal the torch backend's there (fp32, only

@@ -9,10 +9,9 @@ import functools
 
 import pytest
 import torch
-from conftest import make_model, random_bundle
+from conftest import make_model, needs_gpu, random_bundle
 
 from kvcal.runtime import backends as attention
-from kvcal.runtime.backends.cuda import cuda_status
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.options import ServeOptions
@@ -117,14 +116,8 @@ def test_policy_serves_the_same_on_each_backend(policy, backend):
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-4)
 
 
-def _gpu_skip_reason() -> str:
-    if not torch.cuda.is_available():
-        return "torch has no CUDA device"
-    return "" if cuda_status().available else f"cuda-python backend unavailable: {cuda_status().reason}"
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(bool(_gpu_skip_reason()), reason=_gpu_skip_reason() or "GPU available")
+@needs_gpu
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
 def test_policy_serves_the_same_through_the_cuda_kernels(policy):
     """On the GPU, the CUDA kernels (decode, fused scores, page writes) and the torch reference give the same tiers

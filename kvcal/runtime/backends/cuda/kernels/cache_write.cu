@@ -72,9 +72,9 @@ __device__ __forceinline__ float2 put_meta(unsigned char* meta, int i, int meta8
 }
 
 // One warp writes one token's vector x [r] at slot t: codes into `off`, (scale, zero) pairs into `meta_off`
-__device__ __forceinline__ void put_vector(unsigned char* page, int off, int meta_off, int nbytes, int bits, int group, int groups,
-                           int raw_bf16, int meta8, int t, const float* x, int r, const float* lut,
-                           float2* sz_warp)
+__device__ __forceinline__ void put_vector(unsigned char* page, int off, int meta_off, int nbytes, int bits,
+                                           int group, int groups, int raw_bf16, int meta8, int t, const float* x,
+                                           int r, const float* lut, float2* sz_warp)
 {
     const int lane = threadIdx.x & 31;
     unsigned char* row = page + off + t * nbytes;
