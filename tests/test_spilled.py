@@ -50,3 +50,22 @@ def test_the_files_go_with_the_object():
     del spilled
     gc.collect()
     assert not folder.exists()
+
+
+def test_a_batch_reads_a_layer_only_when_it_is_looked_up(monkeypatch):
+    """The runtime's check primes its cache from `batch()` a layer at a time, so it holds one layer's batch."""
+    import kvcal.eval.spilled as spilled_module
+
+    spilled = SpilledRecords()
+    windows = [_window(b, seen=7) for b in range(3)]
+    for w in windows:
+        spilled.append(w)
+    loads = []
+    real_load = spilled_module.torch.load
+    monkeypatch.setattr(spilled_module.torch, "load", lambda path, **kw: loads.append(path) or real_load(path, **kw))
+    batch = spilled.batch()
+    assert list(batch) == [0, 1, 2] and len(batch) == 3 and 2 in batch and 5 not in batch and not loads
+    assert torch.equal(batch[1][0], torch.cat([w[1][0] for w in windows]))
+    assert len(loads) == 3 and all("layer-1" in str(p) for p in loads)
+    with pytest.raises(KeyError):
+        batch[5]

@@ -1,20 +1,23 @@
-"""Recorded prompts kept on disk, a window per file, so that only the window in use is in memory.
+"""Recorded prompts kept on disk, a file per window and layer, so that only what is in use is in memory.
 
 A record is what a prefill leaves in the cache, per layer: (key, value [1, H, n, d], tokens seen or None), as
 `KvcalCache.record_prompt` and the search's recording make them. At 4k tokens a window of a 30-layer model is about
-94 MB in fp16; the search and the confirmation each keep four, and read them a window (or once a batch) at a time.
-The files live in a private folder under the temporary folder (`TMPDIR`, else /tmp), removed when the object goes
-(or the process ends). Where /tmp is a tmpfs they stay in memory, outside the process's RSS: point `TMPDIR` at a disk.
+94 MB in fp16; the search and the confirmation each keep four. The coded probe reads them a window at a time, the
+runtime's check as one batch a layer at a time (`batch()` stacks a layer's windows when that layer is read, so the
+check holds one layer's batch, not every layer's). The files live in a private folder under the temporary folder
+(`TMPDIR`, else /tmp), removed when the object goes (or the process ends). Where /tmp is a tmpfs they stay in
+memory, outside the process's RSS: point `TMPDIR` at a disk.
 
     spilled = SpilledRecords()
     spilled.append(records)           # layer -> (key, value [1, H, n, d], seen)
     spilled.window(0)                 # the same dict, read back
-    spilled.batch()                   # layer -> (key, value [B, H, n, d], seen): every window stacked
+    spilled.batch()[layer]            # (key, value [B, H, n, d], seen): the layer's windows stacked, read on access
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -25,34 +28,67 @@ class SpilledRecords:
 
     def __init__(self):
         self._folder = tempfile.TemporaryDirectory(prefix="kvcal-records-")
-        self._count = 0
+        self._shapes: list[dict] = []           # per window: layer -> its record with each tensor as (dtype, shape)
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._shapes)
 
-    def _path(self, b: int) -> Path:
-        return Path(self._folder.name) / f"window-{b}.pt"
+    def _path(self, b: int, layer) -> Path:
+        return Path(self._folder.name) / f"window-{b}-layer-{layer}.pt"
 
     def append(self, records: dict) -> None:
         """Add a window's records: layer -> tuple of tensors [1, ...], dicts of them and plain values."""
-        torch.save(_each(records, _one_window), self._path(self._count))
-        self._count += 1
+        records = _each(records, _one_window)
+        for layer, record in records.items():
+            torch.save(record, self._path(len(self), layer))
+        self._shapes.append(_each(records, lambda t: (t.dtype, tuple(t.shape))))
 
     def window(self, b: int) -> dict:
         """Window b's records, as appended."""
-        if not 0 <= b < self._count:
-            raise IndexError(f"window {b} of {self._count}")
-        return torch.load(self._path(b), weights_only=True)
+        if not 0 <= b < len(self):
+            raise IndexError(f"window {b} of {len(self)}")
+        return {layer: self._load(b, layer) for layer in self._shapes[b]}
 
-    def batch(self) -> dict:
-        """Every window's records, tensors stacked along the batch (layer -> (key, value [B, H, n, d], ...)), filled a
-        window at a time into tensors made once, so the batch is never held twice. Plain values (tokens seen) must
-        agree between windows."""
-        first = self.window(0) if self._count else {}
-        out = _each(first, lambda t: t.new_empty(self._count, *t.shape[1:]))
-        for b in range(self._count):
-            _fill(out, self.window(b) if b else first, b)
+    def _load(self, b: int, layer):
+        return torch.load(self._path(b, layer), weights_only=True)
+
+    def batch(self) -> StackedLayers:
+        """Every window's records stacked along the batch, a layer at a time as each is read (layer -> (key, value
+        [B, H, n, d], ...)). Every window must hold the same layers, shapes and plain values (tokens seen)."""
+        first = self._shapes[0] if self._shapes else {}
+        for b, shapes in enumerate(self._shapes[1:], 1):
+            if shapes != first:
+                layer = next((k for k in first if shapes.get(k) != first[k]), None)
+                raise ValueError(f"window {b} differs from window 0 in layer {layer} ({shapes.get(layer)!r} vs "
+                                 f"{first.get(layer)!r}): they cannot be one batch")
+        return StackedLayers(self)
+
+
+class StackedLayers(Mapping):
+    """`SpilledRecords.batch()`: layer -> its record with every window's tensors stacked [B, ...], read from the
+    files when the layer is looked up (each lookup reads them again: look each layer up once)."""
+
+    def __init__(self, spilled: SpilledRecords):
+        self._spilled = spilled
+
+    def __getitem__(self, layer):
+        spilled = self._spilled
+        if not len(spilled) or layer not in spilled._shapes[0]:
+            raise KeyError(layer)
+        first = spilled._load(0, layer)
+        out = _each(first, lambda t: t.new_empty(len(spilled), *t.shape[1:]))
+        for b in range(len(spilled)):
+            _fill(out, spilled._load(b, layer) if b else first, b)
         return out
+
+    def __contains__(self, layer) -> bool:
+        return len(self._spilled) > 0 and layer in self._spilled._shapes[0]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._spilled._shapes[0] if len(self._spilled) else ())
+
+    def __len__(self) -> int:
+        return len(self._spilled._shapes[0]) if len(self._spilled) else 0
 
 
 def _one_window(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +109,8 @@ def _each(x, f):
 
 
 def _fill(full, one, b: int) -> None:
-    """Write window `one`'s tensors [1, ...] at row b of `full`'s (same structure); plain values must be equal."""
+    """Write window `one`'s tensors [1, ...] at row b of `full`'s (same structure; `batch()` checked the plain
+    values agree)."""
     if isinstance(full, torch.Tensor):
         full[b] = one[0]
     elif isinstance(full, dict):
@@ -82,5 +119,3 @@ def _fill(full, one, b: int) -> None:
     elif isinstance(full, (tuple, list)):
         for f, o in zip(full, one, strict=True):
             _fill(f, o, b)
-    elif full != one:
-        raise ValueError(f"the windows differ in {one!r} vs {full!r}: they cannot be one batch")
