@@ -6,7 +6,8 @@ The default command reads, with no search design able to skip them: the statisti
 calibration text, `seq_len`-token windows), one prefill of every search window at the deployment context (the
 recording) and one of every evaluation window (the confirmation's prompts), each `context - 1` tokens long, and the
 stepwise decode of one confirmation (`search_steps` steps, a batch of `eval_windows`). This times one dense forward of
-each kind and one dense decode step at that batch over the prompt's cache (the search dtype, float32; transformers'
+each kind and one dense decode step at that batch over the prompt's cache (the search dtype, float32, unless
+`--dtype`; transformers'
 SDPA; no logits beyond the last position) and multiplies by the default counts. Left out, so the sum is a lower
 bound: the recording's backward through the continuation, the runtime's significance pass over each prefill, the
 probes, the cost tables, and the compressed cache's own costs in the check.
@@ -58,10 +59,13 @@ def main() -> None:
     parser.add_argument("-m", "--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--context", type=int, default=None, help="default: min(4096, the model's maximum)")
+    parser.add_argument("--dtype", default=None, help="the model dtype to time (default: the search dtype, float32); "
+                        "bfloat16 measures what recording and checking in the model's own dtype would cost")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     cfg = CalibrationConfig(model=args.model)
-    lm = load_model(args.model, dtype=cfg.search_dtype)
+    dtype = args.dtype or cfg.search_dtype
+    lm = load_model(args.model, dtype=dtype)
     context = args.context or min(4096, lm.adapter.max_positions)
     window = min(cfg.seq_len, context)
     vocab = lm.model.config.vocab_size
@@ -70,7 +74,8 @@ def main() -> None:
     step_s = timed_decode_step(lm.model, max(context - 1 - cfg.search_steps, 1), cfg.eval_windows, vocab)
     passes = -(-cfg.random_tokens // window) + -(-cfg.text_tokens // window)
     prefills = cfg.search_windows + cfg.eval_windows
-    result = {"model": args.model, "cpu": cpu_name(), "threads": torch.get_num_threads(), "context": context,
+    result = {"model": args.model, "cpu": cpu_name(), "dtype": dtype, "threads": torch.get_num_threads(),
+              "context": context,
               "prefill_seconds": round(prefill_s, 2), "pass_window_seconds": round(pass_s, 2),
               "decode_step_seconds": round(step_s, 3), "prefills": prefills, "pass_windows": passes,
               "decode_steps": cfg.search_steps,
