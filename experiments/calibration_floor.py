@@ -2,15 +2,14 @@
 
     python experiments/calibration_floor.py -m smollm2-135m --json out/floor-smollm2-135m.json
 
-The default command reads, with no search design able to skip them: the statistics passes (random tokens and
-calibration text, `seq_len`-token windows), one prefill of every search window at the deployment context (the
-recording) and one of every evaluation window (the confirmation's prompts), each `context - 1` tokens long, and the
-stepwise decode of one confirmation (`search_steps` steps, a batch of `eval_windows`). This times one dense forward of
-each kind and one dense decode step at that batch over the prompt's cache (the search dtype, float32, unless
-`--dtype`; transformers'
-SDPA; no logits beyond the last position) and multiplies by the default counts. Left out, so the sum is a lower
-bound: the recording's backward through the continuation, the runtime's significance pass over each prefill, the
-probes, the cost tables, and the compressed cache's own costs in the check.
+The default command reads, with no search design able to skip them: the statistics passes (random tokens and calibration
+text, `seq_len`-token windows), one prefill of every search window at the deployment context (the recording) and one of
+every evaluation window (the confirmation's prompts), each `context - 1` tokens long, and the stepwise decode of one
+confirmation (`search_steps` steps, a batch of `eval_windows`). This times one dense forward of each kind and one dense
+decode step at that batch over the prompt's cache (the search dtype, float32, unless `--dtype`; transformers' SDPA; no
+logits beyond the last position) and multiplies by the default counts. Left out, so the sum is a lower bound: the
+recording's backward through the continuation, the runtime's significance pass over each prefill, the probes, the cost
+tables, and the compressed cache's own costs in the check.
 """
 
 from __future__ import annotations

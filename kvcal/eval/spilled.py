@@ -58,23 +58,23 @@ class SpilledRecords:
         first = self._shapes[0] if self._shapes else {}
         for b, shapes in enumerate(self._shapes[1:], 1):
             if shapes != first:
-                layer = next((k for k in first if shapes.get(k) != first[k]), None)
+                layer = next(k for k in {**first, **shapes} if shapes.get(k) != first.get(k))
                 raise ValueError(f"window {b} differs from window 0 in layer {layer} ({shapes.get(layer)!r} vs "
                                  f"{first.get(layer)!r}): they cannot be one batch")
-        return StackedLayers(self)
+        return StackedLayers(self, list(first))
 
 
 class StackedLayers(Mapping):
     """`SpilledRecords.batch()`: layer -> its record with every window's tensors stacked [B, ...], read from the
     files when the layer is looked up (each lookup reads them again: look each layer up once)."""
 
-    def __init__(self, spilled: SpilledRecords):
-        self._spilled = spilled
+    def __init__(self, spilled: SpilledRecords, layers: list):
+        self._spilled, self._layers = spilled, layers
 
     def __getitem__(self, layer):
-        spilled = self._spilled
-        if not len(spilled) or layer not in spilled._shapes[0]:
+        if layer not in self._layers:
             raise KeyError(layer)
+        spilled = self._spilled
         first = spilled._load(0, layer)
         out = _each(first, lambda t: t.new_empty(len(spilled), *t.shape[1:]))
         for b in range(len(spilled)):
@@ -82,13 +82,13 @@ class StackedLayers(Mapping):
         return out
 
     def __contains__(self, layer) -> bool:
-        return len(self._spilled) > 0 and layer in self._spilled._shapes[0]
+        return layer in self._layers
 
     def __iter__(self) -> Iterator:
-        return iter(self._spilled._shapes[0] if len(self._spilled) else ())
+        return iter(self._layers)
 
     def __len__(self) -> int:
-        return len(self._spilled._shapes[0]) if len(self._spilled) else 0
+        return len(self._layers)
 
 
 def _one_window(t: torch.Tensor) -> torch.Tensor:
