@@ -80,6 +80,8 @@ SMOKE: dict[str, list[str]] = {
                       "{tmp}", "--", "--threads", "1",
                       "--quick", "--methods", "dense,kvcal-joint", "--windows", "1", "--prompt", "40", "--steps",
                       "4", "--contexts", "64", "--passkey-lengths", "64", "--speed-steps", "2"],
+    "rss_trace": ["--every", "0.05", "--bucket", "0.2", "--json", "{tmp}/out.json", "--", sys.executable, "-c",
+                  "import time; x = bytearray(64 << 20); time.sleep(0.5)"],
     "runtime": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--contexts", "64", "--steps", "4",
                 "--speed-contexts", "64", "--batches", "1", "--speed-steps", "2", "--speed-configs", "K8V4", "bundle",
                 "--threads", "1", "--json", "{tmp}/out.json"],
@@ -140,6 +142,8 @@ def test_script_runs_at_tiny_sizes(name, smoke_env, tmp_path, monkeypatch):
         torch.set_num_threads(threads)
         for mod in [m for m, v in sys.modules.items() if str(getattr(v, "__file__", "")).startswith(str(EXPERIMENTS))]:
             del sys.modules[mod]         # format_swaps imported by a sibling: the next script gets a fresh one
+    if name == "rss_trace":                     # the child's 64 MiB buffer, seen by the sampler
+        assert json.loads((tmp_path / "out.json").read_text())["peak_mib"] >= 64
     if name == "results_pages":                 # one flat page per model, its plot links renamed with it
         model = Path(smoke_env["llama"]).name
         assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(
