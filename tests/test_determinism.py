@@ -46,8 +46,38 @@ def test_bundle_tensors_are_bit_identical_across_thread_counts(model_type, searc
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
         assert torch.equal(a[name].contiguous().view(torch.uint8), b[name].contiguous().view(torch.uint8)), name
-    if search == "search":
-        from kvcal.runtime.bundle import load_bundle
+    from kvcal.runtime.bundle import load_bundle
 
-        first, second = (load_bundle(out) for out in outs)
+    first, second = (load_bundle(out) for out in outs)
+    # the mode is recorded: on one CPU the real model's recording differed across thread counts (docs/calibration.md)
+    assert first.calibration["blas"] == second.calibration["blas"] == ("mkl-strict" if torch.backends.mkl.is_available()
+                                                                        else "none")
+    if search == "search":
         assert first.settings == second.settings
+
+
+STRICT = textwrap.dedent("""
+    import torch
+    from kvcal.profile.reproducible import strict_blas
+    first = strict_blas()
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    print(first, strict_blas())
+""")
+LATE = textwrap.dedent("""
+    import torch
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    from kvcal.profile.reproducible import strict_blas
+    print(strict_blas())
+""")
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL: no mode to choose")
+def test_strict_blas_is_chosen_before_the_first_product_and_reported_too_late_after():
+    """In a fresh process the mode is set and stays set; after a product MKL has fixed its mode, which is said."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    env.pop("MKL_CBWR", None)
+    fresh, late = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+                   for code in (STRICT, LATE))
+    assert fresh.returncode == 0 and late.returncode == 0, fresh.stderr[-1000:] + late.stderr[-1000:]
+    assert fresh.stdout.split() == ["mkl-strict", "mkl-strict"]
+    assert late.stdout.split() == ["mkl"]

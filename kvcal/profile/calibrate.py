@@ -51,6 +51,7 @@ from kvcal.profile.key_ranges import (
 from kvcal.profile.passes import Progress, QueryKeyTap, key_range_pass, run_pass
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
+from kvcal.profile.reproducible import strict_blas
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
     QK_WEIGHTINGS,
@@ -374,6 +375,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     model, allocation, budget, confirmation: kvcal.profile.choose) -> save. `lm` skips loading (tests, notebooks);
     `progress`/`status`/`search_progress` report."""
     t0 = time.perf_counter()
+    blas = strict_blas()                    # before any matrix product: MKL fixes its mode at its first call
     say = status or (lambda msg: logger.info("%s", msg))
     out, corpus, P, max_position, seq_len, text_ids = _check_inputs(cfg, lm)
     if lm is None:
@@ -385,6 +387,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     checkpoint = Checkpoint(out.with_name(out.name + ".ckpt"), key)
     passes = run_passes(cfg, lm, text_ids, seq_len, max_position, checkpoint, progress)
     bundle = make_bundle(cfg, lm, passes, corpus, max_position, checkpoint, progress, say)
+    bundle.calibration["blas"] = blas
     report = None
     t_search = time.perf_counter()
     if cfg.search:
