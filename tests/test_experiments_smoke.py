@@ -89,6 +89,8 @@ SMOKE: dict[str, list[str]] = {
                        "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
     "smoothing": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--steps", "8",
                   "--windows", "1", "--json", "{tmp}/out.json"],
+    "thread_determinism": ["--json", "{tmp}/out.json", "--", "--model", "{llama}", *SMALL_CALIBRATE, "--dataset",
+                           "{data}"],
     "value_groups": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
                      "--steps", "8", "--json", "{tmp}/out.json"],
     "with_settings": ["--bundle", "{gemma_bundle}", "--swap", "K8V4/K4cV2/K4V4+4", "--out",
@@ -142,6 +144,8 @@ def test_script_runs_at_tiny_sizes(name, smoke_env, tmp_path, monkeypatch):
         torch.set_num_threads(threads)
         for mod in [m for m, v in sys.modules.items() if str(getattr(v, "__file__", "")).startswith(str(EXPERIMENTS))]:
             del sys.modules[mod]         # format_swaps imported by a sibling: the next script gets a fresh one
+    if name == "thread_determinism":            # the tiny model's bundles agree at 1 and 2 threads
+        assert json.loads((tmp_path / "out.json").read_text())["differ"] == []
     if name == "rss_trace":                     # the child's 64 MiB buffer, seen by the sampler
         assert json.loads((tmp_path / "out.json").read_text())["peak_mib"] >= 64
     if name == "results_pages":                 # one flat page per model, its plot links renamed with it
