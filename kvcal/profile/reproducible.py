@@ -21,11 +21,9 @@ CBWR_AUTO, CBWR_STRICT, CBWR_ALL = 2, 0x10000, -1
 
 @functools.cache
 def _mkl() -> ctypes.CDLL | None:
-    """torch's MKL service functions (linked into libtorch_cpu), or None where torch has no MKL."""
+    """torch's MKL service functions (linked into libtorch_cpu), or None where this build does not expose them."""
     import torch
 
-    if not torch.backends.mkl.is_available():
-        return None
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         lib.mkl_serv_cbwr_get.restype = lib.mkl_serv_cbwr_set.restype = ctypes.c_int
@@ -39,9 +37,13 @@ def strict_blas() -> str:
     """Put MKL in strict mode (the automatic branch) unless it already is -> "mkl-strict" when it is now; "mkl" when an
     MKL call ran earlier in this process, which fixes its mode (a fresh process, as `kvcal calibrate` is, gets it);
     "none" when torch has no MKL. A mode set by the user's MKL_CBWR with the strict flag is kept."""
-    lib = _mkl()
-    if lib is None:
+    import torch
+
+    if not torch.backends.mkl.is_available():
         return "none"
+    lib = _mkl()
+    if lib is None:                            # MKL inside, but not reachable from here (another platform's build)
+        return "mkl"
     if lib.mkl_serv_cbwr_get(CBWR_ALL) & CBWR_STRICT:
         return "mkl-strict"
     return "mkl-strict" if lib.mkl_serv_cbwr_set(CBWR_AUTO | CBWR_STRICT) == 0 else "mkl"
