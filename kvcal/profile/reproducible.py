@@ -1,7 +1,7 @@
 """Matrix products whose last bits do not depend on the thread count, for the calibration.
 
-torch's x86 wheels compute float32 matrix products with MKL, whose kernels for some CPUs split a product's reduction
-across threads: the same inputs then give other last bits at 1 and at 2 threads, and a calibration fed by gradients
+torch's x86 wheels compute float32 matrix products with MKL, which promises the same last bits only at a fixed thread
+count: otherwise the same inputs may give other last bits at 1 and at 2 threads, and a calibration fed by gradients
 (the calibrated levels, a k-means) writes other tensors. MKL's strict conditional-numerical-reproducibility mode makes
 ?gemm bit-reproducible whatever the thread count (the MKL developer guide, "Reproducibility Conditions"). It has to be
 chosen before MKL's first call in the process, so `strict_blas` runs first thing in `calibrate`.
