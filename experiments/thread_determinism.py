@@ -70,7 +70,7 @@ def main() -> None:
     print(text)
     if ns.json:
         ns.json.write_text(text + "\n")
-    sys.exit(1 if result["differ"] or not result["same_settings"] else 0)
+    sys.exit(1 if result["differ"] or not (result["same_settings"] and result["same_path"]) else 0)
 
 
 if __name__ == "__main__":
