@@ -375,31 +375,52 @@ def test_registry_names_the_backend():
     assert attention.BACKENDS["cpu"] == "kvcal.runtime.backends.cpu.backend:CpuBackend"
 
 
-@pytest.mark.parametrize("padded,shape", [(False, (2, 2, 3, 97, 16)), (True, (2, 2, 3, 97, 16)),
-                                          (False, (1, 3, 1, 130, 64)), (False, (1, 1, 2, 5, 8))])
-def test_flash_prefill_equals_the_reference_prefill(padded, shape):
-    """The CPU prefill (torch's flash attention, significance from its log-sum-exp in `kvcal_significance`) against
-    the reference's blocked softmax: the same sums in another float order, so within 1e-5 relative (float32 eps 1.2e-7
-    times the few hundred terms a probability's exponent and sums gather); with left padding it is the reference
-    itself. Shapes: keys over one tile and a part (97, 130: the diagonal tile's causal mask, a part-filled last tile),
-    under one tile (5), groups of 1-3 query heads."""
-    from kvcal.runtime.backends.cpu.backend import flash_prefill
+@pytest.mark.parametrize("padded,shape,r_v", [(False, (2, 2, 3, 97, 16), 12), (True, (2, 2, 3, 97, 16), 12),
+                                                (False, (1, 3, 1, 130, 64), 64), (False, (1, 1, 2, 5, 8), 8),
+                                                (False, (1, 2, 6, 75, 128), 80), (False, (1, 1, 4, 70, 256), 256)])
+def test_fused_prefill_equals_the_reference_prefill(padded, shape, r_v):
+    """The CPU prefill (`kvcal_prefill`: each row's softmax in one block, its probabilities used for the output and
+    the significance) against the reference's blocked softmax: the same sums in another float order, so within 1e-5
+    relative (float32 eps 1.2e-7 times the few hundred terms a probability's exponent and sums gather); with left
+    padding it is the reference itself. Shapes: keys over one tile and a part (97, 130, 75: the diagonal tile's
+    causal mask, a part-filled last tile, query blocks cut by the end), under one tile (5, 70), groups of 1-6 query
+    heads, value rows that are not whole vectors (12, 8, 80) and head sizes up to 256."""
+    from kvcal.runtime.backends.cpu.backend import fused_prefill
     from kvcal.runtime.backends.reference import TorchBackend
 
     torch.manual_seed(0)
     B, H, g, n, d = shape
-    q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, 12)
+    q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, r_v)
     real = torch.ones(B, n, dtype=torch.bool)
     if padded:
         real[0, :5] = False
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
     want_out, want_score = TorchBackend.prefill(q, k, v, mask, d ** -0.5)
-    out, score = flash_prefill(q, k, v, mask, d ** -0.5)
+    out, score = fused_prefill(q, k, v, mask, d ** -0.5)
     if padded:
         assert torch.equal(out, want_out) and torch.equal(score, want_score)
     else:
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(score, want_score, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_prefill_does_not_depend_on_the_thread_count():
+    """Each task sums its own query chunks' significance and the tasks' sums are added in task order, so the prefill
+    gives the same bits at 1 and 2 threads (the calibration's determinism rests on it)."""
+    from kvcal.runtime.backends.cpu.backend import fused_prefill
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 3, 3, 600, 64), torch.randn(1, 3, 600, 64), torch.randn(1, 3, 600, 64)
+    mask = torch.ones(600, 600, dtype=torch.bool).tril()[None]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused_prefill(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        two = fused_prefill(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 # ---------------------------------------------------------------------------------------------- store reads and writes

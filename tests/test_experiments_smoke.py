@@ -42,6 +42,7 @@ SMOKE: dict[str, list[str]] = {
                       "--steps", "8", "--json", "{tmp}/out.json", "--png", "{tmp}/out.png"],
     "cpu_attention": ["--contexts", "64", "--batches", "1", "--reps", "1", "--no-compile", "--json",
                       "{tmp}/out.json"],
+    "cpu_prefill": ["--context", "64", "--reps", "1", "--threads", "1", "--json", "{tmp}/out.json"],
     "cuda_decode": ["--device", "cpu", "--quick", "--iters", "1", "--geometries", "qwen2.5-1.5b shape", "--json",
                     "{tmp}/out.json"],
     "format_swaps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--swap=-/-/-", "--swap=K8V4/K4cV2/K4V4+4",

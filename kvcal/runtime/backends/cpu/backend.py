@@ -10,9 +10,9 @@
              at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
     insert   `kvcal_insert_every`: the decode step once the layer has holes (tiers moved tokens out of the high
              pages): each entry's first hole, else its end, found and written in one call.
-    prefill  `flash_prefill`: torch's flash attention for the output, whose log-sum-exp lets `kvcal_significance`
-             exponentiate the logits straight into significance in one pass over tiles of keys (no softmax, no
-             [n, n] block in memory, no probability-times-V product); prompts with padding take the torch reference.
+    prefill  `kvcal_prefill`: attention and significance in one pass over the scores, a few query rows at a time
+             (each logit computed and exponentiated once, no [n, n] block in memory); prompts with padding take the
+             torch reference.
     sliding  `kvcal_sliding_decode`: a sliding-window layer's decode step, read from its codes in place.
     pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
              page's tokens), as the torch writer writes them.
@@ -49,28 +49,26 @@ MAX_RANK = 512        # per-channel key scales live in a stack buffer of this ma
 _FP16_MAX = 65504.0
 
 
-def flash_prefill(query, keys, values, mask, scale):
+def fused_prefill(query, keys, values, mask, scale):
     """As TorchBackend.prefill: query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, r_v], mask bool [B, n, n]
     -> out [B, H, g, n, r_v], score [B, H, n] (each key's probability summed over queries, max over the group).
 
-    The same sums as the reference up to float order: the probabilities are exp(logit - logsumexp), with the
-    logsumexp of torch's flash attention instead of a softmax's own max and sum, and the kernel's exp (within 2 ulp
-    of std::exp; relative error ~1e-6)."""
+    `kvcal_prefill` computes each logit once and uses its probability for both the output and the significance. The
+    same sums as the reference up to float order: each row's softmax over its keys in one block (its max, then the
+    sum of the kernel's exp, within 2 ulp of std::exp; relative error ~1e-6). Prompts with padding (a masked key
+    column the causal rule alone would allow) take the reference."""
     B, H, g, n, d = query.shape
-    if not bool(mask[:, -1].all()):               # padding: a masked key column the causal rule alone would allow
+    if not bool(mask[:, -1].all()):
         return TorchBackend.prefill(query, keys, values, mask, scale)
     r_v = values.shape[-1]
-    D = max(d, r_v)               # flash attention wants one head size: zero columns change no dot product
-    q_heads = F.pad(query.float(), (0, D - d)).reshape(B, H * g, n, D)                  # one row per query head
-    k_heads = F.pad(keys.float(), (0, D - d))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
-    v_heads = F.pad(values.float(), (0, D - r_v))[:, :, None].expand(B, H, g, n, D).reshape(B, H * g, n, D)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_heads, k_heads, v_heads, 0.0, True,
-                                                                          scale=scale)[:2]
+    r_pad = -(-r_v // 16) * 16                  # the kernel's value rows: whole vectors of 16 floats
+    q32, k32 = query.float().contiguous(), keys.float().contiguous()
+    v32 = F.pad(values.float(), (0, r_pad - r_v)).contiguous()
+    out = torch.empty(B, H, g, n, r_pad, device=query.device)
     score = torch.empty(B, H, n, device=query.device)
-    q32, k32, lse = query.float().contiguous(), keys.float().contiguous(), lse.reshape(B, H, g, n).contiguous()
-    load_library().kvcal_significance(_ptr(q32), _ptr(k32), _ptr(lse), _ptr(score), B, H, g, n, d, scale,
-                                      torch.get_num_threads())
-    return out.view(B, H, g, n, D)[..., :r_v].contiguous(), score
+    load_library().kvcal_prefill(_ptr(q32), _ptr(k32), _ptr(v32), _ptr(out), _ptr(score), B, H, g, n, d, r_pad,
+                                 scale, torch.get_num_threads())
+    return (out if r_pad == r_v else out[..., :r_v].contiguous()), score
 
 
 def _desc_row(lay, raw_bf16: bool) -> list[int]:
@@ -173,7 +171,7 @@ class CpuBackend(AttentionBackend):
             reasons.append(f"head dim {head_dim} exceeds the CPU kernels' limit of {MAX_RANK} stored dims")
         return reasons
 
-    prefill = staticmethod(flash_prefill)
+    prefill = staticmethod(fused_prefill)
 
     @staticmethod
     def attend(store, layer, query, exact_keys, exact_values, scale, track_scores=True, exact_from=None):

@@ -145,8 +145,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_round_trip.restype = i32
     lib.kvcal_round_trip.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, p,   # x .. luts
                                      p, p, p, i32, p]                           # g2 .. bad_value
-    lib.kvcal_significance.restype = i32
-    lib.kvcal_significance.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, f32, i32]   # q, k, lse, score .. threads
+    lib.kvcal_prefill.restype = i32
+    lib.kvcal_prefill.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i32]  # q, k, v, out .. threads
     lib.kvcal_sliding_decode.restype = i32
     lib.kvcal_sliding_decode.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64,   # q .. r
                                          i32, i32, i32, i32, i32, i32, i64, f32, i32]               # k_bits .. threads

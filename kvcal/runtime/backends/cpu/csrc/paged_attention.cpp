@@ -492,6 +492,40 @@ inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t grou
     }
 }
 
+constexpr int PF_TILE = 64, PF_ROWS = 4, PF_CHUNK = 32, PF_GROUPS = 16, PF_PAIRS = 4, PF_VW = 64, PF_PV = 6;
+
+// acc[p][0..W) += sum_j s[p][j] * v[j][c0 .. c0 + W) over j < L, for P rows of probabilities: the value rows are
+// read once for P query rows (W floats of P rows: P * W / 16 vector registers).
+template <int P, int W>
+inline void pv_block(const float* const* s, const float* inv, const float* v, int64_t L, int64_t rv, int64_t c0,
+                     float* const* out) {
+    alignas(64) float acc[P][W] = {};
+    for (int64_t j = 0; j < L; ++j) {
+        const float* vj = v + j * rv + c0;
+        for (int p = 0; p < P; ++p) {
+            const float w = s[p][j];
+#pragma omp simd
+            for (int c = 0; c < W; ++c) acc[p][c] += w * vj[c];
+        }
+    }
+    for (int p = 0; p < P; ++p)
+#pragma omp simd
+        for (int c = 0; c < W; ++c) out[p][c0 + c] = acc[p][c] * inv[p];
+}
+
+template <int P>
+inline void pv_rows(const float* const* s, const float* inv, const float* v, int64_t L, int64_t rv,
+                    float* const* out) {
+    int64_t c0 = 0;
+    for (; c0 + PF_VW <= rv; c0 += PF_VW) pv_block<P, PF_VW>(s, inv, v, L, rv, c0, out);
+    switch (rv - c0) {          // rv is a multiple of 16
+        case 16: pv_block<P, 16>(s, inv, v, L, rv, c0, out); break;
+        case 32: pv_block<P, 32>(s, inv, v, L, rv, c0, out); break;
+        case 48: pv_block<P, 48>(s, inv, v, L, rv, c0, out); break;
+        default: break;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1002,51 +1036,138 @@ int kvcal_round_trip(const float* x, int64_t blocks, int64_t T, int64_t n, int32
 }
 
 
-// The prefill's significance (flash_prefill's second pass): for each KV head, score[j] = sum over the queries i >= j
-// of the max over the head's group of exp(scale * q_gi . k_j - lse_gi), lse_gi the log-sum-exp of query row gi's
-// scaled logits (from the flash attention that made the output). q [B, H, G, n, d], k [B, H, n, d], lse [B, H, G, n],
-// score [B, H, n], all float32 and contiguous. Work: tasks of SIG_TILE keys of one (b, h), each holding its keys
-// transposed so a query's logits against them are SIG_TILE-wide FMAs, and the sum in registers over the queries;
-// no [n, n] block is ever written. Tasks with more queries (the first keys) come first in a dynamic schedule.
-constexpr int SIG_TILE = 64;
-
-int kvcal_significance(const float* q, const float* k, const float* lse, float* score, int64_t B, int64_t H,
-                       int64_t G, int64_t n, int64_t d, float scale, int threads) {
-    const int64_t tiles = (n + SIG_TILE - 1) / SIG_TILE, tasks = B * H * tiles;
+// The prefill's attention and significance in one pass over the scores: for each query row gi (head g of a KV head's
+// group, position i), p_gi(j) = softmax_j<=i(scale * q_gi . k_j), out_gi = sum_j p_gi(j) v_j, and for each KV head
+// score[j] = sum over the queries i >= j of max over the group of p_gi(j). q [B, H, G, n, d], k [B, H, n, d],
+// v [B, H, n, rv_pad] (rows padded with zeros to a multiple of 16), out [B, H, G, n, rv_pad], score [B, H, n], all
+// float32 and contiguous. A block of PF_ROWS positions times the G heads holds its rows' logits against keys 0..i
+// (PF_ROWS * G rows of n floats, cache-sized at 4k), so each logit is computed and exponentiated once and serves both
+// the output and the significance. Keys are transposed once per (b, h) into tiles of PF_TILE, so a row's logits
+// against a tile are PF_TILE-wide FMAs.
+// Work: PF_GROUPS tasks per (b, h), task r taking the chunks of PF_CHUNK positions c = r, r + PF_GROUPS, ... (about
+// equal causal work) and summing their significance into its own row of `partial` [B, H, PF_GROUPS, n]; the rows are
+// then added in task order, so the result does not depend on the number of threads.
+int kvcal_prefill(const float* q, const float* k, const float* v, float* out, float* score, int64_t B, int64_t H,
+                  int64_t G, int64_t n, int64_t d, int64_t rv, float scale, int threads) {
+    if (rv % 16 != 0) return 1;
+    const int64_t tiles = (n + PF_TILE - 1) / PF_TILE, BH = B * H, chunks = (n + PF_CHUNK - 1) / PF_CHUNK;
+    const int64_t npad = tiles * PF_TILE;
+    std::vector<float> kt(BH * tiles * d * PF_TILE), partial(BH * PF_GROUPS * n);
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> kt(d * SIG_TILE);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; ++task) {
-            const int64_t t = task / (B * H), bh = task % (B * H);     // t outer: the longest tasks first
-            const int64_t j0 = t * SIG_TILE, w = std::min<int64_t>(SIG_TILE, n - j0);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < BH * tiles; ++task) {        // keys transposed: kt [BH, tiles, d, PF_TILE]
+            const int64_t bh = task / tiles, t = task % tiles, j0 = t * PF_TILE, w = std::min<int64_t>(PF_TILE, n - j0);
             const float* kb = k + (bh * n + j0) * d;
+            float* dst = kt.data() + task * d * PF_TILE;
             for (int64_t c = 0; c < d; ++c)
-                for (int64_t j = 0; j < SIG_TILE; ++j) kt[c * SIG_TILE + j] = j < w ? kb[j * d + c] : 0.f;
-            alignas(64) float sum[SIG_TILE] = {};
-            for (int64_t i = j0; i < n; ++i) {
-                alignas(64) float best[SIG_TILE] = {};
-                for (int64_t g = 0; g < G; ++g) {
-                    const float* qi = q + ((bh * G + g) * n + i) * d;
-                    alignas(64) float acc[SIG_TILE] = {};
-                    for (int64_t c = 0; c < d; ++c) {
-                        const float qc = qi[c] * scale;
-                        const float* kc = kt.data() + c * SIG_TILE;
+                for (int64_t j = 0; j < PF_TILE; ++j) dst[c * PF_TILE + j] = j < w ? kb[j * d + c] : 0.f;
+        }
+        std::vector<float> logits(PF_ROWS * G * npad), qs(PF_PAIRS * d), rmax(PF_ROWS * G), rinv(PF_ROWS * G);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < BH * PF_GROUPS; ++task) {
+            const int64_t bh = task / PF_GROUPS, r = task % PF_GROUPS;
+            float* part = partial.data() + task * n;
+            std::fill(part, part + n, 0.f);
+            for (int64_t c = r; c < chunks; c += PF_GROUPS) {
+                for (int64_t i0 = c * PF_CHUNK; i0 < std::min<int64_t>((c + 1) * PF_CHUNK, n); i0 += PF_ROWS) {
+                    const int64_t R = std::min<int64_t>(PF_ROWS, n - i0), L = i0 + R, T = (L + PF_TILE - 1) / PF_TILE;
+                    const int64_t rows = R * G;                        // row p = rr * G + g: position i0 + rr
+                    std::fill(rmax.begin(), rmax.end(), NEG_INF);
+                    // logits, PF_PAIRS rows at a time against each tile of keys; keys after a row's position: -inf
+                    for (int64_t p0 = 0; p0 < rows; p0 += PF_PAIRS) {
+                        const int np = (int)std::min<int64_t>(PF_PAIRS, rows - p0);
+                        for (int pp = 0; pp < PF_PAIRS; ++pp) {
+                            const int64_t p = std::min<int64_t>(p0 + pp, rows - 1), rr = p / G, g = p % G;
+                            const float* qi = q + ((bh * G + g) * n + i0 + rr) * d;
+                            for (int64_t c2 = 0; c2 < d; ++c2) qs[pp * d + c2] = qi[c2] * scale;
+                        }
+                        for (int64_t t = 0; t < T; ++t) {
+                            const float* kc = kt.data() + (bh * tiles + t) * d * PF_TILE;
+                            alignas(64) float acc[PF_PAIRS][PF_TILE] = {};
+                            for (int64_t c2 = 0; c2 < d; ++c2) {
+                                const float* kr = kc + c2 * PF_TILE;
+                                for (int pp = 0; pp < PF_PAIRS; ++pp) {
+                                    const float qc = qs[pp * d + c2];
 #pragma omp simd
-                        for (int j = 0; j < SIG_TILE; ++j) acc[j] += qc * kc[j];
+                                    for (int j = 0; j < PF_TILE; ++j) acc[pp][j] += qc * kr[j];
+                                }
+                            }
+                            for (int pp = 0; pp < np; ++pp) {
+                                const int64_t last = i0 + (p0 + pp) / G - t * PF_TILE;    // the row's position
+                                float* dst = logits.data() + (p0 + pp) * npad + t * PF_TILE;
+                                float m = rmax[p0 + pp];
+#pragma omp simd reduction(max : m)
+                                for (int j = 0; j < PF_TILE; ++j) {
+                                    dst[j] = j <= last ? acc[pp][j] : NEG_INF;
+                                    m = std::max(m, dst[j]);
+                                }
+                                rmax[p0 + pp] = m;
+                            }
+                        }
                     }
-                    const float l = lse[(bh * G + g) * n + i];
-                    // keys after query i (the diagonal tile only) are not read: -inf before exp, weight 0
-                    const int64_t last = i - j0;
+                    // unnormalised probabilities in place, each logit exponentiated once; 1 / their sum per row
+                    const int64_t Lp = T * PF_TILE;
+                    for (int64_t p = 0; p < rows; ++p) {
+                        float* x = logits.data() + p * npad;
+                        const float m = rmax[p];
+                        alignas(64) float lane[16] = {};
+                        for (int64_t j = 0; j < Lp; j += 16) {
 #pragma omp simd
-                    for (int j = 0; j < SIG_TILE; ++j)
-                        best[j] = std::max(best[j], exp_le0(j <= last ? acc[j] - l : NEG_INF));
+                            for (int u = 0; u < 16; ++u) {
+                                const float e = exp_le0(x[j + u] - m);
+                                x[j + u] = e;
+                                lane[u] += e;
+                            }
+                        }
+                        float sum = 0.f;
+                        for (int u = 0; u < 16; ++u) sum += lane[u];
+                        rinv[p] = 1.f / sum;
+                    }
+                    // significance: max over the group, summed over the block's positions
+                    for (int64_t rr = 0; rr < R; ++rr) {
+                        const float* x0 = logits.data() + rr * G * npad;
+                        const float* inv = rinv.data() + rr * G;
+                        const int64_t Li = i0 + rr + 1;
+#pragma omp simd
+                        for (int64_t j = 0; j < Li; ++j) {
+                            float best = x0[j] * inv[0];
+                            for (int64_t g = 1; g < G; ++g) best = std::max(best, x0[g * npad + j] * inv[g]);
+                            part[j] += best;
+                        }
+                    }
+                    // outputs, PF_PV rows at a time over the value rows
+                    for (int64_t p0 = 0; p0 < rows; p0 += PF_PV) {
+                        const int np = (int)std::min<int64_t>(PF_PV, rows - p0);
+                        const float* sp[PF_PV];
+                        float* op[PF_PV];
+                        for (int pp = 0; pp < np; ++pp) {
+                            const int64_t p = p0 + pp, rr = p / G, g = p % G;
+                            sp[pp] = logits.data() + p * npad;
+                            op[pp] = out + ((bh * G + g) * n + i0 + rr) * rv;
+                        }
+                        const float* vb = v + bh * n * rv;
+                        const float* iv = rinv.data() + p0;
+                        switch (np) {
+                            case 6: pv_rows<6>(sp, iv, vb, L, rv, op); break;
+                            case 5: pv_rows<5>(sp, iv, vb, L, rv, op); break;
+                            case 4: pv_rows<4>(sp, iv, vb, L, rv, op); break;
+                            case 3: pv_rows<3>(sp, iv, vb, L, rv, op); break;
+                            case 2: pv_rows<2>(sp, iv, vb, L, rv, op); break;
+                            default: pv_rows<1>(sp, iv, vb, L, rv, op); break;
+                        }
+                    }
                 }
-#pragma omp simd
-                for (int j = 0; j < SIG_TILE; ++j) sum[j] += best[j];
             }
-            float* out = score + bh * n + j0;
-            for (int64_t j = 0; j < w; ++j) out[j] = sum[j];
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; ++bh) {                       // the tasks' rows added in task order
+            float* sc = score + bh * n;
+            const float* pb = partial.data() + bh * PF_GROUPS * n;
+            std::memcpy(sc, pb, n * sizeof(float));
+            for (int r = 1; r < PF_GROUPS; ++r)
+#pragma omp simd
+                for (int64_t j = 0; j < n; ++j) sc[j] += pb[r * n + j];
         }
     }
     return 0;
