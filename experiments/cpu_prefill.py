@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+from functools import partial
 
 import torch
+from cpu_attention import median_ms
 
 from kvcal.runtime.backends.cpu.backend import fused_prefill
 
@@ -45,15 +46,14 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(*shape, generator=gen) for shape in ((1, H, g, n, d), (1, H, n, d), (1, H, n, d)))
         mask = torch.ones(1, n, n, dtype=torch.bool).tril()
-        fused_prefill(q, k, v, mask, d ** -0.5)                 # builds the library; warms both
-        flash(q, k, v, d ** -0.5)
-        times = {"fused": [], "flash": []}
+        calls = {"fused": partial(fused_prefill, q, k, v, mask, d ** -0.5), "flash": partial(flash, q, k, v, d ** -0.5)}
+        for fn in calls.values():                               # builds the library; warms both
+            fn()
+        times = {name: [] for name in calls}
         for _ in range(args.reps):
-            for name in times:
-                t = time.perf_counter()
-                fused_prefill(q, k, v, mask, d ** -0.5) if name == "fused" else flash(q, k, v, d ** -0.5)
-                times[name].append(time.perf_counter() - t)
-        fused_ms, flash_ms = (1000 * statistics.median(times[k]) for k in ("fused", "flash"))
+            for name, fn in calls.items():
+                times[name].append(median_ms(fn, 1))
+        fused_ms, flash_ms = (statistics.median(times[name]) for name in calls)
         rows.append({"model": model, "kv_heads": H, "group": g, "head_dim": d, "context": n,
                      "fused_ms": round(fused_ms, 1), "flash_ms": round(flash_ms, 1),
                      "ratio": round(fused_ms / flash_ms, 3)})

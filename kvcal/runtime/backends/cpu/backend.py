@@ -66,8 +66,9 @@ def fused_prefill(query, keys, values, mask, scale):
     v32 = F.pad(values.float(), (0, r_pad - r_v)).contiguous()
     out = torch.empty(B, H, g, n, r_pad, device=query.device)
     score = torch.empty(B, H, n, device=query.device)
-    load_library().kvcal_prefill(_ptr(q32), _ptr(k32), _ptr(v32), _ptr(out), _ptr(score), B, H, g, n, d, r_pad,
-                                 scale, torch.get_num_threads())
+    rc = load_library().kvcal_prefill(_ptr(q32), _ptr(k32), _ptr(v32), _ptr(out), _ptr(score), B, H, g, n, d,
+                                      r_pad, scale, torch.get_num_threads())
+    assert rc == 0, "value rows not padded to whole vectors of 16 floats"
     return (out if r_pad == r_v else out[..., :r_v].contiguous()), score
 
 
