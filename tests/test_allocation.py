@@ -261,3 +261,24 @@ def test_gauges_spend_the_misses_and_a_check_confirms():
     assert [r.split for r in rows] == ["evaluation"] * 2 and index == 3
     index, rows = confirm(6, searched, lambda i: _fid(0.5), target, 3, lambda i: _fid(0.6 - 0.01 * i), max_gauges=4)
     assert [r.split for r in rows][-1] == "evaluation" and index == 0 and not rows[-1].met
+
+
+def test_measuring_in_float32_gives_the_model_back_with_its_own_buffers():
+    """The search casts a bf16 model to float32 and back (`choose.measuring_in`): its parameters come back bf16 and
+    bit for bit, its float32 rotary frequencies as they were. A plain `.to()` there and back would round them to
+    bf16."""
+    from kvcal.profile.choose import measuring_in
+
+    model, _ = make_model("llama")
+    for p in model.parameters():                        # as a model loaded in bf16 is: float32 RoPE frequencies
+        p.data = p.data.bfloat16()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    assert any(b.dtype == torch.float32 for b in buffers.values())
+    restore = measuring_in(model, torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    restore()
+    assert all(torch.equal(p, params[n]) and p.dtype == torch.bfloat16 for n, p in model.named_parameters())
+    assert all(torch.equal(b, buffers[n]) and b.dtype == buffers[n].dtype for n, b in model.named_buffers())
+    model.to(torch.float32).to(torch.bfloat16)
+    assert any(b.dtype != buffers[n].dtype for n, b in model.named_buffers())     # what the helper avoids

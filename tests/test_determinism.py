@@ -17,16 +17,19 @@ SCRIPT = textwrap.dedent("""
     from kvcal.profile.calibrate import CalibrationConfig, calibrate
     search = sys.argv[5] == "search"
     calibrate(CalibrationConfig(model=sys.argv[2], out=sys.argv[4], random_tokens=512, text_tokens=512, seq_len=64,
-                                dataset=sys.argv[3], dtype="float32", search=search, context=160,
+                                dataset=sys.argv[3], dtype=sys.argv[6], search=search, context=160,
                                 search_windows=2, search_steps=32, eval_windows=1,
                                 accept_best=True))
 """)
 
 
-@pytest.mark.parametrize(("model_type", "search"), [("llama", "no-search"), ("gemma3_text", "no-search"),
-                                                     ("llama", "search")])
-def test_bundle_tensors_are_bit_identical_across_thread_counts(model_type, search, text_file, tmp_path):
-    """With the search on, the chosen settings (and so the rank tensors) must agree as well."""
+@pytest.mark.parametrize(("model_type", "search", "dtype"), [("llama", "no-search", "float32"),
+                                                              ("gemma3_text", "no-search", "float32"),
+                                                              ("llama", "search", "float32"),
+                                                              ("llama", "search", "bfloat16")])
+def test_bundle_tensors_are_bit_identical_across_thread_counts(model_type, search, dtype, text_file, tmp_path):
+    """With the search on, the chosen settings (and so the rank tensors) must agree as well; bfloat16: the passes
+    and the search's prompt prefills in bf16 (the default where the CPU computes bf16), the continuations in float32."""
     from conftest import save_model
     from safetensors.torch import load_file
 
@@ -37,7 +40,7 @@ def test_bundle_tensors_are_bit_identical_across_thread_counts(model_type, searc
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                              os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run([sys.executable, "-c", SCRIPT, str(threads), str(model_dir), str(text_file), str(out),
-                               search],
+                               search, dtype],
                               capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(out)

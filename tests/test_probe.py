@@ -140,3 +140,20 @@ def test_record_prompt_then_prime_serves_as_the_prefill_would():
     assert primed.kv.tier_counts() == live.kv.tier_counts()
     assert primed.memory()["total_bytes"] == live.memory()["total_bytes"]
     torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_bf16_prefill_is_shared_by_the_reference_and_the_measured_cache(model_type):
+    """With `prefill_dtype=bfloat16` the prompts are prefilled in bf16 and the reference and each measured
+    continuation run in float32 over the same recorded K/V: the reference moves by bf16 rounding (the prefill did run
+    in bf16), yet a cache that holds the prompt as recorded (raw tiers) still reads the reference to fp16 rounding,
+    so the prefill's rounding is not charged to compression."""
+    model, tok = make_model(model_type)
+    bundle = random_bundle(model, tok)
+    ids = tok([random_text(110, seed=5), random_text(110, seed=6)], return_tensors="pt").input_ids
+    probes = {dtype: DecodeProbe(model, bundle, ids[:, :40], ids[:, 40:], tokenizer=tok, prefill_dtype=dtype)
+              for dtype in (None, torch.bfloat16)}
+    assert (probes[None].ref.logp - probes[torch.bfloat16].ref.logp).abs().max() > 1e-4
+    fid = probes[torch.bfloat16].measure(CompressionConfig.none())
+    assert fid.top1 == 1.0
+    assert abs(fid.kl) < 1e-6

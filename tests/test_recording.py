@@ -34,6 +34,23 @@ def test_reference_is_the_dense_forward(model_type):
     assert (ref.target_logp - want.gather(-1, ids[:, P + 1:, None])[..., 0]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_bf16_prefill_leaves_a_float32_recording_within_bf16_rounding(model_type):
+    """`prefill_dtype=bfloat16` runs the prompt's matrix products in bf16 and the continuation in float32: every
+    recorded K/V and gradient is float32, and they differ from a float32 prefill's by bf16 rounding (unit roundoff
+    2^-9 per product, a few products deep), not more."""
+    model, tok = make_model(model_type)
+    ids = _ids(tok)
+    sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
+    exact, low = (_record_window(model, ids[:, :60], ids[:, 60:], sliding, prefill_dtype=dtype)
+                  for dtype in (None, torch.bfloat16))
+    assert 0 < (exact["ref"].logp - low["ref"].logp).abs().max() < 0.05
+    for i, tensors in low["kv"].items():
+        for got, want in zip(tensors, exact["kv"][i]):
+            assert got.dtype == torch.float32
+            assert (got - want).norm() <= 0.05 * want.norm()
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])
 def test_continuation_score_is_the_attention_of_one_dense_forward(model_type):
     """The attention each paged layer's keys get from the continuation's queries, summed by the recording's own

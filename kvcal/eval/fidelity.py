@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,26 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     logits = model.get_output_embeddings()(hidden).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def prefill_precision(model, dtype: torch.dtype | None) -> AbstractContextManager:
+    """The context a prompt's prefill runs in: its matrix products in `dtype` (`torch.autocast`, no weight copies
+    kept) where that is not the model's own dtype; else nothing. The calibration prefills its 4k prompts in the dtype
+    the model was loaded in (bf16 where the hardware computes it) and runs every continuation in float32: the dense
+    reference and each coded cache then read the same prefilled K/V, so the prefill's rounding is not charged to
+    compression, where a bf16 continuation's is (docs/calibration.md, "Prompts prefilled in bf16"). Cast what the
+    prefill leaves back with `in_model_dtype`."""
+    own = next(model.parameters())
+    if dtype is None or dtype == own.dtype:
+        return nullcontext()
+    return torch.autocast(own.device.type, dtype=dtype, cache_enabled=False)
+
+
+def in_model_dtype(model, records: dict) -> dict:
+    """`records` (layer -> (key, value, ...), as a recorded prefill or a cache holds them) with key and value in the
+    model's parameter dtype: under `prefill_precision` values come out of the projections in the prefill's dtype."""
+    dtype = next(model.parameters()).dtype
+    return {i: (key.to(dtype), value.to(dtype), *rest) for i, (key, value, *rest) in records.items()}
 
 
 def dense_cache(model, records: dict, keep: bool = True):

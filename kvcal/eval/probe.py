@@ -11,7 +11,15 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from kvcal.eval.fidelity import Fidelity, LogitScores, TopLogits, reference_top, teacher_force
+from kvcal.eval.fidelity import (
+    Fidelity,
+    LogitScores,
+    TopLogits,
+    in_model_dtype,
+    prefill_precision,
+    reference_top,
+    teacher_force,
+)
 from kvcal.eval.spilled import SpilledRecords
 
 
@@ -27,12 +35,15 @@ class DecodeProbe:
     @torch.inference_mode()
     def __init__(self, model, bundle, prompt: torch.Tensor, continuation: torch.Tensor, *, tokenizer=None,
                  fastgen=None, on_window: Callable[[], None] | None = None,
-                 on_reference: Callable[[int, dict], AbstractContextManager] | None = None):
+                 on_reference: Callable[[int, dict], AbstractContextManager] | None = None,
+                 prefill_dtype: torch.dtype | None = None):
         """`fastgen` (a FastGenConfig): also record each prompt's FastGen recovery statistics, so settings with
         FastGen can be measured (their r_l and r_f must equal these); needs `tokenizer`. `on_window()`: called as
         each window's recording is put away (a caller's heap trim: a window's prefill frees hundreds of MB).
         `on_reference(b, records)`: a context window b's reference forward runs in, given its recorded prefill (a
-        caller's capture of the continuation's queries and keys; a window at a time, so not with `fastgen`)."""
+        caller's capture of the continuation's queries and keys; a window at a time, so not with `fastgen`).
+        `prefill_dtype`: the prompts' prefill runs its matrix products in it (`prefill_precision`), the reference and
+        every measured continuation in the model's dtype, all of them reading the same recorded prompt."""
         if on_reference is not None and fastgen is not None:
             raise ValueError("`on_reference` sees one window at a time; FastGen's statistics record the whole batch")
         from kvcal.runtime.adapters import adapter_for
@@ -48,7 +59,9 @@ class DecodeProbe:
         sliding = [t == "sliding_attention" for t in adapter_for(model.config).layer_types]
         self.ref, self.records = None, SpilledRecords()
         for part in parts:
-            records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
+            with prefill_precision(model, prefill_dtype):
+                records, _ = KvcalCache.record_prompt(bundle, model, prompt[part], config, tokenizer=tokenizer)
+            records = in_model_dtype(model, records)
             with on_reference(part.start, records) if on_reference else nullcontext():
                 ref = reference_top(model, records, continuation[part])
             # the replay rounds K/V through the store's formats (at most fp16), so the recorded copies need no more

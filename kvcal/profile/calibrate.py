@@ -100,7 +100,8 @@ class CalibrationConfig:
     context: int | None = None          # deployment context the search measures at; default min(4096, model max)
     search_windows: int = 4             # windows of held-out calibration text per measured point (docs/calibration.md)
     search_prompt: int | None = None    # prompt tokens per window; default context - search_steps - 1
-    search_dtype: str = "float32"       # model dtype while measuring: bf16 rounding would be charged to compression
+    search_dtype: str = "float32"       # of every measured continuation (prompts prefill in the loaded dtype): a bf16
+                                        # continuation's rounding would be charged to compression (docs/calibration.md)
     search_steps: int = 256             # teacher-forced continuation per window (windows x steps predictions): long
                                         # enough that Algorithm 1's downgrades during decode are represented
     eval_windows: int = 4               # final, stepwise check of the chosen configuration on evaluation text
@@ -392,7 +393,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     t_search = time.perf_counter()
     if cfg.search:
         search_key = key + json.dumps([cfg.search_windows, P, cfg.search_steps, cfg.window, cfg.search_dtype,
-                                       "coded-probe"])
+                                       str(lm.model.dtype), "coded-probe"])
         search_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(search_key.encode()).hexdigest()[:16])
         report = choose_settings(lm, bundle, cfg, search_checkpoint, say, search_progress, prompt=P)
         checkpoint.resumed.update(search_checkpoint.resumed)

@@ -59,8 +59,9 @@ def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, p
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
 
-def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
-    """The search's recording of windows [n, P + M + 1] (kvcal.profile.recording), one progress step per window."""
+def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress, prefill_dtype: torch.dtype | None):
+    """The search's recording of windows [n, P + M + 1] (kvcal.profile.recording), one progress step per window,
+    the prompts prefilled in `prefill_dtype`."""
     t, M = time.perf_counter(), windows.shape[1] - P - 1
 
     def recorded(b: int, done: bool) -> None:
@@ -73,24 +74,40 @@ def _record(lm, windows: torch.Tensor, P: int, served, base, step: Progress):
 
     a = lm.adapter
     recording = record_search(lm.model, windows[:, :P], windows[:, P:], served, base, list(a.layer_types),
-                              a.head_dim, on_window=recorded)
+                              a.head_dim, on_window=recorded, prefill_dtype=prefill_dtype)
     release_memory()
     return recording
 
 
-def evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict, pick: list[int] | None = None):
+def evaluation_probes(lm, bundle, cfg, P: int, M: int, served, base, levels: dict, pick: list[int] | None = None,
+                      prefill_dtype: torch.dtype | None = None):
     """The evaluation windows recorded once for both of the confirmation's measurements: (the runtime's stepwise
     check, `DecodeProbe`; its gauge, the coded probe over the same recorded prompts). `pick`: only these of them
-    (experiments that look at one document)."""
+    (experiments that look at one document). `prefill_dtype`: the prompts' (`DecodeProbe`)."""
     a = lm.adapter
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "eval"), cfg.eval_windows,
                             P + (cfg.eval_steps or M) + 1, cfg.seed + 2, long_first=True)
     windows = windows if pick is None else windows[pick]
     held = HeldTokens(lm.model, base, list(a.layer_types), len(windows))
     check = DecodeProbe(lm.model, bundle, windows[:, :P], windows[:, P:], tokenizer=lm.tokenizer,
-                        on_window=release_memory, on_reference=held.capture)
+                        on_window=release_memory, on_reference=held.capture, prefill_dtype=prefill_dtype)
     recorded = recorded_prompts(check.prompt, check.continuation, check.records, check.ref, held, levels)
     return check, CodedProbe(lm.model, recorded, served, base, list(a.layer_types), a.head_dim)
+
+
+def measuring_in(model, dtype: torch.dtype) -> Callable[[], None]:
+    """Cast `model` to `dtype` for measuring; returns the call that casts it back as it was. Its buffers (rotary
+    frequencies, embedding scales) are put back as they were rather than cast there and back: a cast to bf16 would
+    round float32 RoPE frequencies, and the caller's model would attend at the wrong angles after calibration."""
+    before, buffers = model.dtype, dict(model.named_buffers())
+    model.to(dtype)
+
+    def restore() -> None:
+        model.to(before)
+        for name, buffer in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, buffer)
+    return restore
 
 
 def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], progress: Progress | None = None, *,
@@ -103,8 +120,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     windows = token_windows(lm.tokenizer, load_corpus(cfg.dataset, "search"), cfg.search_windows, P + M + 1,
                             cfg.seed + 1, long_first=True)
     model_dtype, placed = lm.model.dtype, getattr(lm.model, "hf_device_map", None) is not None
-    if not placed:                                  # an offloaded model stays as accelerate placed it
-        lm.model.to(DTYPES[cfg.search_dtype])
+    # an offloaded model stays as accelerate placed it
+    restore = (lambda: None) if placed else measuring_in(lm.model, DTYPES[cfg.search_dtype])
     a = lm.adapter
     base = base_settings(list(a.layer_types), window=cfg.window, head_dim=a.head_dim)
     seconds = {}
@@ -112,7 +129,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     t = time.perf_counter()
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base,
                           bundle.extras.get("qk.smoothing"))
-    recording = _record(lm, windows, P, served, base, step)
+    recording = _record(lm, windows, P, served, base, step, model_dtype)
     costs = recording.costs
     if recording.levels:                    # the levels the allocation's formats decode with
         bundle.extras.update(bundle_levels(recording.levels, len(a.layer_types), served.rotation.shape[1]))
@@ -157,7 +174,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     seconds["probes"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    eval_probe, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels)
+    eval_probe, gauge = evaluation_probes(lm, bundle, cfg, P, M, served, base, levels, prefill_dtype=model_dtype)
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks,
@@ -175,7 +192,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     search_meta = {
         "target": target.to_dict(),
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
-                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype},
+                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
+                  "prefill_dtype": str(model_dtype).removeprefix("torch.")},
         "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,
                                     "bits": h.bits.tolist(), "high": HIGH[h.high],
                                     "alpha_high": ALPHAS[h.alpha]} for h in hull],
@@ -189,8 +207,7 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     bundle.calibration["context"] = P + M + 1
     bundle.calibration["search"] = {**{k: v for k, v in search_meta.items() if k != "quality_model"},
                                     "held_out": _brief(held_out)}
-    if not placed:
-        lm.model.to(model_dtype)
+    restore()
     return {"search": search_meta, "held_out": held_out}
 
 

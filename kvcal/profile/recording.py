@@ -5,7 +5,9 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
 
 1. the prompt is prefilled densely without gradients, by the runtime's own prefill attention (`select_backend`'s
    `prefill`), which is exact and also gives each prompt token's significance, from which the runtime picks its heavy
-   hitters. Only decode queries read coded K/V;
+   hitters. Only decode queries read coded K/V. Its matrix products may run in the model's loaded dtype
+   (`prefill_dtype`, bf16 where the CPU computes it); the K/V it leaves are cast back and everything below runs in
+   the model's (float32) dtype over them;
 2. the continuation runs through that cache in one forward with gradients, scoring each next token (the head and
    the loss `HEAD_SLICE` positions at a time, so no [M, vocab] block and its gradient exist at once). This gives the
    dense reference (`TopLogits`), the attention each key gets from the continuation's queries (which tokens are heavy
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvcal.eval.fidelity import TopLogits, head_logits
+from kvcal.eval.fidelity import TopLogits, head_logits, in_model_dtype, prefill_precision
 from kvcal.eval.spilled import SpilledRecords
 from kvcal.profile.capture import attending_by
 from kvcal.profile.heap import trim_heap
@@ -209,11 +211,13 @@ def _recording(model, chunk: _Chunk):
 
 def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, served: ServedBases,
                   base: CompressionConfig, layer_types: list[str], head_dim: int, chunk: int | None = None,
-                  on_window: Callable[[int, bool], None] | None = None) -> Recording:
+                  on_window: Callable[[int, bool], None] | None = None,
+                  prefill_dtype: torch.dtype | None = None) -> Recording:
     """Record every window (module docstring), one at a time so that one window's activations and float32 K/V are
     alive at once; `on_window(b, done)` as window b starts and ends. `base`: the settings the allocation changes bits
-    of (window; no pruning, no FastGen: `quality_model`), at every threshold of `ALPHAS`. The model's parameters get no
-    gradient (their requires_grad is restored)."""
+    of (window; no pruning, no FastGen: `quality_model`), at every threshold of `ALPHAS`. `prefill_dtype`: the
+    prompts' prefill runs its matrix products in it (`fidelity.prefill_precision`), the continuations in the model's
+    dtype. The model's parameters get no gradient (their requires_grad is restored)."""
     if base.tiering.alpha_low > 0 or base.fastgen is not None:
         raise ValueError("the quality model predicts tiers and windows, not pruning or FastGen: use base settings "
                          "with alpha_low = 0 and no FastGen")
@@ -239,7 +243,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
         for b in range(B):
             if on_window:
                 on_window(b, False)
-            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk, exact_from)
+            window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk, exact_from,
+                                    prefill_dtype)
             trim_heap()
             S = window["S"]
             for layer in range(L):
@@ -401,7 +406,8 @@ def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, re
 
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool],
-                   chunk: int | None = None, exact_from: dict | None = None) -> dict:
+                   chunk: int | None = None, exact_from: dict | None = None,
+                   prefill_dtype: torch.dtype | None = None) -> dict:
     """One window: prompt [1, P], continuation [1, M + 1], its continuation in one graph (`chunk`: cut into graphs of
     that many tokens, each detached from the ones before: module docstring). Returns S = P + M; per layer the K/V of
     every token it reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding
@@ -417,8 +423,10 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     L = len(sliding)
     scores: dict = {i: None for i in range(L) if not sliding[i]}      # the layers whose significance counts
     # not inference_mode: the continuation's graph reads these tensors
-    with torch.no_grad(), _prefilling(model, scores):
+    with torch.no_grad(), _prefilling(model, scores), prefill_precision(model, prefill_dtype):
         model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:           # the continuation runs in the model's dtype (`prefill_precision`)
+        layer.keys, layer.values = in_model_dtype(model, {0: (layer.keys, layer.values)})[0]
     kept = {i: (layer.keys.half(), layer.values.half(), None) if not hasattr(layer, "cumulative_length")
             else (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
             for i, layer in enumerate(cache.layers)}
