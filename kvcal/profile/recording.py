@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvcal.eval.fidelity import TopLogits, head_logits, in_model_dtype, prefill_precision
+from kvcal.eval.fidelity import TopLogits, head_logits, prefill_precision
 from kvcal.eval.spilled import SpilledRecords
 from kvcal.profile.capture import attending_by
 from kvcal.profile.heap import trim_heap
@@ -425,8 +425,9 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     # not inference_mode: the continuation's graph reads these tensors
     with torch.no_grad(), _prefilling(model, scores), prefill_precision(model, prefill_dtype):
         model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    dtype = next(model.parameters()).dtype
     for layer in cache.layers:           # the continuation runs in the model's dtype (`prefill_precision`)
-        layer.keys, layer.values = in_model_dtype(model, {0: (layer.keys, layer.values)})[0]
+        layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
     kept = {i: (layer.keys.half(), layer.values.half(), None) if not hasattr(layer, "cumulative_length")
             else (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
             for i, layer in enumerate(cache.layers)}
