@@ -218,3 +218,76 @@ def test_the_windows_tokens_are_charged_at_the_high_tiers_format(exact_window):
     assert (costs.high_tokens[:, -1] == 0).all()
     charged = costs.high_costs[..., 1, -1]
     assert ((charged == 0) if exact_window else (charged > 0)).all() and (costs.high_costs[..., 0, :] == 0).all()
+
+
+def _softmax_case(q_scale: float, seed: int = 0):
+    """A paged layer of one KV head, two query heads, 64 tokens, 8 scored queries; every token out of the window
+    held low. -> (factors [H, len(BITS), 2], and what they are built from)."""
+    from types import SimpleNamespace
+
+    from kvcal.profile.allocate import base_settings
+    from kvcal.profile.quality_model import BITS, add_softmax_factors
+
+    gen = torch.Generator().manual_seed(seed)
+    H, g, S, n, d = 1, 2, 64, 8, 32
+    base = base_settings(["full_attention"], window=4)
+    key, value = torch.randn(1, H, S, d, generator=gen), torch.randn(1, H, S, d, generator=gen)
+    query = torch.randn(H * g, n, d, generator=gen) * q_scale
+    d_out = torch.randn(H * g, n, d, generator=gen)
+    positions = torch.arange(S - n, S)
+    rotation = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]           # an orthogonal served basis
+    served = SimpleNamespace(rotation=rotation[None, None], query_rotation=rotation[None, None])
+    held = torch.zeros(H, S, dtype=torch.bool)
+    held[:, :S - 4] = True
+    factors = torch.zeros(H, len(BITS), 2, dtype=torch.float64)
+    levels = {("k", bits): torch.arange(1 << bits, dtype=torch.float32)[None] for bits in (4, 2)}   # uniform
+    add_softmax_factors(factors, 0, query, d_out, positions, d ** -0.5, key, value, held, served, base, False, d,
+                        S - n, S, levels)
+    return factors, (base, key, value, query, d_out, positions, rotation, held)
+
+
+def test_the_softmax_factor_is_the_exact_output_change_over_its_linearisation():
+    """`add_softmax_factors`' numerator is Σ (g_o · Δo)² of the attention outputs when each scored query reads the
+    held tokens older than its window coded (computed here query by query, through the softmax over its own keys), and
+    its ratio to the linearised one is 1 for small logit shifts and far from 1 for large ones."""
+    from kvcal.profile.quality_model import (
+        BITS,
+        SOFTMAX_BITS,
+        coded_keys,
+        first_exact,
+        key_block,
+        layer_format,
+        softmax_factor,
+    )
+
+    factors, (base, key, value, query, d_out, positions, rotation, held) = _softmax_case(3.0)
+    k, v, d = key[0, 0], value[0, 0], key.shape[-1]
+    for b, bits in enumerate(BITS):
+        if bits not in SOFTMAX_BITS:
+            assert (factors[:, b] == 0).all()
+            continue
+        fmt = layer_format(base, False, bits, bits)
+        x = k @ rotation
+        coded = x.clone()
+        lut = torch.arange(1 << bits, dtype=torch.float32)[None]
+        coded[held[0]] = coded_keys(x[held[0]][None], fmt, key_block(base, fmt, d, False), lut)[0]
+        coded = coded @ rotation.T
+        want = 0.0
+        for i, pos in enumerate(positions.tolist()):
+            moved = 0.0
+            first = int(first_exact(base, False, torch.tensor([pos]), 0, 64)[0])
+            read = torch.where((torch.arange(64) < first)[:, None] & held[0][:, None], coded, k)[:pos + 1]
+            for h in range(2):
+                q = query[h, i]
+                logits = torch.stack([q @ read.T, q @ k[:pos + 1].T]) * d ** -0.5
+                coded_out, exact_out = logits.softmax(-1) @ v[:pos + 1]
+                moved += float(d_out[h, i].double() @ (coded_out - exact_out).double())
+            want += moved ** 2
+        assert factors[0, b, 0] == pytest.approx(want, rel=1e-4)
+    small = softmax_factor(_softmax_case(1e-3)[0])[0]
+    large = softmax_factor(factors)[0]
+    for b, bits in enumerate(BITS):
+        if bits in SOFTMAX_BITS:
+            assert abs(float(small[b]) - 1) < 1e-3, bits
+    assert abs(float(large[BITS.index(2)]) - 1) > 0.1
+    assert (softmax_factor(factors)[:, [b for b, bits in enumerate(BITS) if bits not in SOFTMAX_BITS]] == 1).all()
