@@ -63,20 +63,16 @@ def layer_steps(args, costs, measure, layers: int, predictions: int, record_seco
                              "predicted": costs.predicted(step, 0, BASE_ALPHA) - start,
                              "measured_kl": fid.kl - first.kl})
                 rows[-1]["ratio"] = rows[-1]["measured_kl"] * predictions / max(rows[-1]["predicted"], 1e-30)
-                rows[-1]["softmax_factor"] = (float(costs.key_softmax[layer, :, BITS.index(bits)].mean())
-                                              if name == "K" else 1.0)
                 print(f"layer {layer:2d} {name}{bits}  predicted +{rows[-1]['predicted']:.4g}  measured KL "
-                      f"+{rows[-1]['measured_kl']:.3g}  ratio {rows[-1]['ratio']:.2f}  softmax factor "
-                      f"{rows[-1]['softmax_factor']:.2f}", flush=True)
+                      f"+{rows[-1]['measured_kl']:.3g}  ratio {rows[-1]['ratio']:.2f}", flush=True)
     how = f"in chunks of {args.chunk}" if args.chunk else "whole"
     print(f"\n{args.model} at {args.context}, recording {how}: "
           f"all 8 bits measure KL {first.kl:.3g}, top-1 {first.top1:.3f}; ratio = measured KL x {predictions} "
           "predictions / predicted\n")
-    print("| layer | side | bits | predicted loss | softmax factor in it | measured KL | ratio | top-1 |\n"
-          "|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| layer | side | bits | predicted loss | measured KL | ratio | top-1 |\n|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['layer']} | {r['side']} | {r['bits']} | {r['predicted']:.4g} | {r['softmax_factor']:.2f} | "
-              f"{r['measured_kl']:.3g} | {r['ratio']:.2f} | {r['top1']:.3f} |")
+        print(f"| {r['layer']} | {r['side']} | {r['bits']} | {r['predicted']:.4g} | {r['measured_kl']:.3g} | "
+              f"{r['ratio']:.2f} | {r['top1']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "context": args.context, "steps": args.steps, "windows": args.windows,

@@ -106,8 +106,6 @@ class FormatCosts:
                                  # high tier (its heavy hitters, the scored queries' windows) in each format
     high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
     high_tokens: torch.Tensor    # float64 [L, len(ALPHAS)]: tokens each layer holds in its high tier (per KV head)
-    key_softmax: torch.Tensor | None = None  # float64 [L, H, len(BITS)]: the softmax factor `costs`' keys carry
-                                             # (`softmax_factor`), 1 where not measured
 
     def per_head(self, bits: torch.Tensor) -> torch.Tensor:
         """bits long [L, 2] (every KV head of a layer alike) or [L, H, 2] -> [L, H, 2]."""
@@ -357,71 +355,6 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, k
             for b, spec in enumerate(HIGH):
                 errors = coding_errors(x[h][None], g2[h][None], TierFormat.parse(spec), side, 1)[0]
                 high_costs[h, s, b] += _masked_sums(errors, high[:, h])
-
-
-SOFTMAX_BITS = (4, 2)        # key widths whose softmax factor is measured; wider codes move logits too little
-SOFTMAX_QUERIES = 64         # scored queries per window the factor reads (evenly strided): a ratio, not a sum
-
-
-@torch.no_grad()
-def add_softmax_factors(factors: torch.Tensor, layer: int, query: torch.Tensor, d_out: torch.Tensor,
-                        positions: torch.Tensor, scale: float, key: torch.Tensor, value: torch.Tensor,
-                        held: torch.Tensor, served: ServedBases, base: CompressionConfig, sliding: bool,
-                        head_dim: int, prompt: int, sliding_window: int, levels: dict | None = None) -> None:
-    """Accumulate one window's softmax factor terms of a layer's keys into factors float64 [H, len(BITS), 2].
-
-    ½ Σ g² δ² linearises each key's effect; a 2-bit key moves its logits by amounts the softmax does not pass on
-    linearly. For each format of `SOFTMAX_BITS`, the attention outputs of the scored queries are computed with the
-    held tokens' keys coded (read coded where `first_exact` says so) through the exact softmax (Δo) and through its
-    first-order expansion (Δo_lin), each projected on the outputs' gradients per query position: factors[h, b] +=
-    (Σ (g_o · Δo)², Σ (g_o · Δo_lin)²). Their ratio (`softmax_factor`) scales the key costs; for a small δ it is 1.
-
-    query, d_out float32 [Hq, n, d]: scored queries (model basis, after RoPE) at `positions` long [n], and the
-    gradient of the loss by their attention outputs; key, value [1, H, S, d]; held bool [H, S]: the tokens the layer
-    holds in its allocated format (base threshold)."""
-    H, S = key.shape[1], key.shape[2]
-    g = query.shape[0] // H
-    at = torch.arange(S)
-    visible = at[None, :] <= positions[:, None]                                                    # [n, S]
-    if sliding:
-        visible &= at[None, :] > positions[:, None] - sliding_window
-    reads = visible & (at[None, :] < first_exact(base, sliding, positions, prompt, sliding_window)[:, None])
-    for h in range(H):
-        q = query[h * g:(h + 1) * g].reshape(-1, query.shape[-1])                                # [g n, d]
-        grad = d_out[h * g:(h + 1) * g].reshape(-1, d_out.shape[-1])                             # [g n, d]
-        k, v = key[0, h].float(), value[0, h].float()
-        logits = (q @ k.T * scale).masked_fill_(~visible.repeat(g, 1), float("-inf"))           # [g n, S]
-        p = logits.softmax(-1)
-        out = p @ v
-        x = k @ served.rotation[layer, h]                                                        # [S, r]
-        q_served = q @ served.query_rotation[layer, h]
-        mask = held[h]
-        coded_reads = (reads & mask[None, :]).repeat(g, 1)
-        for b, bits in enumerate(BITS):
-            if bits not in SOFTMAX_BITS:
-                continue
-            fmt = layer_format(base, sliding, bits, bits)
-            lut = (levels or {}).get(("k", bits))
-            lut = None if lut is None else lut[h:h + 1]
-            delta = torch.zeros_like(x)
-            if fmt.k_mode == "channel":
-                delta[mask] = coded_keys(x[mask][None], fmt, key_block(base, fmt, head_dim, sliding), lut)[0] - x[mask]
-            else:
-                delta[mask] = (coded_keys(x[None], fmt, 1, lut)[0] - x)[mask]
-            shift = (q_served @ delta.T * scale).masked_fill_(~coded_reads, 0.0)                  # [g n, S]
-            exact = (logits + shift).softmax(-1) @ v - out
-            linear = (p * (shift - (p * shift).sum(-1, keepdim=True))) @ v
-            # the loss moves by g_o . Δo at each query position, summed over the KV head's query heads
-            for k, delta_out in enumerate((exact, linear)):
-                moved = (grad * delta_out).sum(-1).view(g, -1).sum(0).double()                       # [n]
-                factors[h, b, k] += float((moved ** 2).sum())
-
-
-def softmax_factor(factors: torch.Tensor) -> torch.Tensor:
-    """factors float64 [..., 2] (`add_softmax_factors`, summed over windows) -> float64 [...]: Σ (g_o · Δo)² over
-    Σ (g_o · Δo_lin)², 1 where nothing was measured."""
-    num, den = factors.unbind(-1)
-    return torch.where(den > 0, num / den.clamp(min=1e-300), torch.ones_like(den))
 
 
 def _masked_sums(errors: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

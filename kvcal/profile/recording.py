@@ -51,10 +51,8 @@ from kvcal.profile.quality_model import (
     BITS,
     HIGH,
     SIDES,
-    SOFTMAX_QUERIES,
     FormatCosts,
     add_layer_costs,
-    add_softmax_factors,
     continuation_score,
     first_exact,
     fit_layer_levels,
@@ -62,7 +60,6 @@ from kvcal.profile.quality_model import (
     layer_format,
     newest_exact,
     side_bytes,
-    softmax_factor,
 )
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.storage.bases import ServedBases
@@ -164,10 +161,6 @@ def _recording_attention(module, query, key, value, attention_mask, *args, scali
         coded = (reads, chunk.coded.setdefault(module.layer_idx, []))
     out = _GroupedAttention.apply(query.reshape(B, H, Hq // H, n, d), key, value, mask, scale,
                                   chunk.scores.get(module.layer_idx), coded)
-    if out.requires_grad:               # the scored queries and their outputs' gradient, for the softmax factor
-        kept = [query.detach(), None, scale]
-        chunk.outputs.setdefault(module.layer_idx, []).append(kept)
-        out.register_hook(functools.partial(_keep_output_gradient, kept))
     return out.reshape(B, Hq, n, -1).transpose(1, 2).contiguous(), None       # [B, n, Hq, d]
 
 
@@ -181,7 +174,6 @@ class _Chunk:
     exact_from: dict = field(default_factory=dict)  # sliding layer -> long [positions]: the first key each query
                                                     # reads exact; its K/V gradients count the coded reads only
     coded: dict = field(default_factory=dict)   # sliding layer -> [(g_key, g_value) [1, H, S, d]], by the backward
-    outputs: dict = field(default_factory=dict)  # layer -> [[query [1, Hq, n, d], d_out [1, H, g, n, d], scale]]
     end: int = 0                                # the position after this forward's last query
 
 
@@ -235,7 +227,6 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     A = len(ALPHAS)
     costs = torch.zeros(L, H, 2, len(BITS), A, dtype=torch.float64)
     high_costs = torch.zeros(L, H, 2, len(HIGH), A, dtype=torch.float64)
-    factors = torch.zeros(L, H, len(BITS), 2, dtype=torch.float64)       # `add_softmax_factors`, summed
     tokens, high_tokens = torch.zeros(L, A, dtype=torch.float64), torch.zeros(L, A, dtype=torch.float64)
     records = SpilledRecords()
     held_by_end: dict = {}
@@ -280,9 +271,6 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                                                      layer, head_dim)
                 add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held,
                                 read_high, served, base, sliding[layer], head_dim, levels.get(layer))
-                query, d_out, at, scale = window["softmax"][layer]
-                add_softmax_factors(factors[layer], layer, query, d_out, at, scale, key, value, held[BASE_ALPHA],
-                                    served, base, sliding[layer], head_dim, P, window_size, levels.get(layer))
                 if not sliding[layer]:
                     held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
                     held_by_end[layer][:, b] = held
@@ -301,11 +289,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                            for layer in range(L)], dtype=torch.float64)
     high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, base, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
-    key_softmax = softmax_factor(factors)                                                 # [L, H, len(BITS)]
-    costs[:, :, 0] *= key_softmax[..., None]
     return Recording(prompt, continuation, records, ref, held_by_end,
-                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens, key_softmax),
-                     levels)
+                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)
 
 
 class _HeldCollector:
@@ -402,11 +387,6 @@ class _InPlaceLayer(DynamicLayer):
         self.keys, self.values = (b[..., :self.length, :] for b in self.buffers)
 
 
-def _keep_output_gradient(kept: list, grad: torch.Tensor) -> None:
-    """An attention output's gradient hook: keep grad [1, H, g, n, d] beside the chunk's queries."""
-    kept[1] = grad.detach().float()
-
-
 def _add_gradient(total: torch.Tensor, lo: int, hi: int, grad: torch.Tensor) -> None:
     """A K/V tensor's gradient hook: add grad [1, H, hi - lo, d] into total[:, :, lo:hi]."""
     total[:, :, lo:hi] += grad.float()
@@ -434,9 +414,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     layer's tokens that no continuation query reads are zero in both), a paged layer's prefill significance
     ("prefill_score": [H, P]; a sliding layer's None), a paged layer's attention summed over the continuation's
     queries ("continuation_score": [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros),
-    the prompt's record ("prompt"); the reference ("ref", TopLogits [1, M, k]); and per layer `SOFTMAX_QUERIES`
-    strided scored queries with their attention outputs' gradients ("softmax": query, d_out float32 [Hq, n, d],
-    positions long [n], scale; `quality_model.add_softmax_factors`). exact_from: sliding layer ->
+    the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k]). exact_from: sliding layer ->
     long [>= S], for each query position the first key it reads exact (`quality_model.first_exact`): that layer's
     K/V gradients count only the queries that read them coded."""
     from transformers import DynamicCache
@@ -502,16 +480,9 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
         del hidden, d_hidden, embeds
         trim_heap()          # each chunk frees hundreds of MB in pieces the heap would keep (kvcal.profile.heap)
     ref = TopLogits.cat(refs)
-    picked = torch.arange(M)[::max(M // SOFTMAX_QUERIES, 1)][:SOFTMAX_QUERIES]   # the softmax factor's queries
-    softmax = {}
-    for i, kept_outputs in chunk_state.outputs.items():
-        query = torch.cat([q[0].float() for q, _, _ in kept_outputs], 1)                   # [Hq, M, d]
-        d_out = torch.cat([g[0].flatten(0, 1) for _, g, _ in kept_outputs], 1)             # [Hq, M, d]
-        softmax[i] = (query[:, picked], d_out[:, picked], P + picked, kept_outputs[0][2])
-    chunk_state.outputs.clear()
     kv = {i: (*grads[i][2:], *grads[i][:2]) if kept[i][2] is not None
           else (cache.layers[i].keys.float(), cache.layers[i].values.float(), *grads[i]) for i in range(L)}
     return {"S": S, "kv": kv, "prefill_score": {i: scores[i][0] if i in scores else None for i in range(L)},
             "continuation_score": {i: chunk_state.scores[i][0] if i in chunk_state.scores
                                    else torch.zeros(kv[i][0].shape[1], S) for i in range(L)},
-            "prompt": kept, "ref": ref, "softmax": softmax}
+            "prompt": kept, "ref": ref}
