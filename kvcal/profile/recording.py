@@ -12,9 +12,8 @@ A window is a prompt of P tokens and a continuation of M + 1 (M scored predictio
    the loss `HEAD_SLICE` positions at a time, so no [M, vocab] block and its gradient exist at once). This gives the
    dense reference (`TopLogits`), the attention each key gets from the continuation's queries (which tokens are heavy
    hitters; summed in the attention's own forward), and g = dL/dK, dL/dV for every cached token at the deployment
-   context, where L is the continuation's summed next-token loss with labels drawn from the model's own next-token
-   distribution (one per position, seeded per window), so that g g^T estimates the curvature of the KL to dense.
-   These are the gradients of the K/V that decode queries read, which is what coding them perturbs.
+   context, where L is the continuation's summed next-token loss. These are the gradients of the K/V that decode
+   queries read, which is what coding them perturbs.
 
 The continuation is one graph because a key coded in layer l changes the hidden states of every continuation token
 above l, and later queries read those tokens' keys and values. Cutting the graph into chunks drops that path, which
@@ -245,7 +244,7 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
             if on_window:
                 on_window(b, False)
             window = _record_window(model, prompt[b:b + 1], continuation[b:b + 1], sliding, chunk, exact_from,
-                                    prefill_dtype, torch.Generator().manual_seed(b))
+                                    prefill_dtype)
             trim_heap()
             S = window["S"]
             for layer in range(L):
@@ -393,21 +392,14 @@ def _add_gradient(total: torch.Tensor, lo: int, hi: int, grad: torch.Tensor) -> 
     total[:, :, lo:hi] += grad.float()
 
 
-def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, refs: list,
-                          labels: torch.Generator | None = None) -> torch.Tensor:
-    """dL/d(hidden) of the summed next-token loss L over final hidden states [1, n, D], the head run `HEAD_SLICE`
-    positions at a time; each slice's reference (TopLogits, against the true next tokens targets [1, n]) is appended
-    to `refs`. L's labels are the true next tokens, or with `labels` one drawn per position from the model's own
-    next-token distribution by that generator: then g g^T estimates the Fisher of the model's distribution, the
-    curvature of the KL to dense that the target measures, where text labels weigh the positions the model gets
-    wrong (docs/calibration.md, "The model's own labels")."""
+def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, refs: list) -> torch.Tensor:
+    """dL/d(hidden) of the summed next-token loss L over final hidden states [1, n, D] with true next tokens targets
+    [1, n], the head run `HEAD_SLICE` positions at a time; each slice's reference (TopLogits) is appended to `refs`."""
     d_hidden = torch.zeros_like(hidden)
     for s in range(0, hidden.shape[1], HEAD_SLICE):
         part = hidden[:, s:s + HEAD_SLICE].detach().requires_grad_(True)
         logits = head_logits(model, part)
-        y = (targets[0, s:s + HEAD_SLICE] if labels is None
-             else torch.multinomial(logits[0].detach().float().softmax(-1), 1, generator=labels)[:, 0])
-        loss = torch.nn.functional.cross_entropy(logits[0], y, reduction="sum")
+        loss = torch.nn.functional.cross_entropy(logits[0], targets[0, s:s + HEAD_SLICE], reduction="sum")
         d_hidden[:, s:s + HEAD_SLICE] = torch.autograd.grad(loss, part)[0]
         refs.append(TopLogits.of(logits.detach(), targets[:, s:s + HEAD_SLICE]))
     return d_hidden
@@ -415,7 +407,7 @@ def _sliced_loss_gradient(model, hidden: torch.Tensor, targets: torch.Tensor, re
 
 def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, sliding: list[bool],
                    chunk: int | None = None, exact_from: dict | None = None,
-                   prefill_dtype: torch.dtype | None = None, labels: torch.Generator | None = None) -> dict:
+                   prefill_dtype: torch.dtype | None = None) -> dict:
     """One window: prompt [1, P], continuation [1, M + 1], its continuation in one graph (`chunk`: cut into graphs of
     that many tokens, each detached from the ones before: module docstring). Returns S = P + M; per layer the K/V of
     every token it reads and their gradients ("kv": key, value, g_key, g_value float32 [1, H, S, d]; a sliding
@@ -424,8 +416,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
     queries ("continuation_score": [H, S], as `quality_model.continuation_score` sums it; a sliding layer's zeros),
     the prompt's record ("prompt"); and the reference ("ref", TopLogits [1, M, k]). exact_from: sliding layer ->
     long [>= S], for each query position the first key it reads exact (`quality_model.first_exact`): that layer's
-    K/V gradients count only the queries that read them coded. labels: the loss's labels are drawn by it from the
-    model's own distribution (`_sliced_loss_gradient`; None: the true next tokens)."""
+    K/V gradients count only the queries that read them coded."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -459,7 +450,7 @@ def _record_window(model, prompt: torch.Tensor, continuation: torch.Tensor, slid
         with torch.enable_grad(), _recording(model, chunk_state):
             embeds = embed(continuation[:, t:end]).detach().requires_grad_(True)
             hidden = model.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
-            d_hidden = _sliced_loss_gradient(model, hidden, continuation[:, t + 1:end + 1], refs, labels)
+            d_hidden = _sliced_loss_gradient(model, hidden, continuation[:, t + 1:end + 1], refs)
             for i in range(L):
                 _, key, value = seen[i]
                 n = key.shape[2]                                 # the tokens this chunk's queries read: the last n
