@@ -179,6 +179,68 @@ def test_predicted_losses_place_the_probes_and_the_bytes_end_the_search():
     assert (flat, [p.index for p in probes]) == (halving, [p.index for p in plain])
 
 
+def test_the_hulls_moves_past_a_point_are_its_own_and_the_path_orders_them_by_measured_loss_per_byte():
+    """`hull_steps` lists the groups the hull moves next, each once, as they move; `measured_path` takes them in the
+    order of the measured increases it is given (not the table's), its predictions rise, and its end holds them all."""
+    from kvcal.profile.allocate import hull_steps, measured_path
+
+    costs = _table(L=4, H=2, seed=3)
+    hull = frontier(costs)
+    start = 8                       # the high tier and the threshold stay as they are from here for 12 points
+    assert len({(a.high, a.alpha) for a in hull[start:start + 12]}) == 1
+    moves = hull_steps(hull, start, 4)
+    assert len(moves) == 4
+    assert len({(m.layer, m.side, h) for m in moves for h in m.heads}) == sum(len(m.heads) for m in moves)
+    for m in moves:         # each move is one the hull makes: those entries reach these bits further on
+        assert hull[start].bits[m.layer, list(m.heads), m.side].gt(torch.tensor(m.bits)).all()
+        assert any(a.bits[m.layer, list(m.heads), m.side].tolist() == list(m.bits) for a in hull[start + 1:])
+    # measured increases that reverse the table's order of loss per byte
+    s = hull[start]
+    saved = [s.held_bytes - Allocation.of(costs, m.applied(s.bits), s.high, s.alpha).held_bytes for m in moves]
+    added = [saved[j] * (len(moves) - j) for j in range(len(moves))]          # the last move: cheapest per byte
+    path = measured_path(costs, s, moves, added)
+    assert len(path) == len(moves)
+    assert path[0].bits.equal(moves[-1].applied(s.bits))
+    end = s.bits
+    for m in moves:
+        end = m.applied(end)
+    assert path[-1].bits.equal(end)
+    assert all(a.predicted < b.predicted and a.held_bytes > b.held_bytes for a, b in zip([s, *path], path))
+    assert path[-1].predicted == pytest.approx(s.predicted + sum(added))
+    # a move not measured: the table's increase at the measured moves' median ratio to it (here 10)
+    table = [Allocation.of(costs, m.applied(s.bits), s.high, s.alpha).predicted - s.predicted for m in moves]
+    path = measured_path(costs, s, moves, [10 * t for t in table[:-1]] + [None])
+    assert path[-1].predicted == pytest.approx(s.predicted + 10 * sum(table))
+
+
+def test_a_bisection_continued_from_known_probes_spends_its_probes_past_them():
+    """Known probes bracket the search from the start: no probe at or below the known point that meets, at most
+    `max_probes` new ones, and the same answer as a search that measured everything itself."""
+    from kvcal.eval import QualityTarget
+    from kvcal.profile.budget import Probe, bisect
+
+    target = QualityTarget(0.97, 1.02, 1.5)
+    quality = [1.0 - 0.001 * i for i in range(40)]
+    fresh, _ = bisect(40, lambda i: _fid(quality[i]), target, max_probes=8)
+    known = [Probe(5, "search", _fid(quality[5]), True)]
+    seen = []
+    index, probes = bisect(40, lambda i: seen.append(i) or _fid(quality[i]), target, 6, known=known)
+    assert index == fresh and probes[0] is known[0] and len(seen) <= 6 and min(seen) > 5
+
+
+def test_a_hull_is_coarse_where_its_next_point_missed_and_saves_more_than_the_resolution():
+    from kvcal.profile.budget import RESOLUTION, Probe, coarse
+
+    held = [1.0, 0.99, 0.95, 0.94]
+    miss = lambda i: Probe(i, "search", _fid(0.9), False)          # noqa: E731
+    meet = lambda i: Probe(i, "search", _fid(1.0), True)           # noqa: E731
+    assert 1 - 0.99 <= RESOLUTION < 0.99 - 0.95
+    assert coarse(1, [meet(1), miss(2)], held)                      # 4% in one step
+    assert not coarse(0, [meet(0), miss(1)], held)                  # 1%: the bisection resolved it
+    assert not coarse(1, [meet(1), miss(3)], held)                  # the next point was not probed
+    assert not coarse(3, [meet(3)], held) and not coarse(-1, [miss(0)], held)
+
+
 def test_confirmation_steps_back_by_the_measured_gap():
     from kvcal.eval import QualityTarget
     from kvcal.profile.budget import Probe, confirm

@@ -88,7 +88,7 @@ def search_rows(t: Table, bundle: Bundle, search: dict) -> None:
                            style="yellow"))
     t.add_row("size", bytes_in_words(chosen["bytes_ratio"], fp16_bytes_per_token(bundle)))
     if chosen.get("stage") == "confirm":      # chosen by the quality model: its row is the check on evaluation text
-        probed = [p for p in search.get("path", []) if p["stage"] == "probe" and p["index"] == chosen["index"]]
+        probed = [p for p in search.get("path", []) if p["stage"] == "probe" and p["label"] == chosen["label"]]
         t.add_row("quality", f"evaluation text: {_quality(chosen)}")
         if probed:
             t.add_row("", f"search text: {_quality(probed[-1])}")

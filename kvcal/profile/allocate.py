@@ -13,6 +13,11 @@ point within it (`allocate`). The cost is linear in groups × choices, a few mil
     hull = frontier(costs)              # [Allocation], predicted loss ascending, bytes descending
     bits = allocate(costs, budget).bits
     config = to_config(base, costs, allocation)
+
+Past a point that meets the target, the hull's next moves (`hull_steps`) can be measured one at a time and taken in
+the order of their measured loss per byte, the others in the table's order (`measured_path`): the table prices each
+move from one recording, and a move whose error the network amplifies more than its gradient says is priced too
+cheap (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -115,6 +120,66 @@ def allocate(costs: FormatCosts, budget: float) -> Allocation:
     hull = frontier(costs)
     within = [a for a in hull if a.predicted <= budget]
     return min(within, key=lambda a: a.held_bytes) if within else hull[0]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One move of the hull: the entries of one (layer, side) that change together (every KV head of a sliding
+    layer; one head of a paged layer) and the bits each takes."""
+
+    layer: int
+    side: int                                # 0: keys, 1: values
+    heads: tuple[int, ...]
+    bits: tuple[int, ...]                    # per head in `heads`, entries of BITS
+
+    def applied(self, bits: torch.Tensor) -> torch.Tensor:
+        """bits long [L, H, 2] with this move made (a copy)."""
+        bits = bits.clone()
+        bits[self.layer, list(self.heads), self.side] = torch.tensor(self.bits)
+        return bits
+
+    def __str__(self) -> str:
+        return f"layer {self.layer} {'KV'[self.side]} heads {','.join(map(str, self.heads))} -> {self.bits[0]} bits"
+
+
+def hull_steps(hull: list[Allocation], start: int, count: int) -> list[Step]:
+    """The first `count` moves the hull makes past hull[start], in hull order: the entries that change between
+    consecutive points, one move per (layer, side) and KV head (its first). Stops where the high tier or the
+    heavy-hitter threshold changes: a move is then not one group's."""
+    steps, seen = [], set()
+    for a, b in zip(hull[start:], hull[start + 1:]):
+        if (a.high, a.alpha) != (b.high, b.alpha) or len(steps) >= count:
+            break
+        changed = (a.bits != b.bits).nonzero().tolist()                     # [(layer, head, side)]
+        for layer, side in dict.fromkeys((layer, side) for layer, _, side in changed):
+            heads = tuple(h for m, h, s in changed if (m, s) == (layer, side) and (layer, h, side) not in seen)
+            if heads and len(steps) < count:
+                seen.update((layer, h, side) for h in heads)
+                steps.append(Step(layer, side, heads, tuple(b.bits[layer, h, side].item() for h in heads)))
+    return steps
+
+
+def measured_path(costs: FormatCosts, start: Allocation, steps: list[Step], added: list[float | None]
+                  ) -> list[Allocation]:
+    """`start` with the moves taken one more at a time, cheapest in loss per byte saved first: `added`
+    [len(steps)], each move's loss increase measured alone on `start` (in the table's units), or None where it was
+    not measured: the table's increase times the median ratio of measured to table increases (the table ranks the
+    moves it was not asked about; the measurements correct its scale). A path point's `predicted` is start's plus
+    the increases it holds (the first-order sum the table also assumes), so the path's predictions rise as the
+    hull's do."""
+    moved = [Allocation.of(costs, s.applied(start.bits), start.high, start.alpha) for s in steps]
+    table = [a.predicted - start.predicted for a in moved]
+    ratios = sorted(m / t for m, t in zip(added, table) if m is not None and t > 0)
+    scale = ratios[len(ratios) // 2] if ratios else 1.0
+    added = [max(t * scale if m is None else m, 0.0) for m, t in zip(added, table)]
+    saved = [start.held_bytes - a.held_bytes for a in moved]
+    order = sorted(range(len(steps)), key=lambda j: added[j] / max(saved[j], 1e-12))
+    path, bits, predicted = [], start.bits, start.predicted
+    for j in order:
+        bits = steps[j].applied(bits)
+        predicted += added[j] + 1e-12 * max(abs(predicted), 1.0)                    # strictly rising
+        path.append(dataclasses.replace(Allocation.of(costs, bits, start.high, start.alpha), predicted=predicted))
+    return path
 
 
 def to_config(base: CompressionConfig, costs: FormatCosts, allocation: Allocation) -> CompressionConfig:

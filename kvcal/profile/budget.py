@@ -9,7 +9,8 @@ to the most (fewest bytes). Measured quality falls along it, so:
    the target (`shortfall`: 1 at the target), not to the middle: the predicted loss tracks the measured error over
    the hull, so the crossing lands near the boundary where halving would need several probes. It stops once the
    points left between them would hold at most `RESOLUTION` fewer bytes than the one that meets: the evaluation
-   text moves the choice by more than that;
+   text moves the choice by more than that. Where the hull's next point alone is a larger step than that
+   (`coarse`), the caller can measure the moves past it and continue along a new stretch of candidates (`known`);
 2. `confirm`: that point is measured once more, stepwise, on evaluation text. If it misses, the gap between the texts
    is measured there (`Gap`): the ratio of its top-1 disagreement with dense on evaluation text to that on search
    text, and the same ratio of the disagreements at the target's bound (1 - `QualityTarget.top1_bound`: Wilson's, or
@@ -90,13 +91,18 @@ def shortfall(fid: dict, target: QualityTarget) -> float:
 
 
 def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6, predicted: list[float] | None = None,
-           held: list[float] | None = None) -> tuple[int, list[Probe]]:
+           held: list[float] | None = None, known: list[Probe] = ()) -> tuple[int, list[Probe]]:
     """The largest hull index in [0, n) whose probe meets `target` (taking quality to fall with the index), found
     in at most `max_probes` probes; -1 if the safest point (index 0) misses. Returns (index, probes). With the hull's
     `predicted` losses, a bracket is cut where its ends' shortfalls cross the target (module docstring); with its
-    `held` bytes, the search stops once the bracket is finer than `RESOLUTION`."""
-    probes: list[Probe] = []
-    lo, hi = -1, n                       # lo: the largest index known to meet; hi: the smallest known to miss
+    `held` bytes, the search stops once the bracket is finer than `RESOLUTION`. `known`: points of this hull already
+    probed (a bisection continued on a new stretch of hull), which bracket it from the start; the returned probes
+    begin with them."""
+    probes: list[Probe] = list(known)
+    new = lambda: len(probes) - len(known)                                           # noqa: E731
+    met_at = [p.index for p in probes if p.met]
+    lo = max(met_at, default=-1)         # lo: the largest index known to meet; hi: the smallest known to miss
+    hi = min((p.index for p in probes if not p.met and p.index > lo), default=n)
 
     def probe(i: int) -> bool:
         fid = measure(i)
@@ -106,11 +112,11 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6,
     def fine() -> bool:
         return held is not None and 0 <= lo < hi < n and held[lo] - held[hi - 1] <= RESOLUTION * held[lo]
 
-    while hi - lo > 1 and len(probes) < max_probes and not fine():
+    while hi - lo > 1 and new() < max_probes and not fine():
         # the first probe goes to the middle; once a miss is known, the safest end is worth checking only if
         # nothing met yet and one probe is left
-        mid = 0 if (lo < 0 and len(probes) == max_probes - 1) else (lo + hi) // 2
-        if predicted is not None and 0 <= lo < hi < n:
+        mid = 0 if (lo < 0 and new() == max_probes - 1) else (lo + hi) // 2
+        if predicted is not None and 0 <= lo < hi < n and len(probes) >= 2:
             if held is not None and probes[-1].met == probes[-2].met:
                 mid = _resolution_step(lo, hi, held, probes[-1].met)
             else:
@@ -120,6 +126,14 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6,
         else:
             hi = mid
     return lo, probes
+
+
+def coarse(index: int, probes: list[Probe], held: list[float]) -> bool:
+    """Whether the hull cannot resolve the budget past `index`, the bisection's answer: the next point was probed
+    and missed, and it holds more than `RESOLUTION` fewer bytes (one move of the hull is then too large a step)."""
+    missed = {p.index for p in probes if not p.met}
+    return (0 <= index < len(held) - 1 and index + 1 in missed
+            and held[index] - held[index + 1] > RESOLUTION * held[index])
 
 
 def _resolution_step(lo: int, hi: int, held: list[float], met: bool) -> int:

@@ -107,6 +107,7 @@ class CalibrationConfig:
     eval_windows: int = 4               # final, stepwise check of the chosen configuration on evaluation text
     eval_steps: int | None = None       # scored continuation tokens per evaluation window; default search_steps
     max_probes: int = 6                 # decode probes on search text that set the budget (a bisection)
+    step_probes: int = 8                # the hull's next moves past the bisection's point, each measured alone
     max_checks: int = 3                 # checks on evaluation text (stepping the budget back), before giving up
     max_gauges: int = 4                 # coded probes on evaluation text that a point passes before its check
     accept_best: bool = False           # no checked point meets the target: keep the best one anyway (exit 0)
@@ -144,6 +145,8 @@ class CalibrationConfig:
         if not (0 < self.target_top1 <= 1 and 1 <= self.target_ppl_ratio < math.inf):     # NaN fails every test
             raise ValueError(f"quality target needs 0 < top-1 <= 1 and perplexity ratio >= 1 (got "
                              f"{self.target_top1}, {self.target_ppl_ratio})")
+        if self.step_probes < 0:
+            raise ValueError(f"`--step-probes {self.step_probes}` must be at least 0 (0: the bisection's point alone)")
         if self.max_gauges < 0:
             raise ValueError(f"`--max-gauges {self.max_gauges}` must be at least 0 (0: check without gauging)")
         if self.target_predictions < 0:

@@ -6,7 +6,10 @@
 2. `frontier` (kvcal.profile.allocate): the per-layer allocations that are cheapest for their predicted loss;
 3. `bisect` (kvcal.profile.budget): at most `max_probes` coded probes on the search windows (kvcal.profile.
    coded_probe: the model over the K/V as the allocation codes them, without the runtime's per-token policy steps)
-   find the cheapest of them that meets the target at its bounds;
+   find the cheapest of them that meets the target at its bounds; where one move of the hull past it is too large
+   a step to resolve (`budget.coarse`), the hull's moves past it are measured alone (the first `step_probes`; the
+   rest priced by the table at the measured moves' median ratio to it), a path takes them cheapest in measured loss
+   per byte first (`allocate.measured_path`), and the bisection goes on along that path;
 4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss;
    each point is gauged first by the coded probe on the same evaluation windows (`recorded_prompts` reuses the
    check's recorded prefills, and the tokens each layer holds are captured in its reference's forward), so a point
@@ -21,6 +24,7 @@ Every measurement is checkpointed by its settings, so an interrupted run resumes
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,8 +34,8 @@ import torch
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
-from kvcal.profile.allocate import base_settings, frontier, to_config
-from kvcal.profile.budget import bisect, confirm
+from kvcal.profile.allocate import Allocation, base_settings, frontier, hull_steps, measured_path, to_config
+from kvcal.profile.budget import Probe, bisect, coarse, confirm
 from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
 from kvcal.profile.quality_model import ALPHAS, HIGH, bundle_levels
@@ -40,21 +44,29 @@ from kvcal.profile.recording import HeldTokens, record_search, recorded_prompts
 from kvcal.runtime.storage.bases import served_bases
 
 # The stages of choosing, in order, and what each measures (the progress bar's names for them)
-STAGES = {"record": "quality model", "probe": "budget probes", "gauge": "evaluation, coded",
+STAGES = {"record": "quality model", "probe": "budget probes", "step": "moves alone", "gauge": "evaluation, coded",
           "confirm": "evaluation text"}
 # (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row)
 Progress = Callable[[str, str, dict | None], None]
 
 
 def planned_steps(cfg) -> dict[str, int]:
-    """Steps of each stage, known before the first: recording windows, probes, gauges and checks (at most)."""
-    return {"record": cfg.search_windows, "probe": cfg.max_probes, "gauge": cfg.max_gauges, "confirm": cfg.max_checks}
+    """Steps of each stage, known before the first: recording windows, probes, moves, gauges and checks (at most)."""
+    return {"record": cfg.search_windows, "probe": 2 * cfg.max_probes if cfg.step_probes else cfg.max_probes,
+            "step": cfg.step_probes, "gauge": cfg.max_gauges, "confirm": cfg.max_checks}
 
 
-def _row(stage: str, index: int, config, fid: dict, met: bool, seconds: float, predicted: float) -> dict:
-    """A measured point as the report lists it."""
-    return {"stage": stage, "index": index, "label": f"hull point {index}", "settings": config.to_dict(),
-            "predicted_loss": predicted, "bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"],
+def path_probes(moves: int, most: int) -> int:
+    """Probes that bisect a path of `moves` points (a bisection's count, at most `most`)."""
+    return min(math.ceil(math.log2(moves + 1)), most)
+
+
+def _row(stage: str, index: int | None, label: str, config, fid: dict, met: bool, seconds: float, allocation) -> dict:
+    """A measured point as the report lists it (`index`: its place among the candidates bisected; None for a
+    move measured alone)."""
+    return {"stage": stage, "index": index, "label": label, "settings": config.to_dict(),
+            "predicted_loss": allocation.predicted, "held_bytes": allocation.held_bytes,
+            "bytes_ratio": fid["memory"]["ratio_to_fp16"], "top1": fid["top1"],
             "kl": fid["kl"], "ppl_ratio": fid["ppl_ratio"], "predictions": fid["predictions"],
             "top1_windows": fid.get("top1_windows", []), "feasible": met, "seconds": round(seconds, 1)}
 
@@ -142,32 +154,55 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     memo = checkpoint.load_probes()
     rows: list[dict] = []
+    candidates, split = hull, len(hull)     # what the budget bisects; past `split`, the measured path
+
+    def label(i: int) -> str:
+        return f"hull point {i}" if i <= split else f"path point {i - split}"
+
+    def run_once(stage: str, name: str, allocation, run: Callable[[object], object], index: int | None) -> dict:
+        config = to_config(base, costs, allocation)
+        key = json.dumps([stage, config.to_dict()], sort_keys=True)
+        step(stage, f"{name} ({'search' if stage in ('probe', 'step') else 'evaluation'} text)", None)
+        t0 = time.perf_counter()
+        if key not in memo:
+            memo[key] = asdict(run(config))
+            checkpoint.save_probes(memo)
+            release_memory()
+        fid = memo[key]
+        rows.append(_row(stage, index, name, config, fid, target.met(fid), time.perf_counter() - t0,
+                         allocation))
+        say(f"  {stage:8} {name:28} predicted {allocation.predicted:9.3g}  bytes {rows[-1]['bytes_ratio']:.3f}  "
+            f"top-1 {fid['top1']:.3f}  ppl {fid['ppl_ratio']:.3f}  {'meets' if rows[-1]['feasible'] else 'misses'}")
+        step(stage, name, rows[-1])
+        return fid
 
     def measured(stage: str, run: Callable[[int, object], object]) -> Callable[[int], dict]:
-        def measure(i: int) -> dict:
-            config = to_config(base, costs, hull[i])
-            key = json.dumps([stage, config.to_dict()], sort_keys=True)
-            step(stage, f"hull point {i} of {len(hull)} ({'search' if stage == 'probe' else 'evaluation'} text)",
-                 None)
-            t0 = time.perf_counter()
-            if key not in memo:
-                memo[key] = asdict(run(i, config))
-                checkpoint.save_probes(memo)
-                release_memory()
-            fid = memo[key]
-            rows.append(_row(stage, i, config, fid, target.met(fid),
-                             time.perf_counter() - t0, hull[i].predicted))
-            say(f"  {stage:8} {rows[-1]['label']:16} predicted {hull[i].predicted:9.3g}  bytes "
-                f"{rows[-1]['bytes_ratio']:.3f}  top-1 {fid['top1']:.3f}  ppl {fid['ppl_ratio']:.3f}  "
-                f"{'meets' if rows[-1]['feasible'] else 'misses'}")
-            step(stage, rows[-1]["label"], rows[-1])
-            return fid
-        return measure
+        return lambda i: run_once(stage, label(i), candidates[i], lambda config: run(i, config), i)
 
     t = time.perf_counter()
     probe = CodedProbe(lm.model, recording, served, base, list(a.layer_types), a.head_dim)
-    index, searched = bisect(len(hull), measured("probe", lambda i, config: probe.measure(costs, hull[i])),
-                             target, cfg.max_probes, [h.predicted for h in hull], [h.held_bytes for h in hull])
+    on_search = measured("probe", lambda i, config: probe.measure(costs, candidates[i]))
+    index, searched = bisect(len(hull), on_search, target, cfg.max_probes, [h.predicted for h in hull],
+                             [h.held_bytes for h in hull])
+    if cfg.step_probes and coarse(index, searched, [h.held_bytes for h in hull]):
+        # the hull's moves past its point: the first `step_probes` measured alone, the path in their measured order
+        start, moves = hull[index], hull_steps(hull, index, len(hull))
+        alone = [Allocation.of(costs, m.applied(start.bits), start.high, start.alpha) for m in moves]
+        fids = [run_once("step", str(m), x, lambda config, x=x: probe.measure(costs, x), None)
+                for m, x in zip(moves[:cfg.step_probes], alone)]
+        at_start = next(p.fidelity for p in searched if p.index == index)
+        # measured KL is a mean over the probe's predictions; the table's loss is their sum
+        added = [(f["kl"] - at_start["kl"]) * f["predictions"] for f in fids] + [None] * (len(moves) - len(fids))
+        path = measured_path(costs, start, moves, added)
+        candidates, split = hull[:index + 1] + path, index
+        for r in rows:          # probed hull points past the split are not among the candidates now
+            r["index"] = None if r["index"] is not None and r["index"] > split else r["index"]
+        known = [p for p in searched if p.index <= index]
+        first = next((j for j, x in enumerate(alone[:len(fids)]) if x.bits.equal(path[0].bits)), None)
+        if first is not None:
+            known.append(Probe(index + 1, "search", fids[first], target.met(fids[first])))
+        index, searched = bisect(len(candidates), on_search, target, path_probes(len(path), cfg.max_probes),
+                                 [c.predicted for c in candidates], [c.held_bytes for c in candidates], known)
     levels = recording.levels
     probe = recording = None        # the recorded prompts: hundreds of MB
     release_memory()
@@ -178,12 +213,12 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks,
-                            measured("gauge", lambda i, config: gauge.measure(costs, hull[i])), cfg.max_gauges)
+                            measured("gauge", lambda i, config: gauge.measure(costs, candidates[i])), cfg.max_gauges)
     eval_probe = gauge = None
     checks = [p for p in checks if p.split == "evaluation"]          # the runtime's own: gauges only led to them
     seconds["confirmation"] = time.perf_counter() - t
 
-    chosen = to_config(base, costs, hull[index])
+    chosen = to_config(base, costs, candidates[index])
     held_out = next(p.fidelity for p in reversed(checks) if p.index == index)
     met = any(p.met and p.index == index for p in checks)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen)
@@ -194,10 +229,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
         "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
                   "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
                   "prefill_dtype": str(model_dtype).removeprefix("torch.")},
-        "quality_model": {"hull": [{"predicted_loss": h.predicted, "held_bytes": h.held_bytes,
-                                    "bits": h.bits.tolist(), "high": HIGH[h.high],
-                                    "alpha_high": ALPHAS[h.alpha]} for h in hull],
-                          "base": base.to_dict()},
+        "quality_model": {"hull": [_point(h) for h in hull], "base": base.to_dict(),
+                          "path": {"from": split, "points": [_point(h) for h in candidates[split + 1:]]}},
         "chosen": chosen_row,
         "path": rows,
         "decision": {"checks": [r for r in rows if r["stage"] == "confirm"], "met": met,
@@ -209,6 +242,11 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
                                     "held_out": _brief(held_out)}
     restore()
     return {"search": search_meta, "held_out": held_out}
+
+
+def _point(a: Allocation) -> dict:
+    return {"predicted_loss": a.predicted, "held_bytes": a.held_bytes, "bits": a.bits.tolist(), "high": HIGH[a.high],
+            "alpha_high": ALPHAS[a.alpha]}
 
 
 def _brief(fid: dict) -> dict:

@@ -9,9 +9,9 @@ from pathlib import Path
 from kvcal.eval import QualityTarget, bound_in_words
 from kvcal.runtime.policies.diffkv import EVERY_TOKEN_LOW
 
-STAGE_COLORS = {"probe": "tab:blue", "gauge": "tab:orange", "confirm": "tab:green"}
-STAGE_NAMES = {"probe": "budget probe, search text", "gauge": "gauge, evaluation text (coded)",
-               "confirm": "check, evaluation text"}
+STAGE_COLORS = {"probe": "tab:blue", "step": "tab:purple", "gauge": "tab:orange", "confirm": "tab:green"}
+STAGE_NAMES = {"probe": "budget probe, search text", "step": "one move alone, search text",
+               "gauge": "gauge, evaluation text (coded)", "confirm": "check, evaluation text"}
 
 
 def report_paths(bundle_path: Path) -> dict[str, Path]:
@@ -124,7 +124,7 @@ def write_report(bundle_path: Path, report: dict, *, overwrite: bool = False) ->
 
 
 def _fmt_point(p: dict) -> str:
-    return (f"| {STAGE_NAMES.get(p['stage'], p['stage'])} | {p['index']} | {p['predicted_loss']:.4g} | "
+    return (f"| {STAGE_NAMES.get(p['stage'], p['stage'])} | {p['label']} | {p['predicted_loss']:.4g} | "
             f"{p['bytes_ratio']:.3f} | {1 / p['bytes_ratio']:.2f}x | {p['top1']:.3f} | {p['ppl_ratio']:.3f} | "
             f"{p['kl']:.4f} | {'yes' if p['feasible'] else 'no'} |")
 
@@ -173,11 +173,14 @@ def _markdown(r: dict, png: str) -> str:
               f"layer, keys and values apart; the {len(q['hull'])} allocations on the bytes-loss frontier run from "
               f"{q['hull'][0]['held_bytes'] / 1e6:.2f} to {q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the "
               "deployment context. Coded probes bisected that "
-              "frontier for the cheapest point meeting the target at its bounds; the runtime's stepwise decode on "
-              "evaluation text confirmed it (docs/calibration.md). Seconds: "
+              "frontier for the cheapest point meeting the target at its bounds"
+              + (f"; the frontier's next {len(q['path']['points'])} moves past hull point {q['path']['from']}, each "
+                 "measured alone, made a path in the order of their measured loss per byte, and the bisection went "
+                 "on along it" if q.get("path", {}).get("points") else "")
+              + "; the runtime's stepwise decode on evaluation text confirmed it (docs/calibration.md). Seconds: "
               + ", ".join(f"{k} {v:g}" for k, v in s["seconds"].items()) + ".", ""]
     lines += ["", f"![quality vs bytes]({png})", "", "## Every measurement, in order", "",
-              "| measured | hull point | predicted loss | bytes / fp16 | compression | top-1 | ppl ratio | KL | "
+              "| measured | point | predicted loss | bytes / fp16 | compression | top-1 | ppl ratio | KL | "
               "meets at bounds |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [_fmt_point(p) for p in s["path"]]
     lines += ["", "## Provenance", "", "```json", json.dumps(r["provenance"], indent=2, default=str), "```", ""]
@@ -197,8 +200,13 @@ def _plot(r: dict, path: Path) -> None:
                  label="frontier (predicted)")
     for stage, color in STAGE_COLORS.items():
         pts = [p for p in s["path"] if p["stage"] == stage]
-        hull_ax.scatter([hull[p["index"]]["held_bytes"] / 1e6 for p in pts], [p["predicted_loss"] for p in pts],
+        hull_ax.scatter([p["held_bytes"] / 1e6 for p in pts], [p["predicted_loss"] for p in pts],
                         color=color, zorder=4, label=STAGE_NAMES[stage])
+    moves = s["quality_model"].get("path", {}).get("points", [])
+    if moves:
+        line = [hull[s["quality_model"]["path"]["from"]], *moves]
+        hull_ax.plot([h["held_bytes"] / 1e6 for h in line], [h["predicted_loss"] for h in line], ".-",
+                     color="tab:purple", label="path by measured moves")
     hull_ax.set_yscale("symlog", linthresh=1e-3)
     hull_ax.set_xlabel("bytes of the allocated formats at the recorded context (MB)")
     hull_ax.set_ylabel("predicted loss increase (nats, summed)")
@@ -229,5 +237,5 @@ def _plot(r: dict, path: Path) -> None:
     # below the axes: inside, a legend hides the points near the target line, where the decision is made
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")       # `path` is a temporary name: the format is not in its suffix
+    fig.savefig(path, dpi=120, format="png", bbox_inches="tight")   # `path`: a temporary name, no suffix
     plt.close(fig)
