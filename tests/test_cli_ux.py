@@ -174,10 +174,12 @@ def test_search_bar_counts_the_planned_steps_with_one_eta():
     shown = _render(bar.get_renderable(), 120)
     assert "budget probes" in shown and "hull point 40 of 81" in shown and "2/11" in shown
     bar.step("probe", "hull point 40", {"seconds": 20.0})
+    bar.step("plan", "the moves past the bisection's point", {"probe": 4})      # the bisection ended at 4
+    assert bar.tasks[0].total == 9 and bar.done == 3 and "3/9" in _render(bar.get_renderable(), 120)
     bar.step("confirm", "hull point 40 of 81 (evaluation text)", None)
     assert "evaluation text" in _render(bar.get_renderable(), 120)
     bar.finish()
-    assert bar.tasks[0].completed == 11 and bar.label is None
+    assert bar.tasks[0].completed == 9 and bar.label is None
 
 
 def test_calibrate_shows_the_search_bar_and_the_summary_in_words(tiny_dir, text_file, tmp_path):

@@ -3,8 +3,9 @@ settings.
 
 How many steps choosing takes is known before the first (kvcal.profile.choose.planned_steps): the recording windows,
 at most `max_probes` probes and `max_checks` checks. The bar counts them, so its ETA covers the whole choice from
-the start; a confirmation that meets at once ends it early. Stage names are the pipeline's own
-(kvcal.profile.choose.STAGES).
+the start; a confirmation that meets at once ends it early, and a ("plan", label, {stage: steps}) step revises a
+stage's count once the pipeline knows it (the moves measured past the bisection's point, or none). Stage names are
+the pipeline's own (kvcal.profile.choose.STAGES).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class SearchBar(Progress):
         self.task = self.add_task("choose", total=sum(self.plan.values()), stage="", start=False)
 
     def step(self, stage: str, label: str, point) -> None:
+        if stage == "plan":                 # the pipeline knows a stage's count now (point: {stage: steps})
+            self.plan.update(point)
+            self.update(self.task, total=sum(self.plan.values()))
+            return
         if not self.tasks[0].started:
             self.start_task(self.task)
         if point is None:

@@ -46,7 +46,8 @@ from kvcal.runtime.storage.bases import served_bases
 # The stages of choosing, in order, and what each measures (the progress bar's names for them)
 STAGES = {"record": "quality model", "probe": "budget probes", "step": "moves alone", "gauge": "evaluation, coded",
           "confirm": "evaluation text"}
-# (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row)
+# (stage, label, point): a step of a stage in `STAGES` starts (point None) or a measurement ended (point: its row);
+# ("plan", label, {stage: steps}): a stage's planned count, revised once known
 Progress = Callable[[str, str, dict | None], None]
 
 
@@ -184,9 +185,14 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     on_search = measured("probe", lambda i, config: probe.measure(costs, candidates[i]))
     index, searched = bisect(len(hull), on_search, target, cfg.max_probes, [h.predicted for h in hull],
                              [h.held_bytes for h in hull])
-    if cfg.step_probes and coarse(index, searched, [h.held_bytes for h in hull]):
-        # the hull's moves past its point: the first `step_probes` measured alone, the path in their measured order
-        start, moves = hull[index], hull_steps(hull, index, len(hull))
+    # where the hull is too coarse past its point: its moves, the first `step_probes` measured alone
+    coarse_here = cfg.step_probes > 0 and coarse(index, searched, [h.held_bytes for h in hull])
+    moves = hull_steps(hull, index, len(hull)) if coarse_here else []
+    step("plan", "the moves past the bisection's point", {
+        "step": min(cfg.step_probes, len(moves)),
+        "probe": len(searched) + (path_probes(len(moves), cfg.max_probes) if moves else 0)})
+    if moves:
+        start = hull[index]
         alone = [Allocation.of(costs, m.applied(start.bits), start.high, start.alpha) for m in moves]
         fids = [run_once("step", str(m), x, lambda config, x=x: probe.measure(costs, x), None)
                 for m, x in zip(moves[:cfg.step_probes], alone)]
