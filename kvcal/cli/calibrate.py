@@ -101,9 +101,10 @@ def calibrate(
     = CalibrationConfig.key_percentile,
     max_probes: Annotated[int, typer.Option(help="Decode probes on search text that set the budget (a bisection of "
                                             "the predicted frontier).")] = CalibrationConfig.max_probes,
-    step_probes: Annotated[int, typer.Option(help="Moves of the frontier past the bisection's point, each measured "
-                                             "alone and taken in the order of their measured loss per byte (0: "
-                                             "none).")] = CalibrationConfig.step_probes,
+    step_probes: Annotated[int, typer.Option(help="Where one step of the frontier is too coarse for the bisection: "
+                                             "this many of the moves past its point measured alone, then taken "
+                                             "cheapest in measured loss per byte first (0: never).")]
+    = CalibrationConfig.step_probes,
     max_checks: Annotated[int, typer.Option(help="Checks on evaluation text, stepping the budget back on a miss.")]
     = CalibrationConfig.max_checks,
     max_gauges: Annotated[int, typer.Option(help="Coded probes on evaluation text that a point must pass before it is "
