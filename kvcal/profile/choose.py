@@ -34,7 +34,7 @@ import torch
 from kvcal.data import load_corpus, token_windows
 from kvcal.eval import DecodeProbe, QualityTarget
 from kvcal.models import DTYPES
-from kvcal.profile.allocate import Allocation, base_settings, frontier, hull_steps, measured_path, to_config
+from kvcal.profile.allocate import Allocation, Step, base_settings, frontier, hull_steps, measured_path, to_config
 from kvcal.profile.budget import Probe, bisect, coarse, confirm
 from kvcal.profile.coded_probe import CodedProbe
 from kvcal.profile.heap import release_memory
@@ -185,28 +185,15 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     on_search = measured("probe", lambda i, config: probe.measure(costs, candidates[i]))
     index, searched = bisect(len(hull), on_search, target, cfg.max_probes, [h.predicted for h in hull],
                              [h.held_bytes for h in hull])
-    # where the hull is too coarse past its point: its moves, the first `step_probes` measured alone
-    coarse_here = cfg.step_probes > 0 and coarse(index, searched, [h.held_bytes for h in hull])
-    moves = hull_steps(hull, index, len(hull)) if coarse_here else []
-    step("plan", "the moves past the bisection's point", {
-        "step": min(cfg.step_probes, len(moves)),
-        "probe": len(searched) + (path_probes(len(moves), cfg.max_probes) if moves else 0)})
+    moves, plan = _moves_past(hull, index, searched, cfg)
+    step("plan", "the moves past the bisection's point", plan)
     if moves:
-        start = hull[index]
-        alone = [Allocation.of(costs, m.applied(start.bits), start.high, start.alpha) for m in moves]
-        fids = [run_once("step", str(m), x, lambda config, x=x: probe.measure(costs, x), None)
-                for m, x in zip(moves[:cfg.step_probes], alone)]
-        at_start = next(p.fidelity for p in searched if p.index == index)
-        # measured KL is a mean over the probe's predictions; the table's loss is their sum
-        added = [(f["kl"] - at_start["kl"]) * f["predictions"] for f in fids] + [None] * (len(moves) - len(fids))
-        path = measured_path(costs, start, moves, added)
+        path, known = _along_moves(costs, hull, index, searched, moves[:cfg.step_probes], moves, target,
+                                   lambda m, x: run_once("step", str(m), x, lambda config: probe.measure(costs, x),
+                                                         None))
         candidates, split = hull[:index + 1] + path, index
         for r in rows:          # probed hull points past the split are not among the candidates now
             r["index"] = None if r["index"] is not None and r["index"] > split else r["index"]
-        known = [p for p in searched if p.index <= index]
-        first = next((j for j, x in enumerate(alone[:len(fids)]) if x.bits.equal(path[0].bits)), None)
-        if first is not None:
-            known.append(Probe(index + 1, "search", fids[first], target.met(fids[first])))
         index, searched = bisect(len(candidates), on_search, target, path_probes(len(path), cfg.max_probes),
                                  [c.predicted for c in candidates], [c.held_bytes for c in candidates], known)
     levels = recording.levels
@@ -226,28 +213,63 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
 
     chosen = to_config(base, costs, candidates[index])
     held_out = next(p.fidelity for p in reversed(checks) if p.index == index)
-    met = any(p.met and p.index == index for p in checks)
     bundle.qk_rank, bundle.v_rank = ranks_of(bundle, chosen)
     bundle.settings = chosen.to_dict()
-    chosen_row = next(r for r in reversed(rows) if r["index"] == index and r["stage"] == "confirm")
-    search_meta = {
-        "target": target.to_dict(),
-        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
-                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
-                  "prefill_dtype": str(model_dtype).removeprefix("torch.")},
-        "quality_model": {"hull": [_point(h) for h in hull], "base": base.to_dict(),
-                          "path": {"from": split, "points": [_point(h) for h in candidates[split + 1:]]}},
-        "chosen": chosen_row,
-        "path": rows,
-        "decision": {"checks": [r for r in rows if r["stage"] == "confirm"], "met": met,
-                     "met_at_bounds": met, "accepted_anyway": not met and cfg.accept_best},
-        "seconds": {k: round(v, 1) for k, v in seconds.items()},
-    }
+    search_meta = _search_meta(cfg, target, P, M, model_dtype, base, hull, candidates[split + 1:], split, rows,
+                               any(p.met and p.index == index for p in checks), index, seconds)
     bundle.calibration["context"] = P + M + 1
     bundle.calibration["search"] = {**{k: v for k, v in search_meta.items() if k != "quality_model"},
                                     "held_out": _brief(held_out)}
     restore()
     return {"search": search_meta, "held_out": held_out}
+
+
+def _moves_past(hull: list[Allocation], index: int, searched: list[Probe], cfg) -> tuple[list[Step], dict]:
+    """The hull's moves past its point `index` where the hull is too coarse there (`budget.coarse`; none elsewhere),
+    and the steps they add to the plan: the first `cfg.step_probes` measured alone, and a bisection of the path."""
+    coarse_here = cfg.step_probes > 0 and coarse(index, searched, [h.held_bytes for h in hull])
+    moves = hull_steps(hull, index, len(hull)) if coarse_here else []
+    return moves, {"step": min(cfg.step_probes, len(moves)),
+                   "probe": len(searched) + (path_probes(len(moves), cfg.max_probes) if moves else 0)}
+
+
+def _along_moves(costs, hull: list[Allocation], index: int, searched: list[Probe], measured: list[Step],
+                 moves: list[Step], target: QualityTarget, measure: Callable[[Step, Allocation], dict]
+                 ) -> tuple[list[Allocation], list[Probe]]:
+    """The path past hull[index] (`allocate.measured_path`) with `measured`, the first of `moves`, each measured alone
+    on it (`measure(move, allocation)`: a Fidelity as a dict), and the probes known on hull[:index + 1] + path: the
+    search's up to `index`, and the path's first point where it is a move measured alone."""
+    start = hull[index]
+    alone = [Allocation.of(costs, m.applied(start.bits), start.high, start.alpha) for m in measured]
+    fids = [measure(m, x) for m, x in zip(measured, alone)]
+    at_start = next(p.fidelity for p in searched if p.index == index)
+    # measured KL is a mean over the probe's predictions; the table's loss is their sum
+    added = [(f["kl"] - at_start["kl"]) * f["predictions"] for f in fids] + [None] * (len(moves) - len(fids))
+    path = measured_path(costs, start, moves, added)
+    known = [p for p in searched if p.index <= index]
+    first = next((j for j, x in enumerate(alone) if x.bits.equal(path[0].bits)), None)
+    if first is not None:
+        known.append(Probe(index + 1, "search", fids[first], target.met(fids[first])))
+    return path, known
+
+
+def _search_meta(cfg, target: QualityTarget, P: int, M: int, model_dtype, base, hull: list[Allocation],
+                 path: list[Allocation], split: int, rows: list[dict], met: bool, index: int, seconds: dict) -> dict:
+    """The report's account of the search: its target and probe, the hull and the path past `split`, every
+    measured row, the decision at candidate `index` (`met`: its check met) and where the time went."""
+    return {
+        "target": target.to_dict(),
+        "probe": {"windows": cfg.search_windows, "prompt": P, "steps": M, "probe": "coded",
+                  "context": P + M + 1, "split": "search", "dtype": cfg.search_dtype,
+                  "prefill_dtype": str(model_dtype).removeprefix("torch.")},
+        "quality_model": {"hull": [_point(h) for h in hull], "base": base.to_dict(),
+                          "path": {"from": split, "points": [_point(h) for h in path]}},
+        "chosen": next(r for r in reversed(rows) if r["index"] == index and r["stage"] == "confirm"),
+        "path": rows,
+        "decision": {"checks": [r for r in rows if r["stage"] == "confirm"], "met": met,
+                     "met_at_bounds": met, "accepted_anyway": not met and cfg.accept_best},
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+    }
 
 
 def _point(a: Allocation) -> dict:
