@@ -174,9 +174,11 @@ def _markdown(r: dict, png: str) -> str:
               f"{q['hull'][0]['held_bytes'] / 1e6:.2f} to {q['hull'][-1]['held_bytes'] / 1e6:.2f} MB at the "
               "deployment context. Coded probes bisected that "
               "frontier for the cheapest point meeting the target at its bounds"
-              + (f"; the frontier's next {len(q['path']['points'])} moves past hull point {q['path']['from']}, each "
-                 "measured alone, made a path in the order of their measured loss per byte, and the bisection went "
-                 "on along it" if q.get("path", {}).get("points") else "")
+              + (f"; past hull point {q['path']['from']}, one step of the frontier too coarse to resolve, its "
+                 f"{len(q['path']['points'])} moves made a path cheapest in loss per byte first ("
+                 f"{sum(p['stage'] == 'step' for p in s['path'])} measured alone, the others priced by the table at "
+                 "their median ratio to it), and the bisection went on along it"
+                 if q.get("path", {}).get("points") else "")
               + "; the runtime's stepwise decode on evaluation text confirmed it (docs/calibration.md). Seconds: "
               + ", ".join(f"{k} {v:g}" for k, v in s["seconds"].items()) + ".", ""]
     lines += ["", f"![quality vs bytes]({png})", "", "## Every measurement, in order", "",
