@@ -188,7 +188,7 @@ def test_the_hulls_moves_past_a_point_are_its_own_and_the_path_orders_them_by_me
     hull = frontier(costs)
     start = 8                       # the high tier and the threshold stay as they are from here for 12 points
     assert len({(a.high, a.alpha) for a in hull[start:start + 12]}) == 1
-    moves = hull_steps(hull, start, 4)
+    moves = hull_steps(hull, start)[:4]
     assert len(moves) == 4
     assert len({(m.layer, m.side, h) for m in moves for h in m.heads}) == sum(len(m.heads) for m in moves)
     for m in moves:         # each move is one the hull makes: those entries reach these bits further on

@@ -142,18 +142,18 @@ class Step:
         return f"layer {self.layer} {'KV'[self.side]} heads {','.join(map(str, self.heads))} -> {self.bits[0]} bits"
 
 
-def hull_steps(hull: list[Allocation], start: int, count: int) -> list[Step]:
-    """The first `count` moves the hull makes past hull[start], in hull order: the entries that change between
-    consecutive points, one move per (layer, side) and KV head (its first). Stops where the high tier or the
-    heavy-hitter threshold changes: a move is then not one group's."""
+def hull_steps(hull: list[Allocation], start: int) -> list[Step]:
+    """The moves the hull makes past hull[start], in hull order: the entries that change between consecutive
+    points, one move per (layer, side) and KV head (its first). Stops where the high tier or the heavy-hitter
+    threshold changes: a move is then not one group's."""
     steps, seen = [], set()
     for a, b in zip(hull[start:], hull[start + 1:]):
-        if (a.high, a.alpha) != (b.high, b.alpha) or len(steps) >= count:
+        if (a.high, a.alpha) != (b.high, b.alpha):
             break
         changed = (a.bits != b.bits).nonzero().tolist()                     # [(layer, head, side)]
         for layer, side in dict.fromkeys((layer, side) for layer, _, side in changed):
             heads = tuple(h for m, h, s in changed if (m, s) == (layer, side) and (layer, h, side) not in seen)
-            if heads and len(steps) < count:
+            if heads:
                 seen.update((layer, h, side) for h in heads)
                 steps.append(Step(layer, side, heads, tuple(b.bits[layer, h, side].item() for h in heads)))
     return steps

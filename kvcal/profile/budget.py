@@ -116,7 +116,7 @@ def bisect(n: int, measure: Measure, target: QualityTarget, max_probes: int = 6,
         # the first probe goes to the middle; once a miss is known, the safest end is worth checking only if
         # nothing met yet and one probe is left
         mid = 0 if (lo < 0 and new() == max_probes - 1) else (lo + hi) // 2
-        if predicted is not None and 0 <= lo < hi < n and len(probes) >= 2:
+        if predicted is not None and 0 <= lo < hi < n:
             if held is not None and probes[-1].met == probes[-2].met:
                 mid = _resolution_step(lo, hi, held, probes[-1].met)
             else:

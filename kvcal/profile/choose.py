@@ -228,7 +228,7 @@ def _moves_past(hull: list[Allocation], index: int, searched: list[Probe], cfg) 
     """The hull's moves past its point `index` where the hull is too coarse there (`budget.coarse`; none elsewhere),
     and the steps they add to the plan: the first `cfg.step_probes` measured alone, and a bisection of the path."""
     coarse_here = cfg.step_probes > 0 and coarse(index, searched, [h.held_bytes for h in hull])
-    moves = hull_steps(hull, index, len(hull)) if coarse_here else []
+    moves = hull_steps(hull, index) if coarse_here else []
     return moves, {"step": min(cfg.step_probes, len(moves)),
                    "probe": len(searched) + (path_probes(len(moves), cfg.max_probes) if moves else 0)}
 
