@@ -492,7 +492,15 @@ inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t grou
     }
 }
 
-constexpr int PF_TILE = 64, PF_ROWS = 4, PF_CHUNK = 32, PF_GROUPS = 16, PF_PAIRS = 4, PF_VW = 64, PF_PV = 6;
+// The prefill's register blocks: acc[PF_PAIRS][PF_TILE] logits and acc[PF_PV][PF_VW] outputs stay in vector registers
+// (32 of 16 floats with AVX-512, 16 of 8 without: the AVX-512 blocks would spill there). Neither changes float order:
+// every logit and output is summed in the same order whatever the block, so the results are the same bits.
+#if defined(__AVX512F__)
+constexpr int PF_TILE = 64, PF_PAIRS = 4, PF_VW = 64, PF_PV = 6;
+#else
+constexpr int PF_TILE = 32, PF_PAIRS = 4, PF_VW = 16, PF_PV = 6;
+#endif
+constexpr int PF_ROWS = 4, PF_CHUNK = 32, PF_GROUPS = 16;
 
 // acc[p][0..W) += sum_j s[p][j] * v[j][c0 .. c0 + W) over j < L, for P rows of probabilities: the value rows are
 // read once for P query rows (W floats of P rows: P * W / 16 vector registers).
