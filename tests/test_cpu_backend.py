@@ -423,6 +423,28 @@ def test_fused_prefill_does_not_depend_on_the_thread_count():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+def test_fused_prefill_gives_the_same_bits_with_either_register_block(tmp_path):
+    """The prefill's register blocks are chosen by the instruction set (AVX-512's would spill AVX2's 16 registers);
+    both sum every logit and output in the same order, so both builds give the same bits (this CPU runs both: the
+    wide blocks need no AVX-512 instruction)."""
+    import ctypes
+
+    from kvcal.runtime.backends.cpu.backend import fused_prefill
+
+    libs = []
+    for wide in (0, 1):
+        target = tmp_path / f"prefill-{wide}.so"
+        build._compile(build.compiler(), target, (f"-DKVCAL_PREFILL_WIDE={wide}",))
+        libs.append(ctypes.CDLL(str(target)))
+        build._declare(libs[-1])
+    torch.manual_seed(2)
+    for B, H, g, n, d, r_v in [(1, 3, 3, 700, 64, 64), (2, 2, 4, 130, 128, 48), (1, 1, 1, 77, 32, 16)]:
+        q, k, v = torch.randn(B, H, g, n, d), torch.randn(B, H, n, d), torch.randn(B, H, n, r_v)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(B, n, n)
+        narrow, wide = (fused_prefill(q, k, v, mask, d ** -0.5, lib=lib) for lib in libs)
+        assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1])
+
+
 # ---------------------------------------------------------------------------------------------- store reads and writes
 
 

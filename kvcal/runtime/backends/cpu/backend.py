@@ -49,14 +49,15 @@ MAX_RANK = 512        # per-channel key scales live in a stack buffer of this ma
 _FP16_MAX = 65504.0
 
 
-def fused_prefill(query, keys, values, mask, scale):
+def fused_prefill(query, keys, values, mask, scale, lib: ctypes.CDLL | None = None):
     """As TorchBackend.prefill: query [B, H, g, n, d], keys [B, H, n, d], values [B, H, n, r_v], mask bool [B, n, n]
     -> out [B, H, g, n, r_v], score [B, H, n] (each key's probability summed over queries, max over the group).
 
     `kvcal_prefill` computes each logit once and uses its probability for both the output and the significance. The
     same sums as the reference up to float order: each row's softmax over its keys in one block (its max, then the
     sum of the kernel's exp, within 2 ulp of std::exp; relative error ~1e-6). Prompts with padding (a masked key
-    column the causal rule alone would allow) take the reference."""
+    column the causal rule alone would allow) take the reference. `lib`: the kernels to call (default `load_library()`;
+    tests pass variants built apart)."""
     B, H, g, n, d = query.shape
     if not bool(mask[:, -1].all()):
         return TorchBackend.prefill(query, keys, values, mask, scale)
@@ -66,8 +67,8 @@ def fused_prefill(query, keys, values, mask, scale):
     v32 = F.pad(values.float(), (0, r_pad - r_v)).contiguous()
     out = torch.empty(B, H, g, n, r_pad, device=query.device)
     score = torch.empty(B, H, n, device=query.device)
-    rc = load_library().kvcal_prefill(_ptr(q32), _ptr(k32), _ptr(v32), _ptr(out), _ptr(score), B, H, g, n, d,
-                                      r_pad, scale, torch.get_num_threads())
+    rc = (lib or load_library()).kvcal_prefill(_ptr(q32), _ptr(k32), _ptr(v32), _ptr(out), _ptr(score), B, H, g, n,
+                                               d, r_pad, scale, torch.get_num_threads())
     assert rc == 0, "value rows not padded to whole vectors of 16 floats"
     return (out if r_pad == r_v else out[..., :r_v].contiguous()), score
 

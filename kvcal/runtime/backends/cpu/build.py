@@ -80,12 +80,14 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(cxx: str, target: Path) -> None:
+def _compile(cxx: str, target: Path, defines: tuple[str, ...] = ()) -> None:
+    """Compile SOURCE into `target` with FLAGS and `defines` (-D options: tests build the kernels' variants)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([cxx, *FLAGS, *defines, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=600)
         if proc.returncode != 0:
             first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
             raise CpuBuildError(f"compiling the CPU kernels with `{cxx}` failed: {first}")

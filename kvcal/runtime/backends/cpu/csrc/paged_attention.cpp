@@ -494,8 +494,16 @@ inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t grou
 
 // The prefill's register blocks: acc[PF_PAIRS][PF_TILE] logits and acc[PF_PV][PF_VW] outputs stay in vector registers
 // (32 of 16 floats with AVX-512, 16 of 8 without: the AVX-512 blocks would spill there). Neither changes float order:
-// every logit and output is summed in the same order whatever the block, so the results are the same bits.
+// every logit and output is summed in the same order whatever the block, so the results are the same bits (a test
+// builds both: -DKVCAL_PREFILL_WIDE=1 or 0 chooses them whatever the CPU).
+#if !defined(KVCAL_PREFILL_WIDE)
 #if defined(__AVX512F__)
+#define KVCAL_PREFILL_WIDE 1
+#else
+#define KVCAL_PREFILL_WIDE 0
+#endif
+#endif
+#if KVCAL_PREFILL_WIDE
 constexpr int PF_TILE = 64, PF_PAIRS = 4, PF_VW = 64, PF_PV = 6;
 #else
 constexpr int PF_TILE = 32, PF_PAIRS = 4, PF_VW = 16, PF_PV = 6;
