@@ -138,6 +138,10 @@ class Step:
         bits[self.layer, list(self.heads), self.side] = torch.tensor(self.bits)
         return bits
 
+    def alone(self, costs: FormatCosts, start: Allocation) -> Allocation:
+        """`start` with this move alone made."""
+        return Allocation.of(costs, self.applied(start.bits), start.high, start.alpha)
+
     def __str__(self) -> str:
         return f"layer {self.layer} {'KV'[self.side]} heads {','.join(map(str, self.heads))} -> {self.bits[0]} bits"
 
@@ -167,7 +171,7 @@ def measured_path(costs: FormatCosts, start: Allocation, steps: list[Step], adde
     moves it was not asked about; the measurements correct its scale). A path point's `predicted` is start's plus
     the increases it holds (the first-order sum the table also assumes), so the path's predictions rise as the
     hull's do."""
-    moved = [Allocation.of(costs, s.applied(start.bits), start.high, start.alpha) for s in steps]
+    moved = [s.alone(costs, start) for s in steps]
     table = [a.predicted - start.predicted for a in moved]
     ratios = sorted(m / t for m, t in zip(added, table) if m is not None and t > 0)
     scale = ratios[len(ratios) // 2] if ratios else 1.0

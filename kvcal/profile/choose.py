@@ -240,7 +240,7 @@ def _along_moves(costs, hull: list[Allocation], index: int, searched: list[Probe
     on it (`measure(move, allocation)`: a Fidelity as a dict), and the probes known on hull[:index + 1] + path: the
     search's up to `index`, and the path's first point where it is a move measured alone."""
     start = hull[index]
-    alone = [Allocation.of(costs, m.applied(start.bits), start.high, start.alpha) for m in measured]
+    alone = [m.alone(costs, start) for m in measured]
     fids = [measure(m, x) for m, x in zip(measured, alone)]
     at_start = next(p.fidelity for p in searched if p.index == index)
     # measured KL is a mean over the probe's predictions; the table's loss is their sum
