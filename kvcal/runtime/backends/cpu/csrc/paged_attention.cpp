@@ -511,7 +511,7 @@ constexpr int PF_TILE = 32, PF_PAIRS = 4, PF_VW = 16, PF_PV = 6;
 constexpr int PF_ROWS = 4, PF_CHUNK = 32, PF_GROUPS = 16;
 
 // acc[p][0..W) += sum_j s[p][j] * v[j][c0 .. c0 + W) over j < L, for P rows of probabilities: the value rows are
-// read once for P query rows (W floats of P rows: P * W / 16 vector registers).
+// read once for P query rows (W floats of P rows: P * W / 16 vector registers with AVX-512, P * W / 8 with AVX2).
 template <int P, int W>
 inline void pv_block(const float* const* s, const float* inv, const float* v, int64_t L, int64_t rv, int64_t c0,
                      float* const* out) {
