@@ -366,11 +366,13 @@ inline void by_row_blocks(int64_t qn, F f) {
 // exp(x) for x <= 0 (softmax weights), 0 below -87 (and for -inf). Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2,
 // exp(f) by a degree-6 polynomial, 2^n through the exponent bits; within 2 ulp of std::exp. Pure arithmetic with no
 // call and no branch, so that loops over a page's tokens vectorize (std::exp stays a scalar libm call per token).
+// Below -87 the arithmetic gives garbage that the final mask clears; no clamp before it and no select after it,
+// since gcc threads the two comparisons into branches that keep the loop scalar on AVX2 (AVX-512's masks hid that).
+// 2^n: t's low mantissa bits hold n + 0x400000, as t = 1.5 * 2^23 + n.
 inline float exp_le0(float x) {
-    const float xc = std::max(x, -87.f);
-    const float t = xc * 1.44269504088896341f + 12582912.f;          // 1.5 * 2^23: rounds x / ln 2 to an integer
+    const float t = x * 1.44269504088896341f + 12582912.f;           // 1.5 * 2^23: rounds x / ln 2 to an integer
     const float n = t - 12582912.f;
-    const float f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;     // ln 2 split in two (Cody-Waite)
+    const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f;      // ln 2 split in two (Cody-Waite)
     float y = 1.9875691500e-4f;
     y = y * f + 1.3981999507e-3f;
     y = y * f + 8.3334519073e-3f;
@@ -378,9 +380,8 @@ inline float exp_le0(float x) {
     y = y * f + 1.6666665459e-1f;
     y = y * f + 5.0000001201e-1f;
     y = y * f * f + f + 1.f;
-    const int32_t e = (int32_t)n + 127;
-    const float two_n = bits_f32((uint32_t)e << 23);
-    return x < -87.f ? 0.f : y * two_n;
+    const float two_n = bits_f32((f32_bits(t) - 0x4B400000u + 127u) << 23);
+    return bits_f32(f32_bits(y * two_n) & (x < -87.f ? 0u : ~0u));
 }
 
 inline float exp_diff(float a, float b) {        // exp(a - b), 0 where a = -inf (also when b = -inf)
@@ -493,7 +494,9 @@ inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t grou
 }
 
 // The prefill's register blocks: acc[PF_PAIRS][PF_TILE] logits and acc[PF_PV][PF_VW] outputs stay in vector registers
-// (32 of 16 floats with AVX-512, 16 of 8 without: the AVX-512 blocks would spill there). Neither changes float order:
+// (32 of 16 floats with AVX-512, 16 of 8 without: the AVX-512 blocks would spill there). Without AVX-512 the logits
+// take 6 rows x 16 keys, 12 registers beside the tile's two loads and the query's broadcast (6 x 16 is the shape
+// of the usual AVX2 matrix-multiply kernel). Neither changes float order:
 // every logit and output is summed in the same order whatever the block, so the results are the same bits (a test
 // builds both: -DKVCAL_PREFILL_WIDE=1 or 0 chooses them whatever the CPU).
 #if !defined(KVCAL_PREFILL_WIDE)
@@ -506,7 +509,7 @@ inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t grou
 #if KVCAL_PREFILL_WIDE
 constexpr int PF_TILE = 64, PF_PAIRS = 4, PF_VW = 64, PF_PV = 6;
 #else
-constexpr int PF_TILE = 32, PF_PAIRS = 4, PF_VW = 16, PF_PV = 6;
+constexpr int PF_TILE = 16, PF_PAIRS = 6, PF_VW = 16, PF_PV = 6;
 #endif
 constexpr int PF_ROWS = 4, PF_CHUNK = 32, PF_GROUPS = 16;
 
