@@ -3,6 +3,9 @@ attention, which gives the output alone, one layer of each packaged model's geom
 
     python experiments/cpu_prefill.py --context 4096 --threads 2 [--json docs/results/cpu-prefill.json]
 
+The JSON names the CPU: the kernel's register blocks differ with and without AVX-512 (cpu-prefill.json was
+made on an AVX-512 CPU, cpu-prefill-avx2.json on one with AVX2 only).
+
 Random float32 queries, keys and values, no padding, causal. Timings are medians over `--reps` calls, the two
 interleaved. Before the fused kernel the prefill ran the flash attention and then a significance pass over the same
 logits, so the flash attention alone is a lower bound on what that cost.
@@ -14,11 +17,13 @@ import argparse
 import json
 import statistics
 from functools import partial
+from pathlib import Path
 
 import torch
 from cpu_attention import median_ms
 
 from kvcal.runtime.backends.cpu.backend import fused_prefill
+from kvcal.runtime.backends.cpu.build import cpu_name
 
 # (KV heads, query heads per KV head, head size) of one layer
 GEOMETRY = {"smollm2-135m": (3, 3, 64), "qwen2.5-coder-1.5b": (2, 6, 128), "gemma3-270m": (1, 4, 256)}
@@ -61,7 +66,9 @@ def main() -> None:
               f"flash attention (output) {flash_ms:7.1f} ms, ratio {fused_ms / flash_ms:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "reps": args.reps, "rows": rows}, f, indent=1)
+            avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+            meta = {"cpu": cpu_name(), "avx512": avx512, "threads": args.threads, "reps": args.reps}
+            json.dump({**meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
