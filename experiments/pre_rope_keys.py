@@ -31,17 +31,23 @@ first `--sinks` tokens of a window stay exact in every row.
   coded values (`chain`) or from the even layer below (`pairs`). Values carry no RoPE, so a runtime could apply a
   `pairs` map to the attention output (W over Σ p·v̂ of the layer below, a second weighted sum over its pages).
 
+- `basis`: the channels a per-page key code works in. `model`: the model's own. `bundle` (post-RoPE only, with
+  `--bundle`): the key rotation the runtime serves from a kvcal bundle at full rank (its FDC rotation, smoothing and
+  mixing, `storage.bases.served_bases`), keys decoded through its inverse. `pca`: per (layer, KV head), the
+  eigenvectors of the fitted keys' Gram in that space, so pre- and post-RoPE keys meet in a rotation of their own;
+  `pca-mixed`: the same followed by the runtime's fixed random rotation (the bundle basis's mixing, at full rank).
+
 Quantization is the store's arithmetic at any width: asymmetric min-max, fp16 scale and zero, round half to even;
-static ranges are rounded outwards (`quant.static_scale_zero`). The model basis (no FDC rotation), uniform levels.
+static ranges are rounded outwards (`quant.static_scale_zero`). Uniform levels throughout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextvars
+import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,9 @@ import torch.nn.functional as F
 from kvcal.data import load_corpus, token_windows
 from kvcal.models import load_model
 from kvcal.profile.capture import attending_by
+from kvcal.runtime.bundle import load_bundle
+from kvcal.runtime.config import CompressionConfig
+from kvcal.runtime.storage.bases import served_bases
 
 PAGE = 32                    # tokens per per-channel key page (kvcal.profile.allocate.PAGE_TOKENS)
 META8_BITS = 16 / PAGE       # an 8-bit (scale, zero) pair per channel per page
@@ -56,7 +65,7 @@ OUTLIER_BITS = 16 + 8        # an exact fp16 entry and its index within the vect
 BLOCK = 512                  # query rows per attention block (bounds the [heads, BLOCK, S] score tensors)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KeyCode:
     """One row: keys coded in `space` ("pre" or "post" RoPE) by `mode` ("page" or "static") at `bits`."""
 
@@ -66,11 +75,13 @@ class KeyCode:
     outliers: float = 0.0    # static only: the fitted share of entries kept exact (0: the range is min..max)
     predictor: str = ""      # page only: "chain" or "pairs", code the residual of a prediction (module docstring)
     side: str = "k"          # "v": code the values instead (per token, keys exact; `space` and `mode` unused)
+    basis: str = "model"     # page keys only: "model", "bundle", "pca" or "pca-mixed" (module docstring)
 
     @property
     def label(self) -> str:
         tail = f" + {self.outliers:.0%} outliers" if self.outliers else ""
         tail += f" {self.predictor}" if self.predictor else ""
+        tail += f" in the {self.basis} basis" if self.basis != "model" else ""
         if self.side == "v":
             return f"values per token V{self.bits}{tail}"
         return f"{self.space}-RoPE {self.mode} K{self.bits}{tail}"
@@ -81,7 +92,10 @@ ROWS = tuple([KeyCode(space, "page", b) for space in ("post", "pre") for b in (4
              + [KeyCode("pre", "static", b) for b in (4, 3, 2)]
              + [KeyCode("pre", "static", b, 0.01) for b in (4, 3, 2)]
              + [KeyCode("pre", "page", b, predictor=p) for p in ("chain", "pairs") for b in (4, 3, 2)]
-             + [KeyCode("", "token", b, predictor=p, side="v") for p in ("", "chain", "pairs") for b in (4, 2)])
+             + [KeyCode("", "token", b, predictor=p, side="v") for p in ("", "chain", "pairs") for b in (4, 2)]
+             + [KeyCode("post", "page", b, basis="bundle") for b in (4, 2)]
+             + [KeyCode(space, "page", b, basis=basis) for basis in ("pca", "pca-mixed") for space in ("post", "pre")
+                for b in (4, 2)])
 
 _ROW: contextvars.ContextVar = contextvars.ContextVar("pre_rope_row", default=None)
 
@@ -143,6 +157,7 @@ class Coder:
     def __init__(self, ranges: dict, sinks: int):
         self.ranges, self.sinks = ranges, sinks      # ranges[(space, outliers)] = (low, high) [L, H, d]
         self.predictors: dict[tuple, dict] = {}         # (side, "chain" / "pairs") -> layer -> its predictor (Capture)
+        self.bases: dict[tuple, tuple] = {}              # (space, basis) -> (R, R^-1), each [L, H, d, d]
         self.previous: torch.Tensor | None = None       # the previous layer's coded keys before RoPE (or values)
         self.kept = self.entries = 0
 
@@ -165,6 +180,9 @@ class Coder:
             guess = predict(self.previous, w, x.shape[1]) if row.predictor == "chain" else \
                 predict_pairs(self.previous, w)
             coded = guess + page_code(x - guess, row.bits)
+        elif row.mode == "page" and row.basis != "model":
+            R, back = (b[layer] for b in self.bases[(row.space, row.basis)])
+            coded = torch.einsum("bhse,hed->bhsd", page_code(torch.einsum("bhsd,hde->bhse", x, R), row.bits), back)
         elif row.mode == "page":
             coded = page_code(x, row.bits)
         else:
@@ -306,6 +324,14 @@ class Capture:
             out[layer] = torch.linalg.solve(gram, x.mH @ y).to(torch.complex64)
         return out
 
+    def pca(self, space: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, R^T), each [L, H, d, d]: per layer and KV head, the eigenvectors of the Gram k^T k of the fitted keys in
+        `space` ("pre" or "post"), by descending eigenvalue."""
+        grams = torch.stack([(lambda k: k.transpose(1, 2) @ k)(torch.cat(self.keys[space][layer], dim=1).double())
+                             for layer in sorted(self.keys[space])])                   # [L, H, d, d]
+        R = torch.linalg.eigh(grams).eigenvectors.flip(-1).float()
+        return R, R.transpose(-1, -2)
+
     def ranges(self, outliers: float) -> dict:
         """(space, outliers) -> (low, high) float32 [L, H, d]: min..max, or the (f/2, 1 - f/2) quantiles."""
         out = {}
@@ -319,6 +345,24 @@ class Capture:
                 highs.append(k[:, hi])
             out[(space, outliers)] = (torch.stack(lows), torch.stack(highs))
         return out
+
+
+def bundle_basis(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, R^-1), each [L, H, d, d]: the key rotation the runtime serves from the bundle at `path` under its own
+    settings at full rank (keys stored as K @ R)."""
+    bundle = load_bundle(path)
+    config = dataclasses.replace(CompressionConfig.from_dict(bundle.settings), use_ranks=False)
+    served = served_bases(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config,
+                          bundle.extras.get("qk.smoothing")).rotation
+    return served, torch.linalg.inv(served.double()).float()
+
+
+def mixed(rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R M, (R M)^T) for R [L, H, d, d] orthogonal: the runtime's mixing M at full rank (`served_bases`)."""
+    L, H, d, _ = rotation.shape
+    full = torch.full((L, H), d, dtype=torch.int32)
+    out = served_bases(rotation, torch.eye(d).expand(L, H, d, d), full, full, CompressionConfig()).rotation
+    return out, out.transpose(-1, -2)
 
 
 def metrics(dense: torch.Tensor, coded: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -339,6 +383,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=16, help="newest keys each query reads exact (the high tier)")
     ap.add_argument("--sinks", type=int, default=4, help="first tokens of a window kept exact in every row")
     ap.add_argument("--rows", help="comma-separated row numbers (0-based) to run; default all")
+    ap.add_argument("--bundle", help="a kvcal bundle of the model, for the rows in its served key rotation")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -353,6 +398,11 @@ def main() -> None:
     for w in range(len(fit)):
         probe.logits(fit[w:w + 1], 1, capture)
     picked = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else list(ROWS)
+    if any(r.basis == "bundle" for r in picked) and not args.bundle:
+        raise SystemExit("rows in the bundle's key rotation need `--bundle PATH` (a bundle of this model)")
+    coder.bases = {(r.space, r.basis): bundle_basis(args.bundle) if r.basis == "bundle" else
+                   mixed(capture.pca(r.space)[0]) if r.basis == "pca-mixed" else capture.pca(r.space)
+                   for r in picked if r.basis != "model"}
     for share in sorted({r.outliers for r in picked if r.mode == "static"}):
         coder.ranges.update(capture.ranges(share))
     wanted = {(r.side, r.predictor) for r in picked}
@@ -373,9 +423,9 @@ def main() -> None:
         share = coder.kept / coder.entries if coder.entries else 0.0
         bits = row.bits + (META8_BITS if row.mode == "page" else 0.0) + (16 / d if row.side == "v" else 0.0) + \
             (share * OUTLIER_BITS + 8 / d if row.outliers else 0.0)
-        rows.append({"label": row.label, **asdict(row), "key_bits_per_entry": round(bits, 3),
+        rows.append({"label": row.label, **dataclasses.asdict(row), "key_bits_per_entry": round(bits, 3),
                      "outlier_share": round(share, 5), **m, "seconds": round(time.perf_counter() - t0, 1)})
-        print(f"{row.label:36} {bits:5.2f} bits/entry  KL {m['kl']:.4f}  top-1 {m['top1']:.3f}  "
+        print(f"{row.label:44} {bits:5.2f} bits/entry  KL {m['kl']:.4f}  top-1 {m['top1']:.3f}  "
               f"ppl ratio {m['ppl_ratio']:.3f}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
