@@ -34,6 +34,8 @@ SMOKE: dict[str, list[str]] = {
               "--json", "{tmp}/out.json"],
     "beams_crop": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "40", "--beams", "2",
                    "--new-tokens", "4", "--repeats", "1", "--crops", "1", "--json", "{tmp}/out.json"],
+    "calibrate_unrotated": ["--json", "{tmp}/out.json", "--", "--model", "{llama}", *SMALL_CALIBRATE, "--dataset",
+                            "{data}"],
     "calibration_floor": ["--model", "{llama}", "--repeats", "1", "--context", "64", "--prefill-dtype", "bfloat16",
                           "--json", "{tmp}/out.json"],
     "calibrate_models": ["{llama}", "--results", "{tmp}", "--", *SMALL_CALIBRATE, "--dataset", "{data}"],
@@ -67,7 +69,7 @@ SMOKE: dict[str, list[str]] = {
     "nuq_pages": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--bits", "4", "--windows", "1", "--prompt",
                   "200", "--steps", "16", "--json", "{tmp}/out.json"],   # long enough that pages pay
     "pre_rope_keys": ["--model", "{gemma}", "--context", "96", "--windows", "1", "--steps", "8", "--fit-windows", "1",
-                      "--rows", "0,7,10,13,16,22", "--json", "{tmp}/out.json"],
+                      "--rows", "0,7,10,13,16,22,25,29,33", "--bundle", "{gemma_bundle}", "--json", "{tmp}/out.json"],
     "predicted_vs_measured": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--context", "64", "--steps", "8",
                               "--windows", "1", "--allocations", "2", "--json", "{tmp}/out.json"],
     "predicted_vs_measured --layer-steps": ["--model", "{gemma}", "--bundle", "{gemma_bundle}", "--context", "64",
@@ -84,6 +86,7 @@ SMOKE: dict[str, list[str]] = {
                       "4", "--contexts", "64", "--passkey-lengths", "64", "--speed-steps", "2"],
     "rss_trace": ["--every", "0.05", "--bucket", "0.2", "--json", "{tmp}/out.json", "--", sys.executable, "-c",
                   "import time; x = bytearray(64 << 20); time.sleep(0.5)"],
+    "thread_bits": ["--models", "{llama}", "--rows", "4", "64", "--json", "{tmp}/out.json"],
     "runtime": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--contexts", "64", "--steps", "4",
                 "--speed-contexts", "64", "--batches", "1", "--speed-steps", "2", "--speed-configs", "K8V4", "bundle",
                 "--threads", "1", "--json", "{tmp}/out.json"],
@@ -148,6 +151,12 @@ def test_script_runs_at_tiny_sizes(name, smoke_env, tmp_path, monkeypatch):
             del sys.modules[mod]         # format_swaps imported by a sibling: the next script gets a fresh one
     if name == "thread_determinism":            # the tiny model's bundles agree at 1 and 2 threads
         assert json.loads((tmp_path / "out.json").read_text())["differ"] == []
+    if name == "calibrate_unrotated":           # the summary of a calibration that ran, marked with its frame
+        out = json.loads((tmp_path / "out.json").read_text())
+        assert out["frame"] == {"rotate": False} and out["tokens"]
+    if name == "thread_bits":                   # every (rows, in, out) tried in both dtypes, the head too
+        per = json.loads((tmp_path / "out.json").read_text())["models"][smoke_env["llama"]]
+        assert per["bfloat16"]["tried"] == per["float32"]["tried"] == 2 * len(per["shapes"])
     if name == "rss_trace":                     # the child's 64 MiB buffer, seen by the sampler
         assert json.loads((tmp_path / "out.json").read_text())["peak_mib"] >= 64
     if name == "results_pages":                 # one flat page per model, its plot links renamed with it
