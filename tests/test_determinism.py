@@ -84,3 +84,23 @@ def test_strict_blas_is_chosen_before_the_first_product_and_reported_too_late_af
     assert fresh.returncode == 0 and late.returncode == 0, fresh.stderr[-1000:] + late.stderr[-1000:]
     assert fresh.stdout.split() == ["mkl-strict", "mkl-strict"]
     assert late.stdout.split() == ["mkl"]
+
+
+def test_pass_threads_keeps_the_count_where_products_agree_and_takes_one_where_they_do_not(monkeypatch):
+    """The current count where every linear shape gives one thread's bits, 1 where one shape does not (a product
+    that reads the thread count stands in for a thread-dependent kernel); the count is restored either way, and the
+    global random state is not drawn from."""
+    from kvcal.profile.reproducible import pass_threads, torch_threads
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    model.get_output_embeddings = lambda: model[1]
+    with torch_threads(2):
+        state = torch.random.get_rng_state()
+        assert pass_threads(model, 64) == 2
+        assert torch.equal(torch.random.get_rng_state(), state)
+        linear = torch.nn.functional.linear
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: linear(x, w) + torch.get_num_threads())
+        assert pass_threads(model, 64) == 1
+        assert torch.get_num_threads() == 2
+    with torch_threads(1):
+        assert pass_threads(model, 64) == 1 and torch.get_num_threads() == 1

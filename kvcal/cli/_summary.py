@@ -118,6 +118,8 @@ def calibration_summary(s: dict, bundle: Bundle) -> RenderableType:
                             f"{defaults_in_words(bundle, **_rank_means(bundle))}")
     t.add_row("time", f"{s['wall_seconds']:.0f} s (load {s['load_seconds']:.1f} s, passes {s['pass_seconds']:.1f} s, "
                       f"search {s['search_seconds']:.1f} s); peak RSS {s['peak_rss_mib']:.0f} MiB"
+                      + (f"; passes at {s['pass_threads']} thread (the model's products give other bits at more)"
+                         if s.get("pass_threads") == 1 and s.get("threads", {}).get("count", 1) > 1 else "")
                       + (f"; threads {s['threads']['text']}" if s.get("threads") else ""))
     t.add_row("statistics", f"{s['tokens']['random']} random + {s['tokens']['text']} text tokens; energy kept qk "
                             f"{s['energy_kept']['qk']:.3f}, v {s['energy_kept']['v']:.3f}")

@@ -51,7 +51,7 @@ from kvcal.profile.key_ranges import (
 from kvcal.profile.passes import Progress, QueryKeyTap, key_range_pass, run_pass
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
-from kvcal.profile.reproducible import strict_blas
+from kvcal.profile.reproducible import pass_threads, strict_blas, torch_threads
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
     QK_WEIGHTINGS,
@@ -258,12 +258,23 @@ class Passes:
     seconds: float
     key_windows: list[int]              # text windows of the key-range statistics (spread_windows)
     key_captured: list[dict] | None     # their queries and keys, from the text pass (QueryKeyTap.captured)
+    threads: int                        # the passes' thread count (reproducible.pass_threads)
 
 
 def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq_len: int, max_position: int,
                checkpoint: Checkpoint, progress: Progress | None) -> Passes:
-    """The random-token pass, the calibration-text pass and the FastGen statistics pass (module docstring)."""
-    t, a = time.perf_counter(), lm.adapter
+    """The random-token pass, the calibration-text pass and the FastGen statistics pass (module docstring), at one
+    thread where the model's products would give other bits at the thread count asked for
+    (`reproducible.pass_threads`)."""
+    t = time.perf_counter()
+    threads = pass_threads(lm.model, seq_len)
+    with torch_threads(threads):
+        return _passes(cfg, lm, text_ids, seq_len, max_position, checkpoint, progress, t, threads)
+
+
+def _passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq_len: int, max_position: int,
+            checkpoint: Checkpoint, progress: Progress | None, t: float, threads: int) -> Passes:
+    a = lm.adapter
     random_ids = random_token_windows(lm.tokenizer, lm.model.config.vocab_size, cfg.random_tokens, seq_len, cfg.seed)
     # both passes see the same positions, so their rotations differ only by what the tokens are
     random_offsets = position_offsets(len(random_ids), seq_len, max_position)
@@ -278,7 +289,7 @@ def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, 
     fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
                              FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
     return Passes(random_ids, text_ids, random_offsets, text_offsets, random_stats, text_stats, fastgen_stats,
-                  time.perf_counter() - t, key_windows, tap.captured(key_windows))
+                  time.perf_counter() - t, key_windows, tap.captured(key_windows), threads)
 
 
 def make_bundle(cfg: CalibrationConfig, lm: LoadedModel, passes: Passes, corpus, max_position: int,
@@ -295,9 +306,10 @@ def make_bundle(cfg: CalibrationConfig, lm: LoadedModel, passes: Passes, corpus,
     key_range_key = checkpoint.key + json.dumps([cfg.qk_source, cfg.qk_weighting, cfg.key_percentile, picked,
                                                  "query-absmax"])
     key_checkpoint = Checkpoint(checkpoint.folder, hashlib.sha256(key_range_key.encode()).hexdigest()[:16])
-    range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids,
-                                                      [text_offsets[i] for i in picked], cfg.key_percentile,
-                                                      key_checkpoint, progress, passes.key_captured)
+    with torch_threads(passes.threads):             # where it runs a pass of its own
+        range_low, range_high, smoothing = key_range_pass(lm, rotation.float(), key_ids,
+                                                          [text_offsets[i] for i in picked], cfg.key_percentile,
+                                                          key_checkpoint, progress, passes.key_captured)
     passes.key_captured = None                      # hundreds of MB of queries
     checkpoint.resumed.update(key_checkpoint.resumed)
     unsearched = CompressionConfig().with_tiering(window=cfg.window or TieringConfig.window)
@@ -353,6 +365,7 @@ def summarize(cfg: CalibrationConfig, lm: LoadedModel, bundle: Bundle, out: Path
         "wall_seconds": round(seconds["wall"], 2),
         "load_seconds": round(lm.load_seconds, 2),
         "pass_seconds": round(passes.seconds, 2),
+        "pass_threads": passes.threads,
         "search_seconds": round(seconds["search"], 2),
         "tokens": {"random": int(passes.random_ids.numel()), "text": int(passes.text_ids.numel())},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -392,6 +405,7 @@ def calibrate(cfg: CalibrationConfig, *, lm: LoadedModel | None = None, progress
     passes = run_passes(cfg, lm, text_ids, seq_len, max_position, checkpoint, progress)
     bundle = make_bundle(cfg, lm, passes, corpus, max_position, checkpoint, progress, say)
     bundle.calibration["blas"] = blas
+    bundle.calibration["pass_threads"] = passes.threads
     report = None
     t_search = time.perf_counter()
     if cfg.search:

@@ -7,13 +7,21 @@ count: otherwise the same inputs may give other last bits at 1 and at 2 threads,
 chosen before MKL's first call in the process, so `strict_blas` runs first thing in `calibrate`.
 
     strict_blas()      # -> "mkl-strict" | "mkl" (too late in this process) | "none" (torch without MKL)
+
+Products outside MKL have no such mode: torch runs bf16 matrix products through oneDNN, whose AMX kernels block by the
+thread count (`experiments/thread_bits.py`, docs/calibration.md). `pass_threads` finds whether a model's own products
+at a pass's row count give the same bits at one thread as at the current count, so a pass can run where they do.
+
+    with torch_threads(pass_threads(model, rows)): ...      # the current count, or 1 where the bits would follow it
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 
 # mkl_cbwr.h: the automatic code branch, the strict flag, and the mask that asks for the whole setting
 CBWR_AUTO, CBWR_STRICT, CBWR_ALL = 2, 0x10000, -1
@@ -47,3 +55,45 @@ def strict_blas() -> str:
     if lib.mkl_serv_cbwr_get(CBWR_ALL) & CBWR_STRICT:
         return "mkl-strict"
     return "mkl-strict" if lib.mkl_serv_cbwr_set(CBWR_AUTO | CBWR_STRICT) == 0 else "mkl"
+
+
+def pass_threads(model, rows: int) -> int:
+    """torch's current thread count if every distinct linear shape of `model` (in its weights' dtype) gives the same
+    bits for `rows` rows at one thread and at that count, else 1. The output head is tried at one row, as the passes
+    keep one position's logits. A kernel's blocking follows the shape and the thread count, not the values, so one
+    product of seeded random operands per shape tells; the global random state is untouched. On a GPU the thread
+    count does not enter the products: the current count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1 or next(model.parameters()).device.type not in ("cpu", "meta"):    # meta: offloaded, run on CPU
+        return threads
+    head = model.get_output_embeddings()
+    shapes = {(m.in_features, m.out_features, m.weight.dtype, 1 if m is head else rows)
+              for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for k, n, dtype, m in sorted(shapes, key=str):
+            x, w = torch.randn(m, k, generator=g, dtype=dtype), torch.randn(n, k, generator=g, dtype=dtype)
+            many = torch.nn.functional.linear(x, w)
+            torch.set_num_threads(1)
+            one = torch.nn.functional.linear(x, w)
+            torch.set_num_threads(threads)
+            if not torch.equal(one, many):
+                return 1
+    finally:
+        torch.set_num_threads(threads)
+    return threads
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
