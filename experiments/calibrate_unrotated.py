@@ -33,15 +33,15 @@ def main() -> None:
 
     frame = choose.base_settings
     choose.base_settings = lambda *a, **k: dataclasses.replace(frame(*a, **k), rotate=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        sys.argv = ["kvcal", "calibrate", *args, "--out", f"{tmp}/unrotated.kvcal.safetensors", "--json"]
-        out, code = io.StringIO(), 0
-        with contextlib.redirect_stdout(out):
-            try:
-                kvcal_main()
-            except SystemExit as e:
-                code = e.code or 0
-    choose.base_settings = frame
+    out, code = io.StringIO(), 0
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
+            sys.argv = ["kvcal", "calibrate", *args, "--out", f"{tmp}/unrotated.kvcal.safetensors", "--json"]
+            kvcal_main()
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        choose.base_settings = frame
     if code:
         sys.exit(f"kvcal calibrate failed (exit {code})")
     summary = json.loads(out.getvalue())

@@ -20,22 +20,17 @@ import json
 import os
 import time
 
-from kvcal.profile.reproducible import strict_blas
+from kvcal.profile.reproducible import linear_shapes, strict_blas
 
 HEAD_ROWS = 256        # rows tried for the vocabulary-wide output head
 
 
-def linear_shapes(model: str) -> list[tuple[int, int]]:
-    """The distinct (in_features, out_features) of a model's linear layers, its output head last."""
-    import torch
-
+def model_shapes(model: str) -> list[tuple[int, int, bool]]:
+    """The distinct (in_features, out_features, is the output head) of a model's linear layers, the head last."""
     from kvcal.models import load_model
 
-    lm = load_model(model, dtype="bfloat16")
-    head = lm.model.get_output_embeddings()
-    shapes = sorted({(m.in_features, m.out_features) for m in lm.model.modules()
-                     if isinstance(m, torch.nn.Linear) and m is not head})
-    return shapes + [(head.in_features, head.out_features)]
+    shapes = {(k, n, head) for k, n, _, head in linear_shapes(load_model(model, dtype="bfloat16").model)}
+    return sorted(shapes, key=lambda s: (s[2], s[0], s[1]))
 
 
 def main() -> None:
@@ -62,15 +57,15 @@ def main() -> None:
               "torch_deterministic": args.torch_deterministic,
               "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "models": {}}
     for model in args.models:
-        shapes = linear_shapes(model)
+        shapes = model_shapes(model)
         per_dtype = {}
         for name in args.dtypes:
             dtype = getattr(torch, name)
             differ, seconds = [], {t: [] for t in args.threads}
-            for i, (k, n) in enumerate(shapes):
+            for k, n, head in shapes:
                 w = torch.randn(n, k, dtype=dtype)
                 for m in args.rows:
-                    if i == len(shapes) - 1 and m > HEAD_ROWS:
+                    if head and m > HEAD_ROWS:
                         continue
                     x = torch.randn(m, k, dtype=dtype)
                     out = {}
@@ -82,15 +77,14 @@ def main() -> None:
                         seconds[t].append(time.perf_counter() - t0)
                     if not torch.equal(*out.values()):
                         differ.append([m, k, n])
-            tried = sum(len(args.rows) if i < len(shapes) - 1 else sum(r <= HEAD_ROWS for r in args.rows)
-                        for i in range(len(shapes)))
+            tried = sum(sum(r <= HEAD_ROWS for r in args.rows) if head else len(args.rows) for _, _, head in shapes)
             per_dtype[name] = {"tried": tried, "differ": differ,
                                "total_ms": {str(t): round(1e3 * sum(s), 1) for t, s in seconds.items()}}
             print(f"{model:22} {name:9} {len(differ):3} of {tried} (rows, in, out) differ at {args.threads} threads"
                   + "".join(f"; {t} threads {v} ms" for t, v in per_dtype[name]["total_ms"].items()), flush=True)
             for m, k, n in differ:
                 print(f"    {m} x {k} -> {n}")
-        result["models"][model] = {"shapes": shapes, **per_dtype}
+        result["models"][model] = {"shapes": [[k, n] for k, n, _ in shapes], **per_dtype}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -90,7 +90,8 @@ def test_pass_threads_keeps_the_count_where_products_agree_and_takes_one_where_t
     """The current count where every linear shape gives one thread's bits, 1 where one shape does not (a product
     that reads the thread count stands in for a thread-dependent kernel); the count is restored either way, and the
     global random state is not drawn from."""
-    from kvcal.profile.reproducible import pass_threads, torch_threads
+    from kvcal.profile.reproducible import pass_threads
+    from kvcal.runtime.cache import torch_threads
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
     model.get_output_embeddings = lambda: model[1]

@@ -51,7 +51,7 @@ from kvcal.profile.key_ranges import (
 from kvcal.profile.passes import Progress, QueryKeyTap, key_range_pass, run_pass
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
-from kvcal.profile.reproducible import pass_threads, strict_blas, torch_threads
+from kvcal.profile.reproducible import pass_threads, strict_blas
 from kvcal.profile.rotation import (
     DEFAULT_QK_WEIGHTING,
     QK_WEIGHTINGS,
@@ -62,6 +62,7 @@ from kvcal.profile.rotation import (
 )
 from kvcal.profile.smoothing import STRENGTH as SMOOTHING_STRENGTH
 from kvcal.runtime.bundle import Bundle, ModelInfo, save_bundle
+from kvcal.runtime.cache import torch_threads
 from kvcal.runtime.config import CompressionConfig
 from kvcal.runtime.files import remove_stale_temps, wait_for_test_barrier
 from kvcal.runtime.policies.diffkv import TieringConfig

@@ -12,16 +12,15 @@ Products outside MKL have no such mode: torch runs bf16 matrix products through 
 thread count (`experiments/thread_bits.py`, docs/calibration.md). `pass_threads` finds whether a model's own products
 at a pass's row count give the same bits at one thread as at the current count, so a pass can run where they do.
 
-    with torch_threads(pass_threads(model, rows)): ...      # the current count, or 1 where the bits would follow it
+    with torch_threads(pass_threads(model, rows)): ...      # kvcal.runtime.cache.torch_threads: the current count,
+                                                            # or 1 where the bits would follow it
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Iterator
 
 # mkl_cbwr.h: the automatic code branch, the strict flag, and the mask that asks for the whole setting
 CBWR_AUTO, CBWR_STRICT, CBWR_ALL = 2, 0x10000, -1
@@ -57,6 +56,15 @@ def strict_blas() -> str:
     return "mkl-strict" if lib.mkl_serv_cbwr_set(CBWR_AUTO | CBWR_STRICT) == 0 else "mkl"
 
 
+def linear_shapes(model) -> list[tuple[int, int, object, bool]]:
+    """The distinct (in_features, out_features, weight dtype, is the output head) of `model`'s linear layers."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return sorted({(m.in_features, m.out_features, m.weight.dtype, m is head) for m in model.modules()
+                   if isinstance(m, torch.nn.Linear)}, key=str)
+
+
 def pass_threads(model, rows: int) -> int:
     """torch's current thread count if every distinct linear shape of `model` (in its weights' dtype) gives the same
     bits for `rows` rows at one thread and at that count, else 1. The output head is tried at one row, as the passes
@@ -65,35 +73,18 @@ def pass_threads(model, rows: int) -> int:
     count does not enter the products: the current count."""
     import torch
 
+    from kvcal.runtime.cache import torch_threads
+
     threads = torch.get_num_threads()
     if threads == 1 or next(model.parameters()).device.type not in ("cpu", "meta"):    # meta: offloaded, run on CPU
         return threads
-    head = model.get_output_embeddings()
-    shapes = {(m.in_features, m.out_features, m.weight.dtype, 1 if m is head else rows)
-              for m in model.modules() if isinstance(m, torch.nn.Linear)}
     g = torch.Generator().manual_seed(0)
-    try:
-        for k, n, dtype, m in sorted(shapes, key=str):
-            x, w = torch.randn(m, k, generator=g, dtype=dtype), torch.randn(n, k, generator=g, dtype=dtype)
-            many = torch.nn.functional.linear(x, w)
-            torch.set_num_threads(1)
+    for k, n, dtype, is_head in linear_shapes(model):
+        x, w = (torch.randn(1 if is_head else rows, k, generator=g, dtype=dtype),
+                torch.randn(n, k, generator=g, dtype=dtype))
+        many = torch.nn.functional.linear(x, w)
+        with torch_threads(1):
             one = torch.nn.functional.linear(x, w)
-            torch.set_num_threads(threads)
-            if not torch.equal(one, many):
-                return 1
-    finally:
-        torch.set_num_threads(threads)
+        if not torch.equal(one, many):
+            return 1
     return threads
-
-
-@contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` inside, restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
