@@ -325,6 +325,37 @@ def test_gauges_spend_the_misses_and_a_check_confirms():
     assert [r.split for r in rows][-1] == "evaluation" and index == 0 and not rows[-1].met
 
 
+def test_the_gauges_left_after_a_step_back_bisect_the_points_it_stepped_over():
+    """A gap measured where the evaluation text falls off steeply scales the whole search text's error by it, so the
+    step back lands far short of where the evaluation text stops meeting (qwen2.5-coder-1.5b's check stepped from
+    hull point 140 to 89). The gauges left bisect between the met and the missed point, and the cheapest point whose
+    gauge met is checked; once a check has missed where its gauge met, the gauges are optimistic and do not refine."""
+    from kvcal.eval import QualityTarget
+    from kvcal.profile.budget import Probe, confirm
+
+    target = QualityTarget(0.97, 1.02, 0.0)
+    searched = [Probe(i, "search", _fid(1.0 - 0.0005 * i), True) for i in (0, 20, 40)]
+    # evaluation text: meets up to index 30, then falls off twelve times as steeply
+    evaluation = {i: _fid(1.0 - (0.001 * i if i <= 30 else 0.03 + 0.012 * (i - 30))) for i in range(41)}
+    predicted, held = [i + 1.0 for i in range(41)], [100.0 - i for i in range(41)]
+    checked, gauged = [], []
+    index, rows = confirm(40, searched, evaluation.__getitem__, target, 3, evaluation.__getitem__, max_gauges=5)
+    assert index == 8 and [r.index for r in rows] == [40, 8, 8]      # the gap (7.5x) alone: a step to 8
+    index, rows = confirm(40, searched, lambda i: checked.append(i) or evaluation[i], target, 3,
+                          lambda i: gauged.append(i) or evaluation[i], 5, predicted, held)
+    assert gauged[:2] == [40, 8] and len(gauged) == 5 and checked == [index] and rows[-1].met
+    assert 20 < index <= 30 and all(evaluation[i]["top1"] >= 0.97 for i in gauged if i <= index)
+    assert [r.split for r in rows] == ["evaluation, coded"] * 5 + ["evaluation"]
+    # the runtime harder than its gauge: the check at 6 misses where its gauge met, the step back is not refined
+    searched = [Probe(i, "search", _fid(1.0 - 0.005 * i), True) for i in (0, 2, 4, 6)]
+    stepwise = {i: _fid(1.0 - 2.2 * 0.005 * i) for i in range(10)}
+    gauges = {i: _fid(1.0 - 0.005 * i) for i in range(10)}
+    index, rows = confirm(6, searched, stepwise.__getitem__, target, 3, gauges.__getitem__, 6,
+                          [i + 1.0 for i in range(10)], [100.0 - 5 * i for i in range(10)])
+    assert [(r.index, r.split) for r in rows] == [(6, "evaluation, coded"), (6, "evaluation"),
+                                                  (2, "evaluation, coded"), (2, "evaluation")]
+
+
 def test_measuring_in_float32_gives_the_model_back_with_its_own_buffers():
     """The search casts a bf16 model to float32 and back (`choose.measuring_in`): its parameters come back bf16 and
     bit for bit, its float32 rotary frequencies as they were. A plain `.to()` there and back would round them to

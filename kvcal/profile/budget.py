@@ -24,7 +24,11 @@ to the most (fewest bytes). Measured quality falls along it, so:
    document defeats (plain top-1 can then be as good as the search text's: a ratio near 1, a step of one hull point).
    With a `gauge` (the coded probe on the evaluation windows, a sixth of a check's time), a point is checked only
    once its gauge meets the target: a gauge's miss measures the gap and steps back just as a check's miss does, so
-   the checks that the search text's optimism would have spent on misses are gauges instead.
+   the checks that the search text's optimism would have spent on misses are gauges instead. A step back lands
+   where the search text, scaled by the gap, expects a meet, and that is often far short of where the evaluation
+   text stops meeting: once a point's gauge meets below one the evaluation text defeated, the gauges left bisect
+   the points between them (`bisect`, the same crossing and resolution) and the cheapest whose gauge meets is
+   checked. Only while no check has missed where its gauge met: the gauges are then known to be optimistic.
 
 Both take `measure(index) -> dict` (a Fidelity as a dict: top1, kl, ppl_ratio, predictions, top1_windows,
 memory.ratio_to_fp16) and return what they measured as `Probe` rows, which the report lists.
@@ -163,12 +167,15 @@ def _crossing(lo: int, hi: int, predicted: list[float], at: dict, target: Qualit
 
 
 def confirm(start: int, searched: list[Probe], measure: Measure, target: QualityTarget, max_checks: int = 3,
-            gauge: Measure | None = None, max_gauges: int = 0) -> tuple[int, list[Probe]]:
+            gauge: Measure | None = None, max_gauges: int = 0, predicted: list[float] | None = None,
+            held: list[float] | None = None) -> tuple[int, list[Probe]]:
     """Check hull index `start` on evaluation text; on a miss step back (module docstring), gauging each point first
-    while fewer than `max_gauges` gauges were spent. Returns (the index whose check met, or the best checked if none
-    did, and every gauge and check in order; a gauge's split is "evaluation, coded")."""
+    while fewer than `max_gauges` gauges were spent, and with the hull's `predicted` losses and `held` bytes, refining
+    a step back by the gauges left. Returns (the index whose check met, or the best checked if none did, and every
+    gauge and check in order; a gauge's split is "evaluation, coded")."""
     rows: list[Probe] = []
     gap, i = Gap(), start
+    gauges = lambda: sum(p.split != "evaluation" for p in rows)                    # noqa: E731
 
     def measured(how: Measure, split: str) -> bool:
         nonlocal gap, i
@@ -179,10 +186,30 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
             i = step_back(searched, i, gap, fid.get("predictions", 0), target)
         return rows[-1].met
 
+    def refine() -> None:
+        """Move i, whose gauge met, to the cheapest point below the nearest one evaluation text defeated whose gauge
+        meets, by the gauges left (module docstring)."""
+        nonlocal gap, i
+        missed = [p.index for p in rows if not p.met and p.index > i]
+        gauged = {p.index for p in rows if p.split != "evaluation" and p.met}
+        contradicted = any(p.split == "evaluation" and not p.met and p.index in gauged for p in rows)
+        if not missed or predicted is None or held is None or contradicted or gauges() >= max_gauges:
+            return
+        at = {p.index: p for p in rows}
+        known = [Probe(i, "search", at[i].fidelity, True), Probe(min(missed), "search", at[min(missed)].fidelity,
+                                                                 False)]
+        i, probes = bisect(len(held), gauge, target, max_gauges - gauges(), predicted, held, known)
+        for p in probes[len(known):]:
+            rows.append(Probe(p.index, "evaluation, coded", p.fidelity, p.met, gap))
+            if not p.met:
+                gap = gap | Gap.measured(search_quality(searched, p.index), p.fidelity, target)
+
     while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
-        if gauge is not None and sum(p.split != "evaluation" for p in rows) < max_gauges:
+        gauged = any(p.index == i and p.split != "evaluation" and p.met for p in rows)
+        if gauge is not None and gauges() < max_gauges and not gauged:
             if not measured(gauge, "evaluation, coded"):
                 continue
+            refine()
         if measured(measure, "evaluation"):
             return rows[-1].index, rows
     checks = [p for p in rows if p.split == "evaluation"]

@@ -13,7 +13,8 @@
 4. `confirm`: stepwise checks by the runtime itself on evaluation text, stepping back by the measured gap on a miss;
    each point is gauged first by the coded probe on the same evaluation windows (`recorded_prompts` reuses the
    check's recorded prefills, and the tokens each layer holds are captured in its reference's forward), so a point
-   the evaluation text defeats costs a gauge, not a check.
+   the evaluation text defeats costs a gauge, not a check; the gauges left after a step back bisect the points it
+   stepped over.
 
 The number of measurements is known before the first one (`planned_steps`), so the progress bar shows one ETA.
 Every measurement is checkpointed by its settings, so an interrupted run resumes without measuring again.
@@ -206,7 +207,8 @@ def choose_settings(lm, bundle, cfg, checkpoint, say: Callable[[str], None], pro
     index, checks = confirm(max(index, 0), searched,
                             measured("confirm", lambda i, config: eval_probe.measure(config)),
                             target, cfg.max_checks,
-                            measured("gauge", lambda i, config: gauge.measure(costs, candidates[i])), cfg.max_gauges)
+                            measured("gauge", lambda i, config: gauge.measure(costs, candidates[i])), cfg.max_gauges,
+                            [c.predicted for c in candidates], [c.held_bytes for c in candidates])
     eval_probe = gauge = None
     checks = [p for p in checks if p.split == "evaluation"]          # the runtime's own: gauges only led to them
     seconds["confirmation"] = time.perf_counter() - t
