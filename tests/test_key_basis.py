@@ -39,7 +39,8 @@ def test_listed_heads_keys_are_served_unrotated_and_the_rest_as_before():
     with pytest.raises(ValueError, match="full key rank"):
         served_bases(bundle.qk_rotation, bundle.v_basis, cut, full, config, None)
     assert CompressionConfig.from_dict(config.to_dict()) == config
-    assert config.to_dict()["model_basis_keys"] == {"1": [0]} and "model_basis_keys" not in CompressionConfig().to_dict()
+    assert config.to_dict()["model_basis_keys"] == {"1": [0]}
+    assert "model_basis_keys" not in CompressionConfig().to_dict()
     for bad in (dict(smooth=True), dict(rotate=False), dict(model_basis_keys=((1, 0), (0, 1)))):
         with pytest.raises(ValueError):
             CompressionConfig(**{"model_basis_keys": ((1, 0),), **bad})
