@@ -114,9 +114,7 @@ def test_to_config_sets_only_the_layers_that_differ():
     bits = torch.tensor([[4, 4], [2, 8]])
     config = to_config(base, costs, Allocation.of(costs, bits))
     assert config.low_layers == ((1, base.low.__class__.parse("K2cnV8m8")),)
-    four = torch.full((2, 2), 4)        # the base's bits: only the heads whose 4-bit keys the model basis codes better
-    unrotated = costs.model_basis_heads(four)
-    assert to_config(base, costs, Allocation.of(costs, four)) == base.with_(model_basis_keys=unrotated)
+    assert to_config(base, costs, Allocation.of(costs, torch.full((2, 2), 4))) == base
     assert to_config(base, costs, Allocation.of(costs, bits, 1, 3)).tiering.alpha_high == ALPHAS[3]
     # per KV head: a layer takes the format most of its heads take (the lowest head's on a tie), the others their own
     per_head = torch.tensor([[[4, 4], [2, 2]], [[2, 8], [2, 8]]])

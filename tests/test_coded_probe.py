@@ -133,7 +133,7 @@ def test_flash_bulk_equals_the_plain_softmax():
     query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
     key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
     causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
-    token = _STATE.set(_Coding(probe, costs, Allocation.of(costs, torch.full((4, 2), 4)), slice(None)))
+    token = _STATE.set(_Coding(probe, Allocation.of(costs, torch.full((4, 2), 4)), slice(None)))
     try:
         module = SimpleNamespace(layer_idx=0)
         flash, _ = _coded_attention(module, query, key, value, causal, scaling=0.125)
@@ -163,7 +163,7 @@ def test_the_window_is_read_as_the_runtime_serves_it(exact_window):
     query = torch.randn(B, a.num_kv_heads * g, n, a.head_dim, generator=gen)
     key, value = (torch.randn(B, a.num_kv_heads, S, a.head_dim, generator=gen) for _ in range(2))
     causal = torch.zeros(B, 1, n, S).masked_fill(torch.arange(S)[None] > torch.arange(prompt, S)[:, None], -1e30)
-    coding = _Coding(probe, costs, Allocation.of(costs, torch.full((4, 2), 4), 1), slice(None))
+    coding = _Coding(probe, Allocation.of(costs, torch.full((4, 2), 4), 1), slice(None))
     assert coding.high.name == "K8V8"
     token = _STATE.set(coding)
     try:

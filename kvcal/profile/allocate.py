@@ -189,8 +189,7 @@ def measured_path(costs: FormatCosts, start: Allocation, steps: list[Step], adde
 def to_config(base: CompressionConfig, costs: FormatCosts, allocation: Allocation) -> CompressionConfig:
     """`base` with the allocation's bits [L, H, 2], its high tier and heavy-hitter threshold: a paged layer's low
     tier at the format most of its KV heads take (`low_layers`, unless it is the base format), each other head's in
-    `low_heads`; a sliding layer's format in `sliding_layers` (unless it is the base's); the heads whose allocated key
-    bits the table priced in the model's basis in `model_basis_keys`."""
+    `low_heads`; a sliding layer's format in `sliding_layers` (unless it is the base's)."""
     low, heads, sliding = [], [], []
     for layer, per_head in enumerate(allocation.bits.tolist()):
         is_sliding = costs.sliding[layer]
@@ -201,4 +200,4 @@ def to_config(base: CompressionConfig, costs: FormatCosts, allocation: Allocatio
         heads += [(layer, h, own) for h, own in enumerate(fmts) if own != fmt]
     return base.with_tiering(alpha_high=ALPHAS[allocation.alpha]).with_(
         high=TierFormat.parse(HIGH[allocation.high]), low_layers=tuple(low), low_heads=tuple(heads),
-        sliding_layers=tuple(sliding), model_basis_keys=costs.model_basis_heads(allocation.bits))
+        sliding_layers=tuple(sliding))

@@ -48,7 +48,7 @@ from kvcal.profile.quality_model import (
 )
 from kvcal.profile.recording import Recording
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.storage.bases import ServedBases, model_basis_keys
+from kvcal.runtime.storage.bases import ServedBases
 from kvcal.runtime.storage.layout import RAW_BITS, TierFormat
 
 CODED_IMPL = "kvcal_coded_probe"
@@ -58,10 +58,8 @@ _STATE: ContextVar[_Coding | None] = ContextVar("kvcal_coded_probe", default=Non
 class _Coding:
     """One allocation's coding, applied by `_coded_attention` layer by layer."""
 
-    def __init__(self, probe: CodedProbe, costs: FormatCosts, allocation: Allocation, rows: slice):
+    def __init__(self, probe: CodedProbe, allocation: Allocation, rows: slice):
         self.probe, self.bits, self.rows = probe, allocation.bits, rows          # rows: the windows of this forward
-        # the bases the runtime serves this allocation in: some heads' keys in the model's (`to_config`)
-        self.served = model_basis_keys(probe.served, costs.model_basis_heads(allocation.bits))
         self.high, self.alpha = TierFormat.parse(HIGH[allocation.high]), allocation.alpha
 
     def coded_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
@@ -71,8 +69,8 @@ class _Coding:
         every token in `high` [B, H, S] in the high tier's format, per token (`held_tokens`; the caller masks which
         query sees which)."""
         p, sliding = self.probe, self.probe.sliding[layer]
-        rot, qrot = self.served.rotation[layer], self.served.query_rotation[layer]     # [H, d, d]
-        basis = self.served.basis[layer]
+        rot, qrot = p.served.rotation[layer], p.served.query_rotation[layer]           # [H, d, d]
+        basis = p.served.basis[layer]
         B, H, S, d = key.shape
         k_out, v_out = key.float().clone(), value.float().clone()
         levels = p.recording.levels.get(layer, {})
@@ -236,7 +234,7 @@ class CodedProbe:
             # the whole continuation in one forward: a query sees each key coded or exact by its age, so splitting
             # it would change nothing but the work (each forward would code the layer again)
             with attending_by(self.model, CODED_IMPL, _coded_attention, "eager", _STATE,
-                              _Coding(self, costs, allocation, rows)):
+                              _Coding(self, allocation, rows)):
                 hidden = self.model.model(input_ids=self.continuation[rows, :M], cache=cache,
                                           use_cache=True).last_hidden_state
             for t in range(0, M, self.chunk):          # the head a few positions at a time: no [M, vocab] copy

@@ -29,12 +29,6 @@ that format would hold under the base settings:
   512-token window's tokens are the continuation's own and a local layer's queries weigh their newest keys most;
   the tokens no query reads coded have g = 0.
 
-Keys are priced twice, in the served rotation and in the model's own post-RoPE channels (unmixed, full rank:
-`bases.model_basis_keys`), each with its own diagonal Fisher (g and x in that basis) and its own calibrated levels;
-per (layer, KV head, bits) the table keeps the basis of the lower loss summed over the thresholds, and `key_basis`
-says which (`choose_key_basis`). Bytes do not depend on the basis, so the allocation is the same problem, and a head's
-basis follows from its allocated key bits. The high tier's key errors (K8 at most) are priced in the served rotation.
-
 Pruned tokens (alpha_low > 0) and FastGen's per-prompt policies are not modelled: the base settings must not use
 them. The predicted loss of an assignment is a sum of table entries, computed without running the model:
 
@@ -112,16 +106,6 @@ class FormatCosts:
                                  # high tier (its heavy hitters, the scored queries' windows) in each format
     high_bytes: torch.Tensor     # float64 [L, 2, len(HIGH)]: bytes per high-tier token, summed over KV heads
     high_tokens: torch.Tensor    # float64 [L, len(ALPHAS)]: tokens each layer holds in its high tier (per KV head)
-    key_basis: torch.Tensor | None = None   # bool [L, H, len(BITS)]: keys at those bits priced (and served) in the
-                                            # model's own channels; None: all in the served rotation
-
-    def model_basis_heads(self, bits: torch.Tensor) -> tuple[tuple[int, int], ...]:
-        """bits long [L, H, 2] or [L, 2] -> the (layer, KV head) pairs, ascending, whose allocated key bits are
-        served in the model's basis (`CompressionConfig.model_basis_keys`)."""
-        if self.key_basis is None:
-            return ()
-        at = self.key_basis.gather(-1, self.index(self.per_head(bits))[..., :1])[..., 0]        # [L, H]
-        return tuple((int(layer), int(head)) for layer, head in at.nonzero().tolist())
 
     def per_head(self, bits: torch.Tensor) -> torch.Tensor:
         """bits long [L, 2] (every KV head of a layer alike) or [L, H, 2] -> [L, H, 2]."""
@@ -217,18 +201,16 @@ def _levels(kind: str, levels: torch.Tensor | None) -> torch.Tensor | None:
 
 @torch.no_grad()
 def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: ServedBases, base: CompressionConfig,
-                     layer: int, head_dim: int, samples: int = 1 << 15, sides: tuple[int, ...] = (0, 1)
-                     ) -> dict[tuple[str, int], torch.Tensor]:
+                     layer: int, head_dim: int, samples: int = 1 << 15) -> dict[tuple[str, int], torch.Tensor]:
     """Calibrated levels of a paged layer's formats at every bit width of `LEVELED`, per KV head -> {(side, bits):
     float32 [H, 2**bits]}: weighted 1-D k-means (`codebooks.fit_levels`) on the held tokens' normalised codes (as
     the store normalises them: per-channel key pages, per-token values), each weighted by g² step², its share of
     ½ Σ g² δ² per unit of code error. kv, grads: key and value [1, H, S, d] and their gradients; held bool [H, S].
-    At most `samples` evenly strided samples per fit; `sides`: of (0: K, 1: V)."""
+    At most `samples` evenly strided samples per fit."""
     from kvcal.profile.codebooks import fit_levels
 
     out: dict[tuple[str, int], torch.Tensor] = {}
-    for s in sides:
-        side = SIDES[s]
+    for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)
         for bits in LEVELED:
             fmt = layer_format(base, False, bits, bits)
@@ -248,24 +230,6 @@ def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: Served
                             else torch.arange(1 << bits, dtype=torch.float32))
             out[side, bits] = torch.stack(rows)
     return out
-
-
-def choose_key_basis(costs: torch.Tensor, model_costs: torch.Tensor, levels: dict, model_levels: dict
-                     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Per (layer, KV head, bits), the key basis of the lower predicted loss summed over the thresholds (module
-    docstring). costs, model_costs float64 [L, H, 2, len(BITS), len(ALPHAS)] (the served rotation's; the model basis's,
-    keys only); levels, model_levels: paged layer -> {(side, bits): [H, 2**bits]} -> (the table with each key entry
-    of the chosen basis, key_basis bool [L, H, len(BITS)], the levels with each head's key levels of its basis)."""
-    key_basis = model_costs[:, :, 0].sum(-1) < costs[:, :, 0].sum(-1)                     # [L, H, len(BITS)]
-    out = costs.clone()
-    out[:, :, 0] = torch.where(key_basis[..., None], model_costs[:, :, 0], costs[:, :, 0])
-    chosen = {}
-    for layer, fitted in levels.items():
-        chosen[layer] = dict(fitted)
-        for bits in LEVELED:
-            pick = key_basis[layer, :, BITS.index(bits), None]                                 # [H, 1]
-            chosen[layer]["k", bits] = torch.where(pick, model_levels[layer]["k", bits], fitted["k", bits])
-    return out, key_basis, chosen
 
 
 def bundle_levels(levels: dict, L: int, H: int) -> dict[str, torch.Tensor]:
@@ -363,18 +327,16 @@ def held_masks(prefill_score: torch.Tensor | None, continuation: torch.Tensor, w
 
 
 @torch.no_grad()
-def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor | None, layer: int, kv: tuple, grads: tuple,
+def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor, layer: int, kv: tuple, grads: tuple,
                     held: torch.Tensor, high: torch.Tensor, served: ServedBases, base: CompressionConfig, sliding: bool,
-                    head_dim: int, levels: dict | None = None, sides: tuple[int, ...] = (0, 1)) -> None:
+                    head_dim: int, levels: dict | None = None) -> None:
     """Accumulate ½ Σ g² δ² of one window into costs [H, 2, len(BITS), len(ALPHAS)] for every catalogue entry of the
     held tokens (held bool [len(ALPHAS), H, S]) and into high_costs [H, 2, len(HIGH), len(ALPHAS)] for every
     high-tier format of the tokens read in the high tier (high bool [len(ALPHAS), H, S]). kv, grads: key and value
     [1, H, S, d] and their gradients; levels: the layer's calibrated levels ({(side, bits): [H, 2**bits]},
     `fit_layer_levels`). A per-token format's error is computed once per token and summed under each mask;
-    per-channel keys are coded again for each mask, since a page's scales depend on which tokens fill it. `sides`: of
-    (0: K, 1: V); high_costs None: the high tier not priced."""
-    for s in sides:
-        side = SIDES[s]
+    per-channel keys are coded again for each mask, since a page's scales depend on which tokens fill it."""
+    for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)
         for h in range(x.shape[0]):
             held_tokens = None          # per mask, the held tokens' x and g2 [1, n, d]: gathered once for every bits
@@ -390,7 +352,7 @@ def add_layer_costs(costs: torch.Tensor, high_costs: torch.Tensor | None, layer:
                     continue
                 costs[h, s, b] += _masked_sums(coding_errors(x[h][None], g2[h][None], fmt, side, 1, lut)[0],
                                                held[:, h])
-            for b, spec in enumerate(HIGH if high_costs is not None else ()):
+            for b, spec in enumerate(HIGH):
                 errors = coding_errors(x[h][None], g2[h][None], TierFormat.parse(spec), side, 1)[0]
                 high_costs[h, s, b] += _masked_sums(errors, high[:, h])
 

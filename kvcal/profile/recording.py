@@ -53,7 +53,6 @@ from kvcal.profile.quality_model import (
     SIDES,
     FormatCosts,
     add_layer_costs,
-    choose_key_basis,
     continuation_score,
     first_exact,
     fit_layer_levels,
@@ -63,7 +62,7 @@ from kvcal.profile.quality_model import (
     side_bytes,
 )
 from kvcal.runtime.config import CompressionConfig
-from kvcal.runtime.storage.bases import ServedBases, model_basis_keys
+from kvcal.runtime.storage.bases import ServedBases
 from kvcal.runtime.storage.layout import TierFormat
 
 
@@ -227,15 +226,11 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
     H = served.rotation.shape[1]
     A = len(ALPHAS)
     costs = torch.zeros(L, H, 2, len(BITS), A, dtype=torch.float64)
-    model_costs = torch.zeros_like(costs)           # keys in the model's own channels (`quality_model`)
-    d = served.rotation.shape[-1]
-    unrotated = model_basis_keys(served, [(i, h) for i in range(L) for h in range(H) if int(served.rank_k[i, h]) == d])
     high_costs = torch.zeros(L, H, 2, len(HIGH), A, dtype=torch.float64)
     tokens, high_tokens = torch.zeros(L, A, dtype=torch.float64), torch.zeros(L, A, dtype=torch.float64)
     records = SpilledRecords()
     held_by_end: dict = {}
     levels: dict = {}
-    model_levels: dict = {}
     ref = None
     window_size = getattr(model.config, "sliding_window", None) or prompt.shape[1] + continuation.shape[1]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -274,12 +269,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 if b == 0 and not sliding[layer]:
                     levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base,
                                                      layer, head_dim)
-                    model_levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA],
-                                                           unrotated, base, layer, head_dim, sides=(0,))
                 add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held,
                                 read_high, served, base, sliding[layer], head_dim, levels.get(layer))
-                add_layer_costs(model_costs[layer], None, layer, (key, value), (g_key, g_value), held, read_high,
-                                unrotated, base, sliding[layer], head_dim, model_levels.get(layer), sides=(0,))
                 if not sliding[layer]:
                     held_by_end.setdefault(layer, torch.zeros(len(ALPHAS), B, H, S, dtype=torch.bool))
                     held_by_end[layer][:, b] = held
@@ -298,11 +289,8 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                            for layer in range(L)], dtype=torch.float64)
     high_bytes = torch.tensor([[[H * side_bytes(TierFormat.parse(spec), side, head_dim, base, False)
                                  for spec in HIGH] for side in SIDES] for _ in range(L)], dtype=torch.float64)
-    model_costs[:, :, 0].masked_fill_((served.rank_k != d)[..., None, None], float("inf"))   # cut to a rank: no
-    costs, key_basis, levels = choose_key_basis(costs, model_costs, levels, model_levels)
     return Recording(prompt, continuation, records, ref, held_by_end,
-                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens, key_basis),
-                     levels)
+                     FormatCosts(costs, nbytes, tokens, sliding, high_costs, high_bytes, high_tokens), levels)
 
 
 class _HeldCollector:

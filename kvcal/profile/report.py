@@ -76,9 +76,6 @@ def settings_in_words(settings: dict, *, head_dim: int | None = None, qk_rank_me
         recent = f", the {config.sliding_recent} newest tokens at 16 bits" if config.sliding_recent else ""
         parts.append(f"sliding-window layers {config.sliding.name} ({tier_in_words(config.sliding.name)}){recent}")
     parts += _per_layer("sliding layers", config.sliding_layers)
-    if config.model_basis_keys:
-        heads = ", ".join(f"{layer}.{head}" for layer, head in config.model_basis_keys)
-        parts.append(f"the keys of (layer.KV head) {heads} in the model's own channels, not the bundle's rotation")
     if config.smooth:
         parts.append("keys smoothed per rotated channel, the queries carrying the factors (bundle `qk.smoothing`)")
     if config.fastgen is not None:

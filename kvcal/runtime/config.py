@@ -26,8 +26,6 @@ order:
     smooth            bool   channel smoothing (bundle `qk.smoothing`: keys / D, queries * D); written only when true
     exact_window      bool   the `window` newest tokens of each paged layer held at 16 bits outside the pages and read
                              exactly (kvcal.runtime.exact_window); written only when true
-    model_basis_keys  {layer: [KV head, ...]}  these heads' keys stored in the model's own post-RoPE channels (no
-                                    rotation, no mixing, full rank) instead of the bundle's rotation; absent = none
 
 A key that is absent reads as its default, so bundles written with fewer keys (`kvcal calibrate --no-search` records
 only the window) load as before. The removal rates are provenance: the runtime serves the bundle's rank tensors.
@@ -47,8 +45,7 @@ from kvcal.runtime.storage.layout import TierFormat, check_sliding_format, defau
 
 SETTINGS_KEYS = ("high", "low", "window", "alpha_high", "alpha_low", "threshold_base", "fastgen", "qk_removal_rate",
                  "v_removal_rate", "page_tokens", "h2o", "snapkv", "streamingllm", "sliding", "low_layers",
-                 "low_heads", "sliding_layers", "sliding_recent", "smooth", "exact_window",
-                 "model_basis_keys")
+                 "low_heads", "sliding_layers", "sliding_recent", "smooth", "exact_window")
 @dataclass(frozen=True)
 class CompressionConfig:
     """Runtime settings. `CompressionConfig.none()` stores everything exactly (for checks against dense)."""
@@ -82,10 +79,6 @@ class CompressionConfig:
     # the high tier when it leaves the window (kvcal.runtime.exact_window). False: every new token is written to the
     # high tier's pages, so a quantized high tier also codes each query's nearest predecessors
     exact_window: bool = False
-    # (layer, KV head) pairs, ascending: these heads' keys in the model's own post-RoPE channels (identity rotation,
-    # unmixed, at full rank: kvcal.runtime.storage.bases.served_bases), where the calibration found them cheaper to
-    # code than in the bundle's rotation (kvcal.profile.quality_model)
-    model_basis_keys: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         for *where, fmt in (*self.low_layers, *self.low_heads):
@@ -94,16 +87,11 @@ class CompressionConfig:
                 what = f"layer {where[0]}" + (f", KV head {where[1]}" if len(where) > 1 else "")
                 raise ValueError(f"{what}: low tier {fmt.name} must differ from `low` ({self.low.name}) in bits only, "
                                  "with per-token or per-channel keys: choose a format like `low` with other bits")
-        for name in ("low_layers", "low_heads", "sliding_layers", "model_basis_keys"):
-            entries = getattr(self, name)
-            where = [tuple(entry) if name == "model_basis_keys" else tuple(entry[:-1]) for entry in entries]
+        for name in ("low_layers", "low_heads", "sliding_layers"):
+            where = [tuple(entry[:-1]) for entry in getattr(self, name)]
             if where != sorted(set(where)) or any(i < 0 for w in where for i in w):
-                what = "layer" if name in ("low_layers", "sliding_layers") else "(layer, KV head)"
-                raise ValueError(f"`{name}` must list each {what} once, ascending, from 0")
-        if self.model_basis_keys and (self.smooth or self.static_keys or not self.rotate):
-            raise ValueError("`model_basis_keys` keeps some heads' keys out of the bundle's rotation: serve it with "
-                             "`rotate=True`, without channel smoothing and without static (K…s) key tiers, whose "
-                             "factors and ranges belong to the rotation's columns")
+                raise ValueError(f"`{name}` must list each {'(layer, KV head)' if name == 'low_heads' else 'layer'} "
+                                 "once, ascending, from 0")
         for fmt in (self.sliding, *(fmt for _, fmt in self.sliding_layers)):
             if fmt is not None:
                 check_sliding_format(fmt)
@@ -226,8 +214,6 @@ class CompressionConfig:
             out["smooth"] = True
         if self.exact_window:
             out["exact_window"] = True
-        for layer, head in self.model_basis_keys:
-            out.setdefault("model_basis_keys", {}).setdefault(str(layer), []).append(head)
         return out
 
     @classmethod
@@ -250,9 +236,6 @@ class CompressionConfig:
                        sliding_layers=_layer_formats(d.get("sliding_layers", {})),
                        sliding_recent=d.get("sliding_recent", 0), smooth=bool(d.get("smooth")),
                        exact_window=bool(d.get("exact_window")),
-                       model_basis_keys=tuple(sorted((int(layer), int(head))
-                                                     for layer, heads in d.get("model_basis_keys", {}).items()
-                                                     for head in heads)),
                        **policies)
 
 

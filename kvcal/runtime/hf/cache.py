@@ -220,9 +220,7 @@ class KvcalCache(Cache):
         smoothing = self.bundle.extras.get("qk.smoothing")
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
-            self.config.with_(use_ranks=False, model_basis_keys=tuple((0, h) for at, h in self.config.model_basis_keys
-                                                                       if at == layer)),
-            None if smoothing is None else smoothing[layer:layer + 1])
+            self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
         quantized = QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0],
                                           self.config.sliding_recent, self.config.sliding_block, serve=self.serve)
         quantized.layer_idx = layer

@@ -84,23 +84,4 @@ def served_bases(rotation: torch.Tensor, basis: torch.Tensor, rank_k: torch.Tens
         out_r[layer, :, :, :rk], out_b[layer, :, :, :rv] = R, Bv
         if Rq is not None:
             out_q[layer, :, :, :rk] = Rq
-    return model_basis_keys(ServedBases(rank_k, rank_v, out_r, out_b, out_q), config.model_basis_keys)
-
-
-def model_basis_keys(served: ServedBases, heads) -> ServedBases:
-    """`served` with the keys of `heads` ((layer, KV head) pairs) in the model's own post-RoPE channels: identity key
-    and query rotation, unmixed. Only at full key rank: a rank cuts the rotation's columns by energy, and the model's
-    channels are not ordered by it. Where keys' channels start balanced (a norm before RoPE), a rotation spreads
-    RoPE's position-dependent pairs over every channel that a page's range must cover (docs/formats.md, "The key
-    basis"); the calibration chooses per head (kvcal.profile.quality_model)."""
-    if not heads:
-        return served
-    d = served.rotation.shape[-1]
-    rotation = served.rotation.clone()
-    query = rotation if served.query_rotation is served.rotation else served.query_rotation.clone()
-    for layer, head in heads:
-        if int(served.rank_k[layer, head]) != d:
-            raise ValueError(f"layer {layer}, KV head {head}: keys in the model's basis need the full key rank "
-                             f"{d}, the bundle has {int(served.rank_k[layer, head])}: serve with `use_ranks=False`")
-        rotation[layer, head] = query[layer, head] = torch.eye(d)
-    return served._replace(rotation=rotation, query_rotation=query)
+    return ServedBases(rank_k, rank_v, out_r, out_b, out_q)
