@@ -10,7 +10,7 @@ nearly all 8-bit to nearly all 2-bit. It predicts each one's loss from the searc
 recording) of `--windows` search windows at `--context`, measures each one's KL against dense on the same windows
 (`--measure coded`: the search's coded probe, which runs the model over the K/V as the allocation codes them;
 `--measure runtime`: the serving runtime, stepwise, with the levels the recording fitted), and prints Spearman's
-rank correlation with a Markdown table (docs/calibration.md, "Predicted against measured").
+rank correlation with a Markdown table (docs/calibration.md, "Allocations ordered by predicted loss").
 
 `--layer-steps 5,11,17` measures single steps instead: from every layer at 8 bits, one layer's keys or values at 4
 and at 2 bits, each priced by the model (its predicted loss less the all-8-bit one's, summed over the windows'

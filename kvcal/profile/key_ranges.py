@@ -30,8 +30,7 @@ import torch
 from kvcal.models import ModelAdapter
 
 # min-max over the calibration rows: without a sparse store for the clipped outliers (KVQuant keeps 1% in fp16),
-# clipping costs more than the resolution it buys. On qwen2.5-coder-1.5b, K8sV4 at 99.9 gave top-1 0.832 / KL 0.29,
-# at 100 top-1 0.973 / KL 0.012 (docs/calibration.md, "Static keys").
+# clipping costs more than the resolution it buys (static key ranges: docs/formats.md, "What this decided").
 DEFAULT_PERCENTILE = 100.0
 DEFAULT_WINDOWS = 4           # calibration windows of the pass (4 x 1024 tokens: m = 4 rows per tail at 99.9)
 
