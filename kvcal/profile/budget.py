@@ -205,8 +205,8 @@ def confirm(start: int, searched: list[Probe], measure: Measure, target: Quality
                 gap = gap | Gap.measured(search_quality(searched, p.index), p.fidelity, target)
 
     while sum(p.split == "evaluation" for p in rows) < max_checks and i >= 0:
-        gauged = any(p.index == i and p.split != "evaluation" and p.met for p in rows)
-        if gauge is not None and gauges() < max_gauges and not gauged:
+        passed_gauge = any(p.index == i and p.split != "evaluation" and p.met for p in rows)   # refine() led here
+        if gauge is not None and gauges() < max_gauges and not passed_gauge:
             if not measured(gauge, "evaluation, coded"):
                 continue
             refine()
