@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from kvcal.cli import app
@@ -117,3 +118,62 @@ def test_sigint_then_rerun_resumes(tiny_dir, text_file, tmp_path):
     assert summary["resumed"]["random-tokens"] == 8 and summary["resumed"]["calibration-text"] == 8
     assert summary["resumed"]["measurements"] >= 1
     assert out.is_file() and not ckpt.exists()
+
+
+def test_sigterm_removes_the_spilled_records_and_keeps_the_checkpoint(tiny_dir, text_file, tmp_path):
+    """`kill` (SIGTERM) while the search holds its recorded prompts on disk: the process ends as Ctrl-C ends it (exit
+    128 + 15, one line), with its record files removed from TMPDIR, the checkpoint kept and no bundle written. Python's
+    default for SIGTERM ends the process without cleanup, which left a window's records (475 MB for gemma3-270m) in
+    /tmp."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, ckpt, scratch = tmp_path / "b.kvcal.safetensors", tmp_path / "b.kvcal.safetensors.ckpt", tmp_path / "tmp"
+    scratch.mkdir()
+    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--model", str(tiny_dir), "--out", str(out),
+           "--random-tokens", "512", "--text-tokens", "512", "--seq-len", "64", "--dataset", str(text_file),
+           "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48", "--search-steps", "8",
+           "--target-top1", "0.5", "--target-ppl-ratio", "2", "--quiet", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    deadline = time.time() + 120
+    while not list(scratch.glob("kvcal-records-*/*.pt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "calibration finished before it spilled a record"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err and "Traceback" not in err
+    assert not list(scratch.glob("kvcal-records-*")), "the spilled records were left behind"
+    assert not out.exists() and (ckpt / "random-tokens.safetensors").is_file()
+
+
+def test_a_sigterm_during_the_heap_release_is_delivered_after_it():
+    """`heap.release_memory` runs gc, whose finalizers swallow what is raised inside them: a SIGTERM that lands there is
+    held and delivered once gc is done, as the command line's `Terminated`, and the handlers are restored."""
+    import gc
+    import os
+    import signal
+
+    from kvcal.cli._errors import Terminated, _raise_terminated
+    from kvcal.profile.heap import release_memory
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    sent: list[int] = []
+
+    def kill_once(phase, info):
+        if phase == "start" and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    gc.callbacks.append(kill_once)
+    try:
+        with pytest.raises(Terminated):
+            release_memory()
+        assert sent and signal.getsignal(signal.SIGTERM) is _raise_terminated
+    finally:
+        gc.callbacks.remove(kill_once)
+        signal.signal(signal.SIGTERM, previous)

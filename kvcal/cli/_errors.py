@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 import sys
 from typing import Any
 
@@ -17,6 +18,35 @@ from kvcal.cli._help import KvcalGroup
 
 # C0 controls other than tab and newline, DEL, and C1 controls (ESC starts ANSI sequences; CSI is \x9b)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`kill`, a closed terminal, a job scheduler), raised in the main thread as Ctrl-C is: the same
+    cleanup runs (temporary record files removed, checkpoints kept, no half-written output), where Python's default
+    for these signals ends the process on the spot."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def handle_termination() -> None:
+    """Turn SIGTERM and SIGHUP into `Terminated` for the rest of the process (the command line only: importing kvcal
+    leaves signals alone)."""
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, _raise_terminated)
+
+
+def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(what happened, exit code) for an interrupt: 130 for Ctrl-C, 128 + the signal's number for `Terminated`."""
+    if isinstance(e, Terminated):
+        return "terminated", 128 + e.signum
+    return "interrupted", 130
 
 
 def plain(text: str) -> str:

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcal.cli._console import stderr, stdout
-from kvcal.cli._errors import plain
+from kvcal.cli._errors import interrupted, plain
 from kvcal.cli._options import (
     JsonOpt,
     ModelOpt,
@@ -129,9 +129,10 @@ def bench(
         settings = _settings(options)
         settings.serve.resolve("cpu")       # a backend that cannot run fails before the model loads
         report, paths = _run(files, settings, output, chosen_threads)
-    except KeyboardInterrupt:
-        stderr.print("[yellow]interrupted[/]: nothing was written")
-        raise typer.Exit(code=130) from None
+    except KeyboardInterrupt as e:
+        what, code = interrupted(e)
+        stderr.print(f"[yellow]{what}[/]: nothing was written")
+        raise typer.Exit(code=code) from None
     except (BundleError, ValueError, RuntimeError, OSError) as e:
         raise fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     if output.json_out:

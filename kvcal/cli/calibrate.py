@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from kvcal.cli._console import stderr, stdout
+from kvcal.cli._errors import interrupted
 from kvcal.cli._options import (
     JsonOpt,
     ModelOpt,
@@ -128,9 +129,10 @@ def calibrate(
                            max_memory=parse_max_memory(max_memory, device_map),
                            command=" ".join(["kvcal", *sys.argv[1:]]))
         result = _run(cfg, output)
-    except KeyboardInterrupt:
-        stderr.print("[yellow]interrupted[/]: finished windows are checkpointed; rerun the same command to resume")
-        raise typer.Exit(code=130) from None
+    except KeyboardInterrupt as e:
+        what, code = interrupted(e)
+        stderr.print(f"[yellow]{what}[/]: finished windows are checkpointed; rerun the same command to resume")
+        raise typer.Exit(code=code) from None
     except (ValueError, RuntimeError, OSError) as e:
         raise fail(str(e)) from None
     _report(result, cfg, output, chosen_threads)

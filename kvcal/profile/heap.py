@@ -15,19 +15,20 @@ def release_memory() -> None:
     import signal
     import threading
 
-    # a Ctrl-C handled inside a finalizer that gc runs is printed and dropped ("Exception ignored in __del__"), so
-    # hold it for the duration and raise it after
+    # an interrupt (Ctrl-C, or the command line's SIGTERM) raised inside a finalizer that gc runs is printed and
+    # dropped ("Exception ignored in __del__"), so hold the signals for the duration and deliver them after
     held: list[int] = []
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+    previous = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals} if main else {}
     try:
         gc.collect()
         trim_heap()
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    for signum in dict.fromkeys(held):
+        signal.raise_signal(signum)
 
 
 def trim_heap() -> None:
