@@ -55,8 +55,8 @@ BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-ti
 HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
 # and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
 # paged layer, on a doubling grid
-ALPHAS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
-BASE_ALPHA = 3                # ALPHAS[BASE_ALPHA]: the base settings' threshold (kvcal.profile.allocate)
+ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
+BASE_ALPHA = 1                # ALPHAS[BASE_ALPHA]: the base settings' threshold (kvcal.profile.allocate)
 SIDES = ("k", "v")
 # bit widths whose codes index calibrated levels (fitted from the recording, `fit_layer_levels`) in paged layers; 8
 # bits have enough uniform steps, and sliding layers are served uniform
