@@ -52,7 +52,7 @@ from kvcal.runtime.storage.bases import ServedBases
 from kvcal.runtime.storage.layout import RAW_BITS, PageLayout, TierFormat
 
 BITS = (8, 4, 2)              # the catalogue: bits per side of a layer's low-tier or sliding format, widest first
-HIGH = ("K16V16", "K8V8", "K8V4")  # and of the high tier (heavy hitters out of the window), one for every paged layer
+HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the window), one for every paged layer
 # and the heavy-hitter threshold alpha (mean attention >= alpha / N keeps a token in the high tier), one for every
 # paged layer, on a doubling grid
 ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
