@@ -50,7 +50,7 @@ def main() -> None:
     from rich.logging import RichHandler
 
     from kvcal.cli._console import stderr
-    from kvcal.cli._errors import handle_termination, plain
+    from kvcal.cli._errors import handle_interrupts, plain
 
     class PlainHandler(RichHandler):
         """Warnings quote paths and metadata: shown as plain text (`plain`), never as escape sequences."""
@@ -59,7 +59,7 @@ def main() -> None:
             return super().render_message(record, plain(message))
 
     offline_mode()
-    handle_termination()
+    handle_interrupts()
     # warnings go to stderr, through the progress bars' console: stdout carries only the result (`--json` must
     # parse), and a warning prints above a live bar instead of through it
     logging.basicConfig(level=logging.WARNING, format="%(message)s",

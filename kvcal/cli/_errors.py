@@ -30,16 +30,37 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(signum)
+_received: list[int] = []          # the signals `_interrupt` raised, in the order they came
 
 
-def handle_termination() -> None:
-    """Turn SIGTERM and SIGHUP into `Terminated` for the rest of the process (the command line only: importing kvcal
-    leaves signals alone)."""
-    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            signal.signal(signum, _raise_terminated)
+def _interrupt(signum, frame) -> None:
+    """Raise the interrupt for `signum`, and keep it: one that lands while Python runs a finalizer (gc's, a weakref
+    callback) is printed and dropped there, and `raise_pending` raises it again."""
+    _received.append(signum)
+    raise _interrupt_for(signum)
+
+
+def _interrupt_for(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def raise_pending() -> None:
+    """Raise the first interrupt this process received, if it has received one: for the long commands to call between
+    units of work, so that an interrupt a finalizer swallowed still stops them there."""
+    if _received:
+        raise _interrupt_for(_received[0])
+
+
+def handle_interrupts() -> None:
+    """Ctrl-C, SIGTERM and SIGHUP raise `_interrupt` for the rest of the process, where each still has its default
+    (a signal set to be ignored, as `nohup` sets SIGHUP, stays ignored). The command line only: importing kvcal
+    leaves signals alone."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    if hasattr(signal, "SIGHUP"):
+        defaults[signal.SIGHUP] = signal.SIG_DFL
+    for signum, default in defaults.items():
+        if signal.getsignal(signum) is default:
+            signal.signal(signum, _interrupt)
 
 
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
