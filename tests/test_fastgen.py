@@ -420,3 +420,36 @@ def test_fastgen_recovery_of_a_long_prompt_is_the_mean_over_its_profile_rows(mon
     want = fastgen.prompt_recovery(full[:, :, :, rows], rows, is_special, is_punct, score, cfg, n_pad)
     want = want / (rows[None, :] >= n_pad[:, None]).sum(-1)[None, :, None]
     torch.testing.assert_close(statistics["fastgen"], want, atol=1e-5, rtol=1e-5)
+
+
+def test_fastgen_statistics_from_the_text_pass_equal_a_pass_of_their_own_at_offset_zero():
+    """The text pass's first windows give the FastGen statistics (`passes.FirstWindows` inside its CollectorSet), at the
+    pass's spread position offsets, where a pass of their own ran them at offset 0: attention depends on positions
+    only through their differences, so the two agree up to the float rounding of RoPE at other angles. The Gram
+    statistics beside them are those of the text pass alone, bit for bit, and the windows past the first two are not
+    profiled."""
+    from conftest import make_model
+
+    from kvcal.models import LoadedModel, adapter_for
+    from kvcal.profile.capture import CollectorSet, GramCollector
+    from kvcal.profile.fastgen_stats import FastGenStatsCollector
+    from kvcal.profile.passes import FirstWindows, run_pass
+
+    model, tok = make_model("llama")
+    adapter = adapter_for(model.config)
+    lm = LoadedModel(model, tok, adapter, None, 0.0)
+    special, punct = token_classes(tok)
+    ids = torch.randint(3, len(tok), (4, 48), generator=torch.Generator().manual_seed(1))
+    ids[:, 0] = tok.bos_token_id
+    offsets = [0, 300, 700, 1100]
+    first_two = FirstWindows(FastGenStatsCollector(adapter, special, punct), 2)
+    text = CollectorSet(grams=GramCollector(adapter), fastgen=first_two)
+    run_pass(lm, "calibration-text", ids, offsets, text)
+    own = run_pass(lm, "policy-statistics", ids[:2], [0, 0], FastGenStatsCollector(adapter, special, punct))
+    shared = text.named["fastgen"].collector
+    assert shared.windows.tolist() == own.windows.tolist() == [2] * adapter.num_layers
+    torch.testing.assert_close(shared.recovery, own.recovery, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared.kept_fraction, own.kept_fraction)
+    alone = run_pass(lm, "calibration-text", ids, offsets, GramCollector(adapter))
+    for name, t in alone.state_dict().items():
+        assert torch.equal(text.named["grams"].state_dict()[name], t), name

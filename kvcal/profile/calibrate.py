@@ -38,7 +38,7 @@ from kvcal.models import (
     tokenizer_hash,
     weights_hash,
 )
-from kvcal.profile.capture import GramCollector
+from kvcal.profile.capture import CollectorSet, GramCollector
 from kvcal.profile.checkpoint import Checkpoint
 from kvcal.profile.choose import _brief, choose_settings
 from kvcal.profile.fastgen_stats import FastGenStatsCollector
@@ -48,7 +48,7 @@ from kvcal.profile.key_ranges import (
     spread_windows,
     tail_rows,
 )
-from kvcal.profile.passes import Progress, QueryKeyTap, key_range_pass, run_pass
+from kvcal.profile.passes import FirstWindows, Progress, QueryKeyTap, key_range_pass, run_pass
 from kvcal.profile.ranks import energy_kept, ranks_for
 from kvcal.profile.report import report_paths
 from kvcal.profile.reproducible import pass_threads, strict_blas
@@ -264,8 +264,8 @@ class Passes:
 
 def run_passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq_len: int, max_position: int,
                checkpoint: Checkpoint, progress: Progress | None) -> Passes:
-    """The random-token pass, the calibration-text pass and the FastGen statistics pass (module docstring), at one
-    thread where the model's products would give other bits at the thread count asked for
+    """The random-token pass and the calibration-text pass, whose first windows also give the FastGen statistics
+    (module docstring), at one thread where the model's products would give other bits at the thread count asked for
     (`reproducible.pass_threads`)."""
     t = time.perf_counter()
     threads = pass_threads(lm.model, seq_len)
@@ -284,11 +284,11 @@ def _passes(cfg: CalibrationConfig, lm: LoadedModel, text_ids: torch.Tensor, seq
     # the text pass keeps the key-range windows' queries and keys: those statistics need the rotation it helps make
     key_windows = spread_windows(len(text_ids), cfg.key_range_windows)
     tap = QueryKeyTap(key_windows)
-    text_stats = run_pass(lm, "calibration-text", text_ids, text_offsets, GramCollector(a), checkpoint, progress, tap)
-    # FastGen statistics need whole attention maps: a couple of windows at the positions a prompt has
-    # the pass keeps its older name "policy-statistics": it names the checkpoint file that an interrupted run resumes
-    fastgen_stats = run_pass(lm, "policy-statistics", text_ids[:cfg.fastgen_windows], [0] * cfg.fastgen_windows,
-                             FastGenStatsCollector(a, *token_classes(lm.tokenizer)), checkpoint, progress)
+    # and its first windows give the FastGen statistics, which need whole attention maps (`FirstWindows`)
+    text = CollectorSet(grams=GramCollector(a), fastgen=FirstWindows(
+        FastGenStatsCollector(a, *token_classes(lm.tokenizer)), cfg.fastgen_windows))
+    run_pass(lm, "calibration-text", text_ids, text_offsets, text, checkpoint, progress, tap)
+    text_stats, fastgen_stats = text.named["grams"], text.named["fastgen"].collector
     return Passes(random_ids, text_ids, random_offsets, text_offsets, random_stats, text_stats, fastgen_stats,
                   time.perf_counter() - t, key_windows, tap.captured(key_windows), threads)
 

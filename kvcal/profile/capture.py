@@ -71,6 +71,18 @@ class CollectorSet:
         for collector in self.named.values():
             collector.add(layer, query, key, value)
 
+    def start(self, window: int) -> None:
+        """Tell the collectors that follow the pass's windows which one runs (`passes.run_pass`)."""
+        for collector in self.named.values():
+            if hasattr(collector, "start"):
+                collector.start(window)
+
+    def set_tokens(self, token_ids: torch.Tensor) -> None:
+        """Hand the window's token ids [B, n] to the collectors that need them (FastGen's token classes)."""
+        for collector in self.named.values():
+            if hasattr(collector, "set_tokens"):
+                collector.set_tokens(token_ids)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{k}": t for name, c in self.named.items() for k, t in c.state_dict().items()}
 

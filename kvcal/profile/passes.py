@@ -2,7 +2,8 @@
 attention's post-RoPE queries, keys and values shown to capture collectors (kvcal.profile.capture).
 
 `run_pass` streams a pass into a collector and checkpoints it per window; `QueryKeyTap` keeps some windows' queries
-and keys from a pass for the statistics that need the rotation the pass helps make; `key_range_pass` turns those
+and keys from a pass for the statistics that need the rotation the pass helps make; `FirstWindows` feeds a collector
+only a pass's first windows; `key_range_pass` turns those
 (or a pass of its own) into the static key ranges and smoothing factors.
 """
 
@@ -45,6 +46,33 @@ class QueryKeyTap:
         return [self.kept[w] for w in windows] if len(layers) == 1 and 0 not in layers else None
 
 
+class FirstWindows:
+    """A capture collector fed only by a pass's first `n` windows (`run_pass` tells it which window runs, `start`),
+    checkpointed as the collector it wraps. The FastGen statistics need only a couple of windows, and since attention
+    depends on positions only through their differences, a window's attention maps are the same at any offset: they
+    read the text pass's first windows instead of a pass of their own."""
+
+    def __init__(self, collector, n: int):
+        self.collector, self.n, self.window = collector, n, -1
+
+    def start(self, window: int) -> None:
+        self.window = window
+
+    def set_tokens(self, token_ids: torch.Tensor) -> None:
+        if self.window < self.n and hasattr(self.collector, "set_tokens"):
+            self.collector.set_tokens(token_ids)
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.window < self.n:
+            self.collector.add(layer, query, key, value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.collector.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.collector.load_state_dict(state)
+
+
 @torch.inference_mode()
 def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[int], collector,
              checkpoint: Checkpoint | None = None, progress: Progress | None = None,
@@ -60,10 +88,11 @@ def run_pass(lm: LoadedModel, name: str, windows: torch.Tensor, offsets: list[in
         device = torch.device("cpu")
     for i in range(done, n):
         positions = torch.arange(offsets[i], offsets[i] + S)[None]
+        for follower in (collector, tap):             # collectors that follow which window runs
+            if hasattr(follower, "start"):
+                follower.start(i)
         if hasattr(collector, "set_tokens"):          # collectors that need the token ids (FastGen classes)
             collector.set_tokens(windows[i][None])
-        if tap is not None:
-            tap.start(i)
         with capturing(lm.model, collector, *([tap] if tap is not None else [])):
             # logits_to_keep=1: only the captured statistics matter, and [S, vocab] logits cost GBs on big vocabularies
             lm.model(input_ids=windows[i][None].to(device), position_ids=positions.to(device), use_cache=False,
