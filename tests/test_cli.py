@@ -88,21 +88,27 @@ def test_help_lists_the_four_commands():
         assert cmd in r.stdout
 
 
+def _tiny_calibrate(tiny_dir, text_file, out) -> list[str]:
+    """A `kvcal calibrate` of the tiny model that takes a few seconds, writing `out`."""
+    import sys
+
+    return [sys.executable, "-m", "kvcal", "calibrate", "--model", str(tiny_dir), "--out", str(out),
+            "--random-tokens", "512", "--text-tokens", "512", "--seq-len", "64", "--dataset", str(text_file),
+            "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48", "--search-steps", "8",
+            "--target-top1", "0.5", "--target-ppl-ratio", "2", "--quiet", "--json"]
+
+
 def test_sigint_then_rerun_resumes(tiny_dir, text_file, tmp_path):
     """A real Ctrl-C (SIGINT) in the middle of `kvcal calibrate`, then the same command again: finished passes and
     search points are not recomputed, and the bundle appears only at the end."""
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     out = tmp_path / "b.kvcal.safetensors"
     ckpt = tmp_path / "b.kvcal.safetensors.ckpt"
-    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--model", str(tiny_dir), "--out", str(out),
-           "--random-tokens", "512", "--text-tokens", "512", "--seq-len", "64", "--dataset", str(text_file),
-           "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48", "--search-steps", "8",
-           "--target-top1", "0.5", "--target-ppl-ratio", "2", "--quiet", "--json"]
+    cmd = _tiny_calibrate(tiny_dir, text_file, out)
     # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT: give the child Ctrl-C's
     # default whoever started the suite
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -131,15 +137,11 @@ def test_sigterm_removes_the_spilled_records_and_keeps_the_checkpoint(tiny_dir, 
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     out, ckpt, scratch = tmp_path / "b.kvcal.safetensors", tmp_path / "b.kvcal.safetensors.ckpt", tmp_path / "tmp"
     scratch.mkdir()
-    cmd = [sys.executable, "-m", "kvcal", "calibrate", "--model", str(tiny_dir), "--out", str(out),
-           "--random-tokens", "512", "--text-tokens", "512", "--seq-len", "64", "--dataset", str(text_file),
-           "--dtype", "float32", "--search-windows", "2", "--search-prompt", "48", "--search-steps", "8",
-           "--target-top1", "0.5", "--target-ppl-ratio", "2", "--quiet", "--json"]
+    cmd = _tiny_calibrate(tiny_dir, text_file, out)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(scratch)})
     deadline = time.time() + 120
