@@ -2,9 +2,9 @@
 attention's post-RoPE queries, keys and values shown to capture collectors (kvcal.profile.capture).
 
 `run_pass` streams a pass into a collector and checkpoints it per window; `QueryKeyTap` keeps some windows' queries
-and keys from a pass for the statistics that need the rotation the pass helps make; `FirstWindows` feeds a collector
-only a pass's first windows; `key_range_pass` turns those
-(or a pass of its own) into the static key ranges and smoothing factors.
+and keys from a pass for the statistics that need the rotation the pass helps make, and `key_range_pass` turns those
+(or a pass of its own) into the static key ranges and smoothing factors; `FirstWindows` feeds a collector only a
+pass's first windows.
 """
 
 from __future__ import annotations
