@@ -77,9 +77,9 @@ def test_raw_sides_refuse_levels_in_one_line(spec):
     assert "\n" not in str(e.value)
 
 
-def test_sliding_formats_refuse_levels():
-    with pytest.raises(ValueError, match="drop the `n`"):
-        check_sliding_format(TierFormat.parse("K8V4n"))
+def test_sliding_formats_take_levels():
+    check_sliding_format(TierFormat.parse("K8V4n"))
+    check_sliding_format(TierFormat.parse("K4cnV2ng32m8"))
 
 
 # ---------------------------------------------------------------------------------------------- the quantizer
@@ -374,6 +374,38 @@ def test_whole_decode_cpu_matches_torch_and_counts_the_levels(tiny, name):
     with pytest.raises(ValueError, match="needs calibrated levels") as e:
         _decode_logits(model, KvcalCache.from_bundle(bundle, model, CONFIGS[name], tokenizer=tok), ids[:, :5], 4)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sliding", ["K4cnV2ng16m8", "K4nV4n"])
+def test_sliding_layers_serve_levels_and_count_them(sliding):
+    """A tiny Gemma3 whose sliding layers hold calibrated levels: the cpu backend's logits equal the torch
+    backend's (float order only), the levels are read (other logits than the uniform format's), and the sliding
+    layers' level rows are the cache's fixed bytes, held on top of the same token bytes and allowed for."""
+    model, tok = make_model("gemma3_text")
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    bundle = random_bundle(model, tok)
+    bundle.extras = bundle_levels(L, H)
+    fmt = TierFormat.parse(sliding)
+    config = CompressionConfig(high=TierFormat(16, 16), sliding=fmt, page_tokens=8)
+    uniform = CompressionConfig(high=TierFormat(16, 16), sliding=TierFormat.parse(sliding.replace("n", "")),
+                                page_tokens=8)
+    ids = tok([random_text(60, seed=1), random_text(60, seed=2)], return_tensors="pt").input_ids[:, :48]
+    runs = {}
+    for name, cfg, backend in (("torch", config, "torch"), ("cpu", config, "cpu"), ("uniform", uniform, "cpu")):
+        cache = KvcalCache.from_bundle(bundle, model, cfg, serve=ServeOptions(backend, 256))
+        runs[name] = (_decode_logits(model, cache, ids, 12), cache)
+    want, got, uniform_logits = (runs[name][0] for name in ("torch", "cpu", "uniform"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (uniform_logits - want).abs().max() > 1e-2 * want.abs().max()
+    sliding_layers = sum(t == "sliding_attention" for t in model.config.layer_types)
+    per_layer = sum(H * (1 << bits) * 4 for bits, kind in ((fmt.k_bits, fmt.k_levels), (fmt.v_bits, fmt.v_levels))
+                    if kind == "calibrated")
+    memory = runs["cpu"][1].memory()
+    assert memory["fixed_bytes"] == sliding_layers * per_layer > 0
+    flat = runs["uniform"][1].memory()          # the same bytes of tokens, the levels held on top, and allowed for
+    assert memory["total_bytes"] == flat["total_bytes"] and flat["fixed_bytes"] == 0
+    assert memory["held_bytes"] - flat["held_bytes"] == memory["fixed_bytes"]
+    assert memory["allowance_bytes"] - flat["allowance_bytes"] == memory["fixed_bytes"]
 
 
 @pytest.mark.gpu

@@ -295,6 +295,14 @@ def test_the_quality_model_knows_which_keys_each_decode_query_reads_exact(fmt, r
         layer.update(torch.randn(1, 1, 1, d, generator=g), torch.randn(1, 1, 1, d, generator=g))
 
 
+def _random_levels(H: int, bits: int, gen: torch.Generator) -> torch.Tensor:
+    """Levels as a bundle holds them (`levels.k.{bits}`' rows): float32 [H, 2**bits], sorted, endpoints 0 and
+    2**bits - 1, the inner ones anywhere between."""
+    top = (1 << bits) - 1
+    inner = torch.rand(H, top - 1, generator=gen).sort(-1).values * top
+    return torch.cat([torch.zeros(H, 1), inner, torch.full((H, 1), float(top))], -1)
+
+
 def _window_after(fmt: str, B: int, H: int, d: int, window: int, block: int, steps: int, recent: int = 0):
     """A served sliding layer (torch reference) after a prompt of 3 * window tokens and `steps` decode tokens: the
     `SlidingWindow` its last step handed to the attention."""
@@ -304,8 +312,11 @@ def _window_after(fmt: str, B: int, H: int, d: int, window: int, block: int, ste
     gen = torch.Generator().manual_seed(steps)
     rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
     basis = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
-    layer = QuantizedSlidingLayer(window, TierFormat.parse(fmt), rotation, basis, recent=recent, block=block,
-                                  serve=ServeOptions(backend="torch"))
+    tier = TierFormat.parse(fmt)
+    levels = tuple(_random_levels(H, bits, gen) if kind == "calibrated" else None
+                   for bits, kind in ((tier.k_bits, tier.k_levels), (tier.v_bits, tier.v_levels)))
+    layer = QuantizedSlidingLayer(window, tier, rotation, basis, recent=recent, block=block,
+                                  serve=ServeOptions(backend="torch"), levels=levels)
     layer.layer_idx = 0
     layer.update(torch.randn(B, H, 3 * window, d, generator=gen), torch.randn(B, H, 3 * window, d, generator=gen))
     for _ in range(steps):
@@ -317,7 +328,10 @@ def _window_after(fmt: str, B: int, H: int, d: int, window: int, block: int, ste
 # per-channel keys over blocks (the oldest block partly out of the window after 1..9 steps), per-token keys with
 # and without groups, fp16 and 8-bit pairs, 2/3/4/8 bits (3-bit codes straddling bytes)
 @pytest.mark.parametrize("fmt,steps", [("K8cV8g32m8", 1), ("K4cV4g32m8", 5), ("K2cV2g16", 9), ("K8V4kg8m8", 3),
-                                       ("K4V2", 2), ("K2cV4m8", 8), ("K3cV3g32m8", 4), ("K3V3kg8", 7)])
+                                       ("K4V2", 2), ("K2cV4m8", 8), ("K3cV3g32m8", 4), ("K3V3kg8", 7),
+                                       # calibrated levels on either side, per-channel and per-token keys
+                                       ("K4cnV4ng32m8", 5), ("K2cnV2nm8", 9), ("K3cnV3ng32m8", 4), ("K8cV2ng16", 6),
+                                       ("K4nV4kg8m8", 3), ("K2nV3n", 2)])
 def test_the_cpu_kernel_reads_a_sliding_window_as_the_torch_reference(fmt, steps):
     """`CpuBackend.sliding_decode` reads the codes in place and equals the torch reference, which dequantizes them,
     within 1e-5 of the output's scale: the same products in another order (dots in 16 lanes, softmax sums in one

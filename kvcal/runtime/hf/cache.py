@@ -35,6 +35,7 @@ from kvcal.runtime.hf import pending
 from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.levels import served_levels
 
 KVCAL_IMPL = "kvcal"
 logger = logging.getLogger(__package__)    # "kvcal.runtime.hf": the public module path
@@ -221,8 +222,12 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
+        levels = served_levels({k: v for k, v in self.bundle.extras.items() if k.startswith("levels.")},
+                               {layer: [fmt]}, L, H, "cpu")
         quantized = QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0],
-                                          self.config.sliding_recent, self.config.sliding_block, serve=self.serve)
+                                          self.config.sliding_recent, self.config.sliding_block, serve=self.serve,
+                                          levels=tuple(levels.get((layer, side, bits)) for side, bits
+                                                       in (("k", fmt.k_bits), ("v", fmt.v_bits))))
         quantized.layer_idx = layer
         return quantized
 
@@ -364,10 +369,11 @@ class KvcalCache(Cache):
         kv = self.kv
         paged = kv.store.bytes_in_use() if kv else 0
         raw = kv.raw_bytes() if kv else 0
-        window = dense_fp16 = extra = 0
+        window = dense_fp16 = extra = sliding_levels = 0
         for layer, sliding in zip(self.layers, self.sliding):
             if sliding and isinstance(layer, QuantizedSlidingLayer):
                 window += layer.held_bytes()
+                sliding_levels += layer.level_bytes()       # a bundle constant, as the store's levels
                 dense_fp16 += layer.tokens_held() * layer.head_dim * 2 * 2
             elif sliding and layer.is_initialized:
                 window += dense_bytes(layer.keys, layer.values)
@@ -378,10 +384,12 @@ class KvcalCache(Cache):
             tokens = kv.length[L[0]] * kv.batch - int(kv.n_pad.sum()) if L else 0
             dense_fp16 += tokens * len(L) * H * d * 2 * 2
             extra = kv.store.held_bytes() - paged + kv.raw_score_bytes()
+        extra += sliding_levels
+        fixed = (kv.store.fixed_bytes() if kv else 0) + sliding_levels
         total = paged + raw + window
         return {"paged_bytes": paged, "raw_bytes": raw, "sliding_bytes": window, "total_bytes": total,
                 "fp16_bytes": dense_fp16, "ratio_to_fp16": total / dense_fp16 if dense_fp16 else float("nan"),
-                "fixed_bytes": kv.store.fixed_bytes() if kv else 0, "held_bytes": total + extra,
+                "fixed_bytes": fixed, "held_bytes": total + extra,
                 "held_ratio_to_fp16": (total + extra) / dense_fp16 if dense_fp16 else float("nan"),
                 "allowance_bytes": self.allowance_bytes(),
                 "steady_state_ratio": kv.steady_state_ratio() if kv else float("nan"),
@@ -389,8 +397,10 @@ class KvcalCache(Cache):
 
     def allowance_bytes(self) -> int:
         """The fixed amount by which `memory()["held_bytes"]` may exceed an fp16 cache of the same tokens
-        (`CompressedKV.allowance_bytes`, docs/runtime.md); 0 before the first call."""
-        return self.kv.allowance_bytes() if self.kv is not None else 0
+        (`CompressedKV.allowance_bytes`, docs/runtime.md), and the sliding layers' calibrated levels, a bundle
+        constant as the store's are; 0 before the first call."""
+        levels = sum(layer.level_bytes() for layer in self.layers if isinstance(layer, QuantizedSlidingLayer))
+        return (self.kv.allowance_bytes() + levels) if self.kv is not None else 0
 
     def release(self) -> int:
         """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can

@@ -12,7 +12,9 @@ Storage, per (sequence, KV head, kept token): one uint8 row per tensor,
     keys   uint8 [B, H, n, k_bytes + pair * k_groups]   packed codes of K·R, then (scale, zero) per channel group
     values uint8 [B, H, n, v_bytes + pair * v_groups]   the same for V·B
 
-(pair: 4 bytes, two fp16; 2 bytes for formats ending in m8, `quant.meta8_encode`)
+(pair: 4 bytes, two fp16; 2 bytes for formats ending in m8, `quant.meta8_encode`). A side with calibrated levels
+(an `n` after its bits, `K4cnV4ng32m8`) indexes the bundle's levels of its (layer, KV head), as the paged tiers' do
+(`levels` [H, 2**bits] per side; the rows hold the same bytes either way).
 
 so the parent's slicing along tokens and indexing along sequences act on codes and scales together. `update`
 quantizes only the new tokens and returns the dequantized window with the new tokens as they came (each token
@@ -65,6 +67,7 @@ class SlidingWindow:
         key_scales   uint8 [B, H, m / block, pair * d]  per-channel keys' (scale, zero) per block; [B, H, 0, 0] else
         values       uint8 [B, H, n, v_row]            the window's n coded tokens (the last n key rows), then pairs
         tail_keys, tail_values  [B, H, r, d]            the exact tokens, model basis and dtype
+        levels       (key levels, value levels)  float32 [H, 2**bits] of a calibrated side, else None
     """
 
     fmt: TierFormat
@@ -74,6 +77,7 @@ class SlidingWindow:
     values: torch.Tensor
     tail_keys: torch.Tensor
     tail_values: torch.Tensor
+    levels: tuple = (None, None)
 
     @property
     def coded(self) -> int:
@@ -83,24 +87,34 @@ class SlidingWindow:
         """The window's coded keys float32 [B, H, n, d] in the stored (rotated) basis."""
         fmt, d = self.fmt, self.tail_keys.shape[-1]
         B, H, m, row = self.keys.shape
+        k_levels = self.levels[0]
         if fmt.k_mode != "channel":
-            return _decode_rows(self.keys, fmt, fmt.k_bits, fmt.k_group, d)[:, :, m - self.coded:]
+            return _decode_rows(self.keys, fmt, fmt.k_bits, fmt.k_group, d, k_levels)[:, :, m - self.coded:]
         blocks = m // self.block
+        lut = None if k_levels is None else k_levels[None].expand(B, H, -1).reshape(B * H, -1)     # [B * H, K]
         y = codec.decode_channel_keys(self.keys.reshape(B * H, blocks, self.block, row),
                                       self.key_scales.reshape(B * H, blocks, self.key_scales.shape[-1]), fmt.k_bits,
-                                      d, fmt.meta_bits)
+                                      d, fmt.meta_bits, lut)
         return y.view(B, H, m, d)[:, :, m - self.coded:]
 
     def coded_values(self) -> torch.Tensor:
         """The window's coded values float32 [B, H, n, d] in the stored basis."""
-        return _decode_rows(self.values, self.fmt, self.fmt.v_bits, self.fmt.v_group, self.tail_values.shape[-1])
+        return _decode_rows(self.values, self.fmt, self.fmt.v_bits, self.fmt.v_group, self.tail_values.shape[-1],
+                            self.levels[1])
 
 
-def _decode_rows(rows: torch.Tensor, fmt: TierFormat, bits: int, group: int | None, d: int) -> torch.Tensor:
-    """Per-token rows uint8 [B, H, n, row] (codes, then a pair per `group` channels) -> float32 [B, H, n, d]."""
+def _decode_rows(rows: torch.Tensor, fmt: TierFormat, bits: int, group: int | None, d: int,
+                 levels: torch.Tensor | None) -> torch.Tensor:
+    """Per-token rows uint8 [B, H, n, row] (codes, then a pair per `group` channels), levels float32 [H, 2**bits]
+    or None -> float32 [B, H, n, d]."""
     nbytes = quant.packed_size(d, bits)
     return codec.decode_tokens(rows[..., :nbytes].contiguous(), rows[..., nbytes:].contiguous(), bits, group, d,
-                               d // group if group else 1, fmt.meta_bits)
+                               d // group if group else 1, fmt.meta_bits, levels=_per_row(levels))
+
+
+def _per_row(levels: torch.Tensor | None) -> torch.Tensor | None:
+    """A KV head's levels [H, K] -> [H, 1, K], broadcast over the rows of [B, H, n] (None: uniform)."""
+    return None if levels is None else levels[:, None]
 
 
 class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
@@ -108,15 +122,22 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
     orthogonal, rotation orthogonal unless smoothed. Keys are stored as K @ rotation and read back through
     `query_rotation` transposed, its inverse: with channel smoothing the key rotation is R D⁻¹ M and the query
     rotation R D M (kvcal.runtime.storage.bases), and (R D⁻¹ M)⁻¹ = (R D M)ᵀ. None: the rotation itself.
-    block: tokens per per-channel key block (only read when `fmt` has per-channel keys)."""
+    block: tokens per per-channel key block (only read when `fmt` has per-channel keys). levels: (key levels, value
+    levels) float32 [H, 2**bits] for each side of `fmt` with calibrated levels, else None (`levels.served_levels`)."""
 
     def __init__(self, sliding_window: int, fmt: TierFormat, rotation: torch.Tensor, basis: torch.Tensor,
-                 query_rotation: torch.Tensor | None = None, recent: int = 0, block: int = 32, serve=None):
+                 query_rotation: torch.Tensor | None = None, recent: int = 0, block: int = 32, serve=None,
+                 levels: tuple = (None, None)):
         check_sliding_format(fmt)
+        for side, kind, lv in (("key", fmt.k_levels, levels[0]), ("value", fmt.v_levels, levels[1])):
+            if (kind == "calibrated") != (lv is not None):
+                raise ValueError(f"sliding format `{fmt.name}`: its {side}s are {kind}, so pass their levels "
+                                 "exactly when they are calibrated")
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"`block={block!r}` must be a positive number of tokens per per-channel key block")
         super().__init__(sliding_window)
         self.fmt, self.rotation, self.basis, self.recent = fmt, rotation, basis, recent
+        self.levels = tuple(None if lv is None else lv.float().contiguous() for lv in levels)
         self.key_inverse_t = rotation if query_rotation is None else query_rotation
         self.channel = fmt.k_mode == "channel"
         self.block = block if self.channel else 1            # tokens coded together (a per-token format: each alone)
@@ -133,6 +154,7 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         self.rotation = self.rotation.to(self.device)
         self.key_inverse_t = self.key_inverse_t.to(self.device)
         self.basis = self.basis.to(self.device)
+        self.levels = tuple(None if lv is None else lv.to(self.device) for lv in self.levels)
         B, H = key_states.shape[:2]
         key_row = self.k_bytes if self.channel else self._row(self.k_bytes, self.fmt.k_group)
         scales_row = self.fmt.meta_pair_bytes * self.head_dim if self.channel else 0
@@ -154,10 +176,11 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
     def _groups(self, group: int | None) -> int:
         return self.head_dim // group if group else 1
 
-    def _encode(self, x: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
-        """x [B, H, n, d] (model basis) -> packed rows uint8 [B, H, n, row]."""
+    def _encode(self, x: torch.Tensor, basis: torch.Tensor, bits: int, group: int | None,
+                levels: torch.Tensor | None) -> torch.Tensor:
+        """x [B, H, n, d] (model basis), levels [H, 2**bits] or None -> packed rows uint8 [B, H, n, row]."""
         y = torch.einsum("bhnd,hde->bhne", x.float(), basis)
-        codes, scale, zero = quant.quantize_per_token(y, bits, group, self.fmt.meta_bits)
+        codes, scale, zero = quant.quantize_per_token(y, bits, group, self.fmt.meta_bits, _per_row(levels))
         return torch.cat([quant.pack(codes, bits), quant.meta_to_bytes(scale, zero)], -1)
 
     def _encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +188,13 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         [B, H, n, ...], per-channel block scales uint8 [B, H, n / block, pair * d], empty for per-token keys)."""
         fmt = self.fmt
         if not self.channel:
-            return self._encode(k, self.rotation, fmt.k_bits, fmt.k_group), self.key_scales[:, :, :0]
+            return self._encode(k, self.rotation, fmt.k_bits, fmt.k_group, self.levels[0]), self.key_scales[:, :, :0]
         B, H, n, d = k.shape
         y = torch.einsum("bhnd,hde->bhne", k.float(), self.rotation).reshape(-1, self.block, d)   # a page per block
-        codes, scales = codec.encode_channel_keys(y, fmt.k_bits, fmt.meta_bits)
+        lut = self.levels[0]
+        if lut is not None:                                                      # [B * H * blocks, K], block order
+            lut = lut[None, :, None].expand(B, H, n // self.block, -1).reshape(-1, lut.shape[-1])
+        codes, scales = codec.encode_channel_keys(y, fmt.k_bits, fmt.meta_bits, lut)
         return codes.view(B, H, n, self.k_bytes), scales.view(B, H, n // self.block, self.key_scales.shape[-1])
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -178,14 +204,14 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
         fmt = self.fmt
         window = SlidingWindow(fmt, self.block, self.keys, self.key_scales, self.values,
                                torch.cat([self.recent_keys, key_states], -2),
-                               torch.cat([self.recent_values, value_states], -2))
+                               torch.cat([self.recent_values, value_states], -2), self.levels)
         keep = self.sliding_window - 1
         unquantized_k, unquantized_v = window.tail_keys[:, :, -keep:], window.tail_values[:, :, -keep:]
         leaving = max(unquantized_k.shape[-2] - self.recent, 0)       # tokens that leave the recent ones now,
         leaving -= leaving % self.block                               # in whole blocks
         if leaving:                                   # most decode steps with per-channel keys code nothing
             new_k, new_scales = self._encode_keys(unquantized_k[:, :, :leaving])
-            new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group)
+            new_v = self._encode(unquantized_v[:, :, :leaving], self.basis, fmt.v_bits, fmt.v_group, self.levels[1])
             self.keys, self.key_scales = torch.cat([self.keys, new_k], -2), torch.cat([self.key_scales, new_scales], -2)
             self.values = torch.cat([self.values, new_v], -2)
         self.recent_keys, self.recent_values = unquantized_k[:, :, leaving:], unquantized_v[:, :, leaving:]
@@ -266,6 +292,10 @@ class QuantizedSlidingLayer(DynamicSlidingWindowLayer):
             return 0
         coded = self.keys.numel() + self.key_scales.numel() + self.values.numel()
         return coded + 2 * (self.recent_keys.numel() + self.recent_values.numel())
+
+    def level_bytes(self) -> int:
+        """Bytes of the calibrated levels it holds (a bundle constant, counted apart from the window's tokens)."""
+        return sum(lv.numel() * lv.element_size() for lv in self.levels if lv is not None)
 
     def tokens_held(self) -> int:
         """B x H x tokens in the window (for the fp16 reference)."""

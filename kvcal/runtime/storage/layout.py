@@ -206,10 +206,7 @@ def default_page_bytes(head_dim: int, fmt: TierFormat, tokens: int = 32, tracked
 
 def check_sliding_format(fmt: TierFormat) -> None:
     """A sliding format stores each token on its own or its keys per channel over blocks of tokens (KIVI's layout,
-    kvcal.runtime.hf.sliding): quantized K and V, uniform levels."""
-    if fmt.calibrated:
-        raise ValueError(f"sliding-layer format `{fmt.name}` has calibrated levels, which only paged layers serve; "
-                         "drop the `n` suffixes from the sliding format")
+    kvcal.runtime.hf.sliding): quantized K and V, on uniform or calibrated levels."""
     if fmt.k_mode == "static" or fmt.k_bits not in QUANT_BITS or fmt.v_bits not in QUANT_BITS:
         raise ValueError(f"sliding-layer format `{fmt.name}` must quantize keys per token or per channel and values "
                          "(e.g. K8V4, K4V4g32, K4cV4g32): static key ranges are calibrated for the paged tiers only")

@@ -203,13 +203,14 @@ class CpuBackend(AttentionBackend):
         keys, key_scales, values = (t.contiguous() for t in (window.keys, window.key_scales, window.values))
         query, tail_keys, tail_values = (t.float().contiguous() for t in (query, tail_keys, tail_values))
         seen = None if visible is None else visible.to(torch.uint8).contiguous()
+        levels = [None if lv is None else lv.float().contiguous() for lv in window.levels]     # [H, 2**bits] each
         out = torch.empty(B, H, g, d)
         load_library().kvcal_sliding_decode(
             _ptr(query), _ptr(keys), _ptr(key_scales), _ptr(values), _ptr(tail_keys), _ptr(tail_values), _ptr(seen),
             _ptr(out),
             B, H, g, d, keys.shape[2], values.shape[2], tail_keys.shape[2], fmt.k_bits, int(fmt.k_mode == "channel"),
             fmt.k_group or 0, fmt.v_bits, fmt.v_group or 0, int(fmt.meta_bits == 8), window.block, float(scale),
-            torch.get_num_threads())
+            torch.get_num_threads(), _ptr(levels[0]), _ptr(levels[1]))
         return out
 
     @staticmethod

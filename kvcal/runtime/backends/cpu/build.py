@@ -151,7 +151,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_prefill.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32, i32]  # q, k, v, out .. threads
     lib.kvcal_sliding_decode.restype = i32
     lib.kvcal_sliding_decode.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64,   # q .. r
-                                         i32, i32, i32, i32, i32, i32, i64, f32, i32]               # k_bits .. threads
+                                         i32, i32, i32, i32, i32, i32, i64, f32, i32,               # k_bits .. threads
+                                         p, p]                                                      # levels
     lib.kvcal_low_pages_due.restype = i64
     lib.kvcal_low_pages_due.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,  # arena .. page_bytes
                                         p, i64, i64, f32, f32, i32, f32, p]           # n_pad .. counts

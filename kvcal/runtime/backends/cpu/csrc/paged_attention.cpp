@@ -481,11 +481,13 @@ inline int check_vector(const float* x, int r, int bits, float* bad_value) {
 }
 
 // One per-token row of a sliding window (kvcal.runtime.hf.sliding) into x [d]: `nbytes` of packed codes, then one
-// (scale, zero) pair per `group` channels.
+// (scale, zero) pair per `group` channels. lut: the side's level row (nullptr: uniform codes), table its
+// `byte_levels`.
 inline void dequantize_row(const uint8_t* row, int bits, int64_t d, int64_t group, int64_t nbytes, bool meta8,
-                           float* x) {
+                           float* x, const float* lut = nullptr, const float* table = nullptr) {
     const int pair = meta8 ? 2 : 4;
-    unpack(row, bits, (int)d, x);
+    if (lut) unpack_levels(row, bits, (int)d, lut, table, x);
+    else unpack(row, bits, (int)d, x);
     for (int64_t c0 = 0; c0 < d; c0 += group) {
         float s, z;
         read_meta(row + nbytes + (c0 / group) * pair, meta8, bits, &s, &z);
@@ -1199,13 +1201,14 @@ int kvcal_prefill(const float* q, const float* k, const float* v, float* out, fl
 // pair * d], one (scale, zero) per channel and block (per-channel keys; per-token keys carry one pair per k_group
 // channels after each row's codes instead); values uint8 [B, H, n, v_row], codes then one pair per v_group channels;
 // tail_k, tail_v float32 [B, H, r, d]; visible uint8 [B, n + r] or NULL: which of the window's tokens each sequence
-// sees (0 for its left padding); out float32 [B, H, G, d], in the value basis. Group 0: the whole vector. Uniform
-// levels only (sliding formats have no calibrated ones). Items (b, h) in parallel.
+// sees (0 for its left padding); out float32 [B, H, G, d], in the value basis. Group 0: the whole vector. k_levels,
+// v_levels float32 [H, 2**bits]: a calibrated side's levels per KV head, or NULL for uniform codes. Items (b, h) in
+// parallel.
 int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key_scales, const uint8_t* values,
                          const float* tail_k, const float* tail_v, const uint8_t* visible, float* out, int64_t B,
                          int64_t H, int64_t G, int64_t d, int64_t m, int64_t n, int64_t r, int32_t k_bits,
                          int32_t k_channel, int32_t k_group, int32_t v_bits, int32_t v_group, int32_t meta8,
-                         int64_t block, float scale, int threads) {
+                         int64_t block, float scale, int threads, const float* k_levels, const float* v_levels) {
     const int pair = meta8 ? 2 : 4;
     const int64_t k_bytes = (d * k_bits + 7) / 8, v_bytes = (d * v_bits + 7) / 8;
     const int64_t kg = k_group ? k_group : d, vg = v_group ? v_group : d;
@@ -1215,6 +1218,13 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
     for (int64_t item = 0; item < B * H; ++item) {
         std::vector<float> x(d), s(d), z(d), w(G * S);
         const float* qi = q + item * G * d;
+        const int64_t h = item % H;
+        const float* k_lut = k_levels ? k_levels + h * ((int64_t)1 << k_bits) : nullptr;
+        const float* v_lut = v_levels ? v_levels + h * ((int64_t)1 << v_bits) : nullptr;
+        const std::vector<float> k_table = k_lut && k_bits < 8 ? byte_levels(k_lut, k_bits) : std::vector<float>();
+        const std::vector<float> v_table = v_lut && v_bits < 8 ? byte_levels(v_lut, v_bits) : std::vector<float>();
+        const float* k_tab = k_table.empty() ? nullptr : k_table.data();
+        const float* v_tab = v_table.empty() ? nullptr : v_table.data();
         for (int64_t t = 0; t < n; ++t) {
             const int64_t j = m - n + t;                                  // the token's row among the key rows
             const uint8_t* row = keys + (item * m + j) * k_row;
@@ -1223,10 +1233,11 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
                     const uint8_t* meta = key_scales + (item * blocks + j / block) * pair * d;
                     for (int64_t c = 0; c < d; ++c) read_meta(meta + c * pair, meta8, k_bits, &s[c], &z[c]);
                 }
-                unpack(row, k_bits, (int)d, x.data());
+                if (k_lut) unpack_levels(row, k_bits, (int)d, k_lut, k_tab, x.data());
+                else unpack(row, k_bits, (int)d, x.data());
                 for (int64_t c = 0; c < d; ++c) x[c] = x[c] * s[c] + z[c];
             } else {
-                dequantize_row(row, k_bits, d, kg, k_bytes, meta8, x.data());
+                dequantize_row(row, k_bits, d, kg, k_bytes, meta8, x.data(), k_lut, k_tab);
             }
             for (int64_t g = 0; g < G; ++g) w[g * S + t] = scale * dot(qi + g * d, x.data(), (int)d);
         }
@@ -1249,7 +1260,7 @@ int kvcal_sliding_decode(const float* q, const uint8_t* keys, const uint8_t* key
         float* o = out + item * G * d;
         std::fill(o, o + G * d, 0.f);
         for (int64_t t = 0; t < n; ++t) {
-            dequantize_row(values + (item * n + t) * v_row, v_bits, d, vg, v_bytes, meta8, x.data());
+            dequantize_row(values + (item * n + t) * v_row, v_bits, d, vg, v_bytes, meta8, x.data(), v_lut, v_tab);
             for (int64_t g = 0; g < G; ++g) {
                 const float wt = w[g * S + t];
                 for (int64_t c = 0; c < d; ++c) o[g * d + c] += wt * x[c];
