@@ -188,13 +188,12 @@ def test_a_sigterm_during_the_heap_release_is_delivered_after_it():
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_that_a_finalizer_swallows_stops_calibrate_at_its_next_display():
     """Python prints and drops an exception raised inside a finalizer, so a Ctrl-C whose handler runs there is lost and
-    the run goes on to the end. The command line keeps the signal, and the progress displays calibrate hands the
-    pipeline raise it before they show anything."""
+    the run goes on to the end. The command line keeps the signal, and the progress displays calibrate and bench hand
+    their pipelines (`checked`) raise it before they show anything."""
     import os
     import signal
 
-    from kvcal.cli._errors import _interrupt, _received
-    from kvcal.cli.calibrate import _checked
+    from kvcal.cli._errors import _interrupt, _received, checked
 
     class Finalized:
         def __del__(self):
@@ -206,7 +205,7 @@ def test_a_ctrl_c_that_a_finalizer_swallows_stops_calibrate_at_its_next_display(
         Finalized()                          # freed at once: the interrupt is raised in __del__ and dropped
         shown: list = []
         with pytest.raises(KeyboardInterrupt):
-            _checked(lambda *args: shown.append(args))("calibration-text", 1, 8)
+            checked(lambda *args: shown.append(args))("calibration-text", 1, 8)
         assert not shown
     finally:
         signal.signal(signal.SIGINT, previous)

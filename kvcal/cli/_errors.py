@@ -7,6 +7,7 @@ import dataclasses
 import re
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -49,6 +50,15 @@ def raise_pending() -> None:
     units of work, so that an interrupt a finalizer swallowed still stops them there."""
     if _received:
         raise _interrupt_for(_received[0])
+
+
+def checked(show: Callable) -> Callable:
+    """`show`, a progress display, raising first an interrupt that a finalizer swallowed (`raise_pending`): the long
+    commands call their displays between windows and measurements, where an interrupt can stop them safely."""
+    def call(*args):
+        raise_pending()
+        return show(*args)
+    return call
 
 
 def handle_interrupts() -> None:

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvcal.cli._console import stderr, stdout
-from kvcal.cli._errors import interrupted, plain
+from kvcal.cli._errors import checked, interrupted, plain
 from kvcal.cli._options import (
     JsonOpt,
     ModelOpt,
@@ -195,7 +195,7 @@ def _run(files: BenchFiles, settings, output: Output, chosen_threads) -> tuple[d
             bars.console.print(f"[dim]{plain(msg)}[/]", highlight=False)
 
     with bars:
-        report = run_bench(lm, b, settings, bundle_path=bundle, progress=progress, status=status)
+        report = run_bench(lm, b, settings, bundle_path=bundle, progress=checked(progress), status=checked(status))
     report["environment"]["threads"] = str(chosen_threads)        # why this many (torch_threads: how many)
     return report, write_report(report, out_dir, overwrite=files.overwrite)
 

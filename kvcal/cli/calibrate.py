@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvcal.cli._console import stderr, stdout
-from kvcal.cli._errors import interrupted, raise_pending
+from kvcal.cli._errors import checked, interrupted
 from kvcal.cli._options import (
     JsonOpt,
     ModelOpt,
@@ -145,21 +144,12 @@ def _run(cfg: CalibrationConfig, output: Output):
 
     displays = CalibrateProgress(stderr, planned_steps(cfg), output.quiet)
     try:
-        result = run(cfg, progress=_checked(displays.progress), status=_checked(displays.status),
-                     search_progress=_checked(displays.search_progress))
+        result = run(cfg, progress=checked(displays.progress), status=checked(displays.status),
+                     search_progress=checked(displays.search_progress))
         displays.search.finish()
     finally:
         displays.stop()
     return result
-
-
-def _checked(show: Callable) -> Callable:
-    """`show`, a progress display, raising first an interrupt that a finalizer swallowed (`raise_pending`): the
-    pipeline calls its displays between windows and measurements, where an interrupt can stop it safely."""
-    def call(*args):
-        raise_pending()
-        return show(*args)
-    return call
 
 
 def _report(result, cfg: CalibrationConfig, output: Output, chosen_threads) -> None:
