@@ -151,12 +151,10 @@ def test_a_sliding_layers_gradients_count_only_the_queries_that_read_it_coded():
             assert not g_half[:, :, S - 4:].any() and g_half[:, :, :S - 4].abs().amax() > 0
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-def test_fitted_levels_predict_less_loss_than_uniform_codes(model_type):
+def test_fitted_levels_predict_less_loss_than_uniform_codes():
     """The levels fitted on a window's held tokens, weighted by g² step², minimise the quality model's own sum there:
-    with them, every 2- and 4-bit side of every layer (Gemma3's sliding layers in their sliding format too) is
-    predicted to cost no more than with uniform codes (all samples fit here, so no subsampling), and at 2 bits less
-    in total."""
+    with them, every 2- and 4-bit side of every layer is predicted to cost no more than with uniform codes (all
+    samples fit here, so no subsampling), and at 2 bits less in total."""
     from conftest import random_bundle
 
     from kvcal.profile.allocate import base_settings
@@ -172,28 +170,24 @@ def test_fitted_levels_predict_less_loss_than_uniform_codes(model_type):
     from kvcal.profile.ranks import ranks_of
     from kvcal.runtime.storage.bases import served_bases
 
-    model, tok = make_model(model_type)
+    model, tok = make_model("llama")
     a = adapter_for(model.config)
     bundle = random_bundle(model, tok)
     ids = _ids(tok)
     P, L, H = 60, model.config.num_hidden_layers, a.num_kv_heads
-    sliding = [t == "sliding_attention" for t in a.layer_types]
-    assert any(sliding) == (model_type == "gemma3_text")
-    base = base_settings(a.layer_types, head_dim=a.head_dim).with_tiering(window=8)
+    base = base_settings(a.layer_types).with_tiering(window=8)
     served = served_bases(bundle.qk_rotation, bundle.v_basis, *ranks_of(bundle, base), base, None)
-    window = _record_window(model, ids[:, :P], ids[:, P:], sliding, chunk=64)
+    window = _record_window(model, ids[:, :P], ids[:, P:], [False] * L, chunk=64)
     for layer in range(L):
         key, value, g_key, g_value = window["kv"][layer]
-        held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer], 8, sliding[layer])
-        fitted = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base, layer, a.head_dim,
-                                  sliding[layer])
+        held = held_masks(window["prefill_score"][layer], window["continuation_score"][layer], 8, False)
+        fitted = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base, layer, a.head_dim)
         uniform = {k: torch.arange(t.shape[-1], dtype=torch.float32).expand_as(t) for k, t in fitted.items()}
         costs = []
         for levels in (fitted, uniform):
             c = torch.zeros(H, 2, len(BITS), len(ALPHAS), dtype=torch.float64)
             add_layer_costs(c, torch.zeros(H, 2, len(HIGH), len(ALPHAS), dtype=torch.float64), layer,
-                            (key, value), (g_key, g_value), held, held, served, base, sliding[layer], a.head_dim,
-                            levels)
+                            (key, value), (g_key, g_value), held, held, served, base, False, a.head_dim, levels)
             costs.append(c[..., BASE_ALPHA])
         assert (costs[0][..., 1:] <= costs[1][..., 1:] * (1 + 1e-9)).all(), layer      # 4 and 2 bits
         assert costs[0][..., 2].sum() < costs[1][..., 2].sum(), layer

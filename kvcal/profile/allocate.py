@@ -34,12 +34,12 @@ from kvcal.runtime.storage.layout import TierFormat
 
 # The frame the allocation fills in (KIVI's layout inside DiffKV's tiers): the newest WINDOW tokens held exact
 # outside the pages (`exact_window`), the heavy hitters (mean attention >= HEAVY_HITTERS / N) in the high tier, every
-# other token of a paged layer in its low-tier format, keys per channel over pages of PAGE_TOKENS low tokens; a
-# sliding-window layer's window in its sliding format, keys per channel over blocks of PAGE_TOKENS tokens (KIVI's
-# layout: per-token keys at 4 bits read 8 times the KL), values per token in groups of 32 channels where the head dim
-# allows (a whole 256-wide vector at 4 bits reads twice the KL), no recent tokens at 16 bits (`sliding_recent`: the
-# quality model and the coded probe read it when set; why it is not, and those measurements: docs/calibration.md);
-# in both, 2- and 4-bit codes on calibrated levels (`quality_model.LEVELED`).
+# other token of a paged layer in its low-tier format, keys per channel over pages of PAGE_TOKENS low tokens, 2- and
+# 4-bit codes on calibrated levels (`quality_model.LEVELED`); a sliding-window layer's window in its sliding format,
+# keys per channel over blocks of PAGE_TOKENS tokens (KIVI's layout: per-token keys at 4 bits read 8 times the KL),
+# values per token in groups of 32 channels where the head dim allows (a whole 256-wide vector at 4 bits reads twice
+# the KL), no recent tokens at 16 bits (`sliding_recent`: the quality model and the coded probe read it when set; why
+# it is not, and those measurements: docs/calibration.md).
 WINDOW, HEAVY_HITTERS, PAGE_TOKENS = 16, ALPHAS[BASE_ALPHA], 32
 LOW, SLIDING = "K4cnV4nm8", "K8cV8g32m8"
 

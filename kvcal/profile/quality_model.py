@@ -58,16 +58,16 @@ HIGH = ("K16V16", "K8V8")     # and of the high tier (heavy hitters out of the w
 ALPHAS = (8.0, 16.0, 32.0, 64.0, 128.0)
 BASE_ALPHA = 1                # ALPHAS[BASE_ALPHA]: the base settings' threshold (kvcal.profile.allocate)
 SIDES = ("k", "v")
-# bit widths whose codes index calibrated levels (fitted from the recording, `fit_layer_levels`), in paged and
-# sliding layers alike; 8 bits have enough uniform steps
+# bit widths whose codes index calibrated levels (fitted from the recording, `fit_layer_levels`) in paged layers; 8
+# bits have enough uniform steps, and sliding layers are served uniform
 LEVELED = (4, 2)
 
 
 def layer_format(base: CompressionConfig, sliding: bool, k_bits: int, v_bits: int) -> TierFormat:
     """The format a layer's tokens are coded in with (k_bits, v_bits): the base's low tier (a paged layer) or its
-    sliding format, with other bits; sides at `LEVELED` bits index calibrated levels."""
+    sliding format, with other bits; a paged layer's sides at `LEVELED` bits index calibrated levels."""
     fmt = base.sliding if sliding else base.low
-    level = lambda bits: "calibrated" if bits in LEVELED else "uniform"      # noqa: E731
+    level = lambda bits: "calibrated" if not sliding and bits in LEVELED else "uniform"      # noqa: E731
     return dataclasses.replace(fmt, k_bits=k_bits, v_bits=v_bits, k_levels=level(k_bits), v_levels=level(v_bits))
 
 
@@ -201,12 +201,10 @@ def _levels(kind: str, levels: torch.Tensor | None) -> torch.Tensor | None:
 
 @torch.no_grad()
 def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: ServedBases, base: CompressionConfig,
-                     layer: int, head_dim: int, sliding: bool = False,
-                     samples: int = 1 << 15) -> dict[tuple[str, int], torch.Tensor]:
-    """Calibrated levels of a layer's formats (its low tier's, or a sliding layer's sliding format's) at every bit
-    width of `LEVELED`, per KV head -> {(side, bits): float32 [H, 2**bits]}: weighted 1-D k-means
-    (`codebooks.fit_levels`) on the held tokens' normalised codes (as the store normalises them: per-channel keys
-    over pages or blocks, per-token keys and values in their groups), each weighted by g² step², its share of
+                     layer: int, head_dim: int, samples: int = 1 << 15) -> dict[tuple[str, int], torch.Tensor]:
+    """Calibrated levels of a paged layer's formats at every bit width of `LEVELED`, per KV head -> {(side, bits):
+    float32 [H, 2**bits]}: weighted 1-D k-means (`codebooks.fit_levels`) on the held tokens' normalised codes (as
+    the store normalises them: per-channel key pages, per-token values), each weighted by g² step², its share of
     ½ Σ g² δ² per unit of code error. kv, grads: key and value [1, H, S, d] and their gradients; held bool [H, S].
     At most `samples` evenly strided samples per fit."""
     from kvcal.profile.codebooks import fit_levels
@@ -215,18 +213,17 @@ def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: Served
     for s, side in enumerate(SIDES):
         x, g2 = _served(kv[s], grads[s], served, layer, s)
         for bits in LEVELED:
-            fmt = layer_format(base, sliding, bits, bits)
+            fmt = layer_format(base, False, bits, bits)
             rows = []
             for h in range(x.shape[0]):
                 xs, g2s = x[h, held[h]], g2[h, held[h]]                                       # [n, d]
-                if s == 0 and fmt.k_mode == "channel":
-                    T = key_block(base, fmt, head_dim, sliding)
+                if s == 0:
+                    T = key_block(base, fmt, head_dim, False)
                     n = len(xs) - len(xs) % T
                     xs, g2s = xs[:n].reshape(-1, T, xs.shape[-1]), g2s[:n].reshape(-1, T, xs.shape[-1])
                     u, step = quant.normalised_per_channel(xs, bits, fmt.meta_bits)
                 else:
-                    u, step = quant.normalised_per_token(xs, bits, fmt.k_group if s == 0 else fmt.v_group,
-                                                         fmt.meta_bits)
+                    u, step = quant.normalised_per_token(xs, bits, fmt.v_group, fmt.meta_bits)
                 u, w = u.reshape(-1), (g2s * step.double() ** 2).reshape(-1)
                 stride = max(len(u) // samples, 1)
                 rows.append(fit_levels(u[::stride][None], bits, w[::stride][None].float())[0] if len(u)
@@ -236,8 +233,8 @@ def fit_layer_levels(kv: tuple, grads: tuple, held: torch.Tensor, served: Served
 
 
 def bundle_levels(levels: dict, L: int, H: int) -> dict[str, torch.Tensor]:
-    """Fitted levels (layer -> {(side, bits): [H, 2**bits]}) -> the bundle's tensors (`levels.{side}.{bits}` float32
-    [L, H, 2**bits]); a layer without levels gets the uniform grid, which the runtime accepts."""
+    """Fitted levels (paged layer -> {(side, bits): [H, 2**bits]}) -> the bundle's tensors (`levels.{side}.{bits}`
+    float32 [L, H, 2**bits]); a layer without levels (sliding) gets the uniform grid, which the runtime accepts."""
     from kvcal.runtime.storage.levels import tensor_name
 
     out = {}

@@ -77,7 +77,7 @@ class Recording:
     held: dict                    # paged layer -> bool [len(ALPHAS), B, H, P + M]: the tokens it holds in its
                                   # allocated format by the end, per heavy-hitter threshold
     costs: FormatCosts | None     # summed over the windows (None: `recorded_prompts`, no backward)
-    levels: dict                  # layer -> {(side, bits): float32 [H, 2**bits]}: its calibrated levels, fitted
+    levels: dict                  # paged layer -> {(side, bits): float32 [H, 2**bits]}: its calibrated levels, fitted
                                   # on the first window (`fit_layer_levels`)
 
 
@@ -266,9 +266,9 @@ def record_search(model, prompt: torch.Tensor, continuation: torch.Tensor, serve
                 tokens[layer] += (min(S, window_size) - base.sliding_recent if sliding[layer]
                                   else held.double().mean(1).sum(-1)) / B
                 high_tokens[layer] += high.double().mean(1).sum(-1) / B
-                if b == 0:
+                if b == 0 and not sliding[layer]:
                     levels[layer] = fit_layer_levels((key, value), (g_key, g_value), held[BASE_ALPHA], served, base,
-                                                     layer, head_dim, sliding[layer])
+                                                     layer, head_dim)
                 add_layer_costs(costs[layer], high_costs[layer], layer, (key, value), (g_key, g_value), held,
                                 read_high, served, base, sliding[layer], head_dim, levels.get(layer))
                 if not sliding[layer]:
