@@ -407,3 +407,43 @@ def test_a_served_decode_step_reads_the_codes_as_attention_reads_the_dequantized
     unmasked = serve(True, torch.ones_like(short), short)   # the same tokens seen, padding and all: other logits
     assert (unmasked[0, -1] - padded[0, -1]).abs().max() > 1e-2 * float(want.abs().max())
     torch.testing.assert_close(unmasked[1], padded[1], rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", ["K4cnV4ng32m8", "K4nV2nkg8", "K4cV4g32m8", "K2cnV3nm8"])
+def test_a_sliding_layer_codes_its_window_as_the_quantizer_the_quality_model_calls(fmt):
+    """The window a sliding layer holds, read back in the model basis, equals quant's round trips of its tokens in the
+    stored bases (per-channel keys over whole blocks, per-token keys and values in their groups), on calibrated
+    levels as on uniform ones: the codes the quality model and the coded probe price are the codes served."""
+    from kvcal.runtime.hf.sliding import SlidingWindow
+
+    B, H, d, window, block = 2, 2, 64, 40, 8
+    gen = torch.Generator().manual_seed(0)
+    rotation = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    basis = torch.linalg.qr(torch.randn(H, d, d, generator=gen))[0]
+    tier = TierFormat.parse(fmt)
+    k_levels, v_levels = (_random_levels(H, bits, gen) if kind == "calibrated" else None
+                          for bits, kind in ((tier.k_bits, tier.k_levels), (tier.v_bits, tier.v_levels)))
+    layer = QuantizedSlidingLayer(window, tier, rotation, basis, block=block, levels=(k_levels, v_levels))
+    keys, values = torch.randn(B, H, 3 * window, d, generator=gen), torch.randn(B, H, 3 * window, d, generator=gen)
+    layer.update(keys, values)
+    held = SlidingWindow(tier, layer.block, layer.keys, layer.key_scales, layer.values, layer.recent_keys,
+                         layer.recent_values, layer.levels)
+    got_k, got_v = layer.model_basis(held)
+    n, m = layer.values.shape[2], layer.keys.shape[2]          # coded tokens, and the key rows of their blocks
+    assert n > 0 and (m - n < block if tier.k_mode == "channel" else m == n)
+    lut = lambda t, *pad: None if t is None else t[(slice(None),) + (None,) * len(pad)]     # noqa: E731
+    y = torch.einsum("bhnd,hde->bhne", values[:, :, -(window - 1):][:, :, :n], basis)
+    want_v = torch.einsum("bhne,hde->bhnd", quant.round_trip_per_token(y, tier.v_bits, tier.v_group, tier.meta_bits,
+                                                                       lut(v_levels, 1)), basis)
+    y = torch.einsum("bhnd,hde->bhne", keys[:, :, -(window - 1) - (m - n):][:, :, :m], rotation)
+    if tier.k_mode == "channel":
+        coded_k = quant.round_trip_per_channel(y.reshape(B, H, m // block, block, d), tier.k_bits, tier.meta_bits,
+                                               lut(k_levels, 1, 1)).reshape(B, H, m, d)
+    else:
+        coded_k = quant.round_trip_per_token(y, tier.k_bits, tier.k_group, tier.meta_bits, lut(k_levels, 1))
+    want_k = torch.einsum("bhne,hde->bhnd", coded_k[:, :, m - n:], rotation)
+    # the same codes; the rotations back are products over other operand shapes, whose float order may differ: a
+    # sum of 64 products of numbers below 4 moves by at most about 64 * 4 * 4 * 2**-24 < 1e-4 (float32), where one
+    # 2- to 4-bit step of these unit-scale tokens is above 5e-2
+    torch.testing.assert_close(got_v[:, :, :n], want_v, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got_k[:, :, :n], want_k, rtol=0, atol=1e-4)
