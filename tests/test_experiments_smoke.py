@@ -52,6 +52,8 @@ SMOKE: dict[str, list[str]] = {
                      "--windows", "1", "--prompt", "40", "--steps", "8", "--json", "{tmp}/out.json"],
     "gauge_gap": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "2", "--pick", "1", "--prompt", "48",
                   "--steps", "8", "--json", "{tmp}/out.json"],
+    "served_bytes": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--windows", "1", "--prompt", "40",
+                     "--steps", "8", "--json", "{tmp}/out.json"],
     "held_tokens": ["--model", "{llama}", "--bundle", "{llama_bundle}", "--prompt", "48", "--steps", "8",
                     "--json", "{tmp}/out.json"],
     "fp8_margin": ["--model", "{llama}", "--calib-tokens", "128", "--windows", "1", "--seq-len", "64",

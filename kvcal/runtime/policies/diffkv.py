@@ -235,8 +235,9 @@ class DiffKVTiers(CachePolicy):
 
     def _seal_pending(self, layer, b, h, length, hi_s, hi_p, taus=None) -> None:
         """Per-channel low tier in decode: once an entry has a page worth of high tokens that belong low, move the
-        least significant page of them into one new low page. hi_s, hi_p [B, H, S]: the high section's scores and
-        positions as they are now; taus: their thresholds when the caller has them (`_step_constants`)."""
+        least significant page of them into one new low page and close the holes they leave (`Scores.compact`).
+        hi_s, hi_p [B, H, S]: the high section's scores and positions as they are now; taus: their thresholds when
+        the caller has them (`_step_constants`)."""
         kv, store = self.kv, self.kv.store
         mean = mean_score(hi_s, hi_p, length)
         pending = pending_low(kv.config.tiering, hi_s, hi_p, kv.n_pad, length, mean, taus)
@@ -257,3 +258,4 @@ class DiffKVTiers(CachePolicy):
             store.write_pages(layer, eb, gh, k.view(len(eb), T, -1), v.view(len(eb), T, -1), ps.view(len(eb), T),
                               sc.view(len(eb), T))
             store.drop(layer, HIGH, rb, rh, slots.reshape(-1))
+            store.compact(layer, eb, gh)            # a page of holes at once: closed, the emptied pages freed

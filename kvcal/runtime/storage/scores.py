@@ -2,8 +2,9 @@
 cache index), the holes a drop leaves, and crop.
 
 Each tracked page holds one float32 score and one int32 position per slot (`layout.py`); a slot below `fill` whose
-position is -1 is a hole. High-section holes are reused by new tokens; per-channel low pages are written whole and
-never rewritten, so their holes stay until the sequence ends.
+position is -1 is a hole. High-section holes are reused by new tokens, and `compact` closes the many that a whole low
+page leaves at once; per-channel low pages are written whole and never rewritten, so their holes stay until the
+sequence ends.
 
 An untracked low tier (`low_tracked=False`) stores no score or position: its tokens never move, so it has no holes.
 Reads give its slots below the fill position `HELD` (a token is there; its cache index is not recorded) and score 0,
@@ -138,13 +139,45 @@ class Scores(PageTable):
         live = torch.where(pos >= 0, torch.arange(S, device=self.device), -1).max(-1).values + 1 if S else \
             torch.zeros(len(b), dtype=torch.int64, device=self.device)                     # new fill [B * H]
         old = self.fill[layer, b, h, HIGH]
-        self.fill[layer, b, h, HIGH] = live
         self.holes[layer, b, h, HIGH] -= old - live                                     # trimmed slots were holes
+        return self._trim_high(layer, b, h, live)
+
+    def compact(self, layer: int, b: torch.Tensor, h: torch.Tensor) -> int:
+        """Close the holes of entries (b, h) [n] (distinct) in their high sections: each entry's newest tokens past
+        its live count move, bytes as stored, into its holes below it, so the section is dense again, and the
+        emptied tail pages are freed. A decode step reuses one hole per entry, but a per-channel low page takes a
+        page of tokens out of the high section at once (`DiffKVTiers`), and those holes would stay. Slot order is
+        not a token's order (every read goes by position), so only float order in attention changes. Returns the
+        number of pages freed."""
+        pos = self.section_meta(layer, HIGH, b, h)[1]                                    # [n, S]
+        live = pos >= 0
+        count = live.sum(-1)                                                             # new fill [n]
+        at = torch.arange(pos.shape[1], device=self.device)
+        # as many holes below an entry's count as live tokens at or past it: row-major order pairs them up
+        he, hs = torch.nonzero(~live & (at < count[:, None]), as_tuple=True)
+        te, ts = torch.nonzero(live & (at >= count[:, None]), as_tuple=True)
+        if len(he):
+            self._own(layer, HIGH, b[he], h[he], hs)
+            flat = self._flat(torch.uint8)
+            for g, sel in self.group_rows(layer, h[he]):
+                lay = g.layouts[HIGH]
+                src, i = self.page_of(layer, HIGH, b[te][sel], h[te][sel], ts[sel], lay)
+                dst, j = self.page_of(layer, HIGH, b[he][sel], h[he][sel], hs[sel], lay)
+                for off, row in _token_segments(lay):
+                    cols = torch.arange(row, device=self.device)
+                    flat[(dst + off + j * row)[:, None] + cols] = flat[(src + off + i * row)[:, None] + cols]
+        self.holes[layer, b, h, HIGH] = 0
+        return self._trim_high(layer, b, h, count)
+
+    def _trim_high(self, layer: int, b: torch.Tensor, h: torch.Tensor, fill: torch.Tensor) -> int:
+        """Set the high sections' fill of entries (b, h) [n] to `fill` [n] (every slot past it empty) and free the
+        pages past it. Returns the number of pages freed."""
+        self.fill[layer, b, h, HIGH] = fill
         freed = 0
         for g, sel in self.group_rows(layer, h):
             T = g.layouts[HIGH].tokens
             gb, gh = b[sel], h[sel]
-            extra = self.arena.num_pages_used[gb, layer, gh, HIGH].long() - (-(-live[sel] // T))
+            extra = self.arena.num_pages_used[gb, layer, gh, HIGH].long() - (-(-fill[sel] // T))
             nz = extra > 0
             if bool(nz.any()):
                 n = int(nz.sum())
@@ -155,3 +188,15 @@ class Scores(PageTable):
         self._room.clear()
         self._forget_words()
         return freed
+
+
+def _token_segments(lay: PageLayout) -> list[tuple[int, int]]:
+    """(offset, bytes per slot) of every segment a per-token layout stores per slot: codes, their pairs, score and
+    position."""
+    assert lay.fmt.k_mode != "channel", "per-channel pages are written whole"
+    pair = lay.fmt.meta_pair_bytes
+    segments = [(lay.k_off, lay.k_bytes), (lay.k_meta_off, lay.k_groups * pair), (lay.v_off, lay.v_bytes),
+                (lay.v_meta_off, lay.v_groups * pair)]
+    if lay.tracked:
+        segments += [(lay.score_off, 4), (lay.pos_off, 4)]
+    return [(off, row) for off, row in segments if row]

@@ -1,0 +1,74 @@
+"""Closing the high sections' holes (`Scores.compact`): the same tokens, bytes as stored, in fewer pages; attention
+reads them as before (up to float order); a decode whose per-channel low pages take a page of tokens out of the high
+section at once leaves it without holes."""
+
+import copy
+
+import pytest
+import torch
+from conftest import decode_logits, make_model, random_bundle, random_text
+from test_cpu_backend import TOL, assert_decode_matches, decode_inputs, random_store
+
+from kvcal.runtime.backends import TorchBackend
+from kvcal.runtime.cache import CompressionConfig
+from kvcal.runtime.hf import KvcalCache
+from kvcal.runtime.policies.diffkv import TieringConfig
+from kvcal.runtime.storage.layout import TierFormat
+from kvcal.runtime.storage.pages import HIGH
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tokens(store, b, h):
+    """Every live high token of entries (b, h), by (entry, position): (key, value, score), as the store reads them."""
+    scores, pos = store.section_meta(0, HIGH, b, h)
+    e, s = torch.nonzero(pos >= 0, as_tuple=True)
+    k, v, sc, ps = store.read(0, HIGH, b[e], h[e], s)
+    return {(int(i), int(p)): (k[j], v[j], sc[j]) for j, (i, p) in enumerate(zip(e, ps))}
+
+
+@pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K2cV2m8"), ("K8nV8kg4m8", "K4cnV4nm8"),
+                                      ("K4V2g4", "K4V2")])
+def test_compact_keeps_every_token_in_fewer_pages(high, low):
+    levels = None
+    if "n" in high + low:
+        from test_levels import bundle_levels
+
+        levels = bundle_levels(1, 3)
+    store = random_store(high, low, seed=3, max_high=60, holes=0.3, levels=levels)
+    B, H = store.batch, store.num_kv_heads
+    b, h = torch.arange(B).repeat_interleave(H), torch.arange(H).repeat(B)
+    before, pages_before = _tokens(store, b, h), int(store.arena.num_pages_used[..., HIGH].sum())
+    holes = int(store.holes[0, ..., HIGH].sum())
+    assert holes > 0
+    ref = copy.deepcopy(store)
+    freed = store.compact(0, b, h)
+    after = _tokens(store, b, h)
+    assert after.keys() == before.keys()
+    for key, (k, v, sc) in before.items():                  # bytes moved, not re-coded: the same values exactly
+        assert all(torch.equal(x, y) for x, y in zip(after[key], (k, v, sc))), key
+    live = torch.tensor([sum(1 for (e, _) in before if e == i) for i in range(B * H)])
+    assert torch.equal(store.fill[0, b, h, HIGH], live) and int(store.holes[0, ..., HIGH].sum()) == 0
+    per_page = {int(hh): g.layouts[HIGH].tokens for g in store.groups[0] for hh in g.heads}
+    need = sum(-(-int(n) // per_page[int(hh)]) for n, hh in zip(live, h))
+    assert int(store.arena.num_pages_used[..., HIGH].sum()) == need == pages_before - freed
+    assert store.bytes_in_use() == ref.bytes_in_use() - freed * store.page_bytes
+    q, kn, vn = decode_inputs(store, 2, 1)
+    got, want = TorchBackend.attend(store, 0, q, kn, vn, 0.25), TorchBackend.attend(ref, 0, q, kn, vn, 0.25)
+    torch.testing.assert_close(got[0], want[0], **TOL)      # the same tokens, summed in another order
+    assert_decode_matches(store, 2, 1)                      # and the cpu kernel reads the compacted pages
+
+
+def test_a_decode_with_per_channel_low_pages_leaves_no_high_holes():
+    """Tokens that belong low wait high until a page of them exists, then leave together: without `compact`, a
+    page of holes each time, which one new token per step could not fill."""
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    config = CompressionConfig(high=TierFormat.parse("K8V8"), low=TierFormat.parse("K4cV4"), page_tokens=8,
+                               tiering=TieringConfig(window=4, alpha_high=2.0))
+    ids = tok([random_text(80, seed=1), random_text(80, seed=2)], return_tensors="pt").input_ids[:, :72]
+    cache = KvcalCache.from_bundle(bundle, model, config, raw_tokens=0)
+    decode_logits(model, cache, ids, 48)
+    store = cache.kv.store
+    low_pages = int(store.arena.num_pages_used[..., 1].sum())
+    assert low_pages > 0 and int(store.holes[..., HIGH].sum()) == 0
