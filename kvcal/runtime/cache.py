@@ -34,6 +34,7 @@ from kvcal.runtime.policies import cache_policies
 from kvcal.runtime.policies.cache_policy import CachePolicy, Prompt, PromptAttention
 from kvcal.runtime.policies.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.storage.bases import served_bases
+from kvcal.runtime.storage.levels import bundle_level_tensors
 from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.store import CompressedStore
 
@@ -150,7 +151,7 @@ class CompressedKV:
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
                    sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
                    smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens,
-                   serve=serve, levels={k: v for k, v in bundle.extras.items() if k.startswith("levels.")})
+                   serve=serve, levels=bundle_level_tensors(bundle.extras))
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""

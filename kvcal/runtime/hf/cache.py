@@ -35,7 +35,7 @@ from kvcal.runtime.hf import pending
 from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.storage.bases import served_bases
-from kvcal.runtime.storage.levels import served_levels
+from kvcal.runtime.storage.levels import bundle_level_tensors, served_levels
 
 KVCAL_IMPL = "kvcal"
 logger = logging.getLogger(__package__)    # "kvcal.runtime.hf": the public module path
@@ -222,8 +222,7 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
-        levels = served_levels({k: v for k, v in self.bundle.extras.items() if k.startswith("levels.")},
-                               {layer: [fmt]}, L, H, "cpu")
+        levels = served_levels(bundle_level_tensors(self.bundle.extras), {layer: [fmt]}, L, H, "cpu")
         quantized = QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0],
                                           self.config.sliding_recent, self.config.sliding_block, serve=self.serve,
                                           levels=tuple(levels.get((layer, side, bits)) for side, bits
@@ -369,11 +368,11 @@ class KvcalCache(Cache):
         kv = self.kv
         paged = kv.store.bytes_in_use() if kv else 0
         raw = kv.raw_bytes() if kv else 0
-        window = dense_fp16 = extra = sliding_levels = 0
+        window = dense_fp16 = extra = 0
+        sliding_levels = self._sliding_level_bytes()
         for layer, sliding in zip(self.layers, self.sliding):
             if sliding and isinstance(layer, QuantizedSlidingLayer):
                 window += layer.held_bytes()
-                sliding_levels += layer.level_bytes()       # a bundle constant, as the store's levels
                 dense_fp16 += layer.tokens_held() * layer.head_dim * 2 * 2
             elif sliding and layer.is_initialized:
                 window += dense_bytes(layer.keys, layer.values)
@@ -399,8 +398,11 @@ class KvcalCache(Cache):
         """The fixed amount by which `memory()["held_bytes"]` may exceed an fp16 cache of the same tokens
         (`CompressedKV.allowance_bytes`, docs/runtime.md), and the sliding layers' calibrated levels, a bundle
         constant as the store's are; 0 before the first call."""
-        levels = sum(layer.level_bytes() for layer in self.layers if isinstance(layer, QuantizedSlidingLayer))
-        return (self.kv.allowance_bytes() + levels) if self.kv is not None else 0
+        return (self.kv.allowance_bytes() + self._sliding_level_bytes()) if self.kv is not None else 0
+
+    def _sliding_level_bytes(self) -> int:
+        """Bytes of the quantized sliding layers' calibrated levels: a bundle constant, as the store's levels."""
+        return sum(layer.level_bytes() for layer in self.layers if isinstance(layer, QuantizedSlidingLayer))
 
     def release(self) -> int:
         """Return every page to the arena's free list (the sequences are finished) and empty the cache, so it can
