@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from kvcal.runtime.bundle import Bundle, BundleError, load_bundle
-from kvcal.runtime.storage.levels import bundle_level_tensors, needed, tensor_name
+from kvcal.runtime.storage.levels import needed, tensor_name
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +416,7 @@ def export_manifest(bundle: Bundle | str | Path, out: str | Path, config=None, *
     own = lambda t: t.clone(memory_format=torch.contiguous_format)       # noqa: E731  (none() shares R and B)
     tensors = {"qk.rotation": own(rotation.float()), "v.basis": own(basis.float()),
                "qk.rank": own(rank_k.to(torch.int32)), "v.rank": own(rank_v.to(torch.int32))}
-    tensors.update({name: own(t.float()) for name, t in bundle_level_tensors(bundle.extras).items()})
+    tensors.update({name: own(t.float()) for name, t in bundle.extras.items() if name.startswith("levels.")})
     if missing := sorted({tensor_name(side, b) for fmt in cfg.formats for side, b in needed(fmt)} - set(tensors)):
         raise ValueError(f"calibrated tiers need levels {', '.join(missing)}, not in the bundle: drop the `n` tiers")
     with atomic_dir(out, overwrite=overwrite, inputs=(target.folder if target else None,)) as tmp:

@@ -34,7 +34,6 @@ from kvcal.runtime.policies import cache_policies
 from kvcal.runtime.policies.cache_policy import CachePolicy, Prompt, PromptAttention
 from kvcal.runtime.policies.diffkv import TIER_HIGH, TIER_LOW, TIER_PRUNED, mean_score
 from kvcal.runtime.storage.bases import served_bases
-from kvcal.runtime.storage.levels import bundle_level_tensors
 from kvcal.runtime.storage.pages import HIGH, LOW
 from kvcal.runtime.storage.store import CompressedStore
 
@@ -91,8 +90,8 @@ class CompressedKV:
         high) [L, H, d] float32, per-channel clip ranges of K @ rotation (bundle `k.range_low/high`), for static
         keys. smoothing: [L, H, d] float32 (bundle `qk.smoothing`), for `config.smooth`. raw_tokens: the raw phase
         (module docstring): 0 = none, None = `auto_raw_tokens()`. serve: how this process serves the cache (attention
-        backend, page size, threads), resolved here once. levels: calibrated levels by bundle name
-        (`levels.k.{bits}`, `levels.v.{bits}`, float32 [L, H, 2**bits]), for formats with calibrated sides."""
+        backend, page size, threads), resolved here once. levels: bundle tensors by name (its extras),
+        of which formats with calibrated sides read `levels.k.{bits}`, `levels.v.{bits}` (float32 [L, H, 2**bits])."""
         L, H, d, _ = rotation.shape
         if beyond := [(layer, h) for layer, h, _ in config.low_heads if layer >= L or h >= H]:
             raise ValueError(f"the settings give KV head {beyond[0][1]} of layer {beyond[0][0]} a low-tier format, but "
@@ -151,7 +150,7 @@ class CompressedKV:
         return cls(bundle.qk_rotation, bundle.v_basis, bundle.qk_rank, bundle.v_rank, config, batch=batch,
                    sliding=sliding, device=device, raw16=raw16, token_classes=token_classes, key_ranges=ranges,
                    smoothing=bundle.extras.get("qk.smoothing"), raw_tokens=raw_tokens,
-                   serve=serve, levels=bundle_level_tensors(bundle.extras))
+                   serve=serve, levels=bundle.extras)
 
     def policy(self, name: str) -> CachePolicy | None:
         """The token policy called `name` (cache_policy.CACHE_POLICIES), or None when the config leaves it off."""

@@ -35,7 +35,7 @@ from kvcal.runtime.hf import pending
 from kvcal.runtime.hf.sliding import QuantizedSlidingLayer
 from kvcal.runtime.options import ServeOptions
 from kvcal.runtime.storage.bases import served_bases
-from kvcal.runtime.storage.levels import bundle_level_tensors, served_levels
+from kvcal.runtime.storage.levels import served_levels
 
 KVCAL_IMPL = "kvcal"
 logger = logging.getLogger(__package__)    # "kvcal.runtime.hf": the public module path
@@ -222,7 +222,7 @@ class KvcalCache(Cache):
         _, _, rotation, basis, query_rotation = served_bases(
             self.bundle.qk_rotation[layer:layer + 1], self.bundle.v_basis[layer:layer + 1], full[:1], full[:1],
             self.config.with_(use_ranks=False), None if smoothing is None else smoothing[layer:layer + 1])
-        levels = served_levels(bundle_level_tensors(self.bundle.extras), {layer: [fmt]}, L, H, "cpu")
+        levels = served_levels(self.bundle.extras, {layer: [fmt]}, L, H, "cpu")        # reads the levels only
         quantized = QuantizedSlidingLayer(window, fmt, rotation[0], basis[0], query_rotation[0],
                                           self.config.sliding_recent, self.config.sliding_block, serve=self.serve,
                                           levels=tuple(levels.get((layer, side, bits)) for side, bits

@@ -26,11 +26,6 @@ def tensor_name(side: str, bits: int) -> str:
     return f"levels.{side}.{bits}"
 
 
-def bundle_level_tensors(extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The levels among a bundle's extra tensors (`Bundle.extras`), by name (`tensor_name`)."""
-    return {name: t for name, t in extras.items() if name.startswith("levels.")}
-
-
 def needed(fmt) -> list[tuple[str, int]]:
     """(side, bits) of each calibrated side of TierFormat `fmt`."""
     return [(side, bits) for side, bits, kind in (("k", fmt.k_bits, fmt.k_levels), ("v", fmt.v_bits, fmt.v_levels))
