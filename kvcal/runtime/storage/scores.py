@@ -185,8 +185,8 @@ class Scores(PageTable):
                 self.arena.free_last(gb[nz], torch.full((n,), layer, device=self.device), gh[nz],
                                      torch.full((n,), HIGH, device=self.device), extra[nz])
                 freed += self.arena.num_free - before
-        self._room.clear()
-        self._forget_words()
+        self._forget_room(layer, HIGH)      # only this layer's high pages changed: the other bounds and words hold
+        self._forget_words(layer, HIGH)
         return freed
 
 
