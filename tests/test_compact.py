@@ -27,6 +27,18 @@ def _tokens(store, b, h):
     return {(int(i), int(p)): (k[j], v[j], sc[j]) for j, (i, p) in enumerate(zip(e, ps))}
 
 
+def _decoded_store(steps: int):
+    """The store of a tiny llama's cache after `steps` decode steps with per-channel low pages of 8 tokens."""
+    model, tok = make_model("llama")
+    bundle = random_bundle(model, tok)
+    config = CompressionConfig(high=TierFormat.parse("K8V8"), low=TierFormat.parse("K4cV4"), page_tokens=8,
+                               tiering=TieringConfig(window=4, alpha_high=2.0))
+    ids = tok([random_text(80, seed=1), random_text(80, seed=2)], return_tensors="pt").input_ids[:, :72]
+    cache = KvcalCache.from_bundle(bundle, model, config, raw_tokens=0)
+    decode_logits(model, cache, ids, steps)
+    return cache.kv.store
+
+
 @pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K2cV2m8"), ("K8nV8kg4m8", "K4cnV4nm8"),
                                       ("K4V2g4", "K4V2")])
 def test_compact_keeps_every_token_in_fewer_pages(high, low):
@@ -62,14 +74,7 @@ def test_compact_keeps_every_token_in_fewer_pages(high, low):
 def test_a_decode_with_per_channel_low_pages_leaves_no_high_holes():
     """Tokens that belong low wait high until a page of them exists, then leave together: without `compact`, a
     page of holes each time, which one new token per step could not fill."""
-    model, tok = make_model("llama")
-    bundle = random_bundle(model, tok)
-    config = CompressionConfig(high=TierFormat.parse("K8V8"), low=TierFormat.parse("K4cV4"), page_tokens=8,
-                               tiering=TieringConfig(window=4, alpha_high=2.0))
-    ids = tok([random_text(80, seed=1), random_text(80, seed=2)], return_tensors="pt").input_ids[:, :72]
-    cache = KvcalCache.from_bundle(bundle, model, config, raw_tokens=0)
-    decode_logits(model, cache, ids, 48)
-    store = cache.kv.store
+    store = _decoded_store(48)
     low_pages = int(store.arena.num_pages_used[..., 1].sum())
     assert low_pages > 0 and int(store.holes[..., HIGH].sum()) == 0
 
@@ -78,14 +83,7 @@ def test_compact_forgets_only_its_own_layers_high_words():
     """A compact frees pages of one layer's high sections only, so the cached slot words and room bounds of every
     other (layer, side) stay: forgetting them all made each later decode step rebuild them (1.27x dense at 4k on
     smollm2-135m's bundle against 1.14x, docs/runtime.md)."""
-    model, tok = make_model("llama")
-    bundle = random_bundle(model, tok)
-    config = CompressionConfig(high=TierFormat.parse("K8V8"), low=TierFormat.parse("K4cV4"), page_tokens=8,
-                               tiering=TieringConfig(window=4, alpha_high=2.0))
-    ids = tok([random_text(80, seed=1), random_text(80, seed=2)], return_tensors="pt").input_ids[:, :72]
-    cache = KvcalCache.from_bundle(bundle, model, config, raw_tokens=0)
-    decode_logits(model, cache, ids, 8)
-    store = cache.kv.store
+    store = _decoded_store(8)
     b, h = store.every_entry()
     layers = range(store.fill.shape[0])
     assert len(layers) > 1
