@@ -176,11 +176,16 @@ def test_write_bytes_equal_store_write(high, low):
         assert torch.equal(store.arena.arena, ref.arena.arena)
 
 
+@pytest.mark.parametrize("spare", [0, 400])
 @pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K4V2", "K2V2"), ("K16V16", "K8V8")])
-def test_decode_append_equals_the_torch_append(high, low):
-    """The decode step's fused append (kvcal_append_every: write at fill, fill += 1, pages reserved in Python) writes
-    the bytes and counts the store's torch path does, across page boundaries and on both per-token sides."""
+def test_decode_append_equals_the_torch_append(high, low, spare):
+    """The decode step's fused insert where no entry has a hole (kvcal_insert_every: write at fill, fill += 1, new
+    pages from the free list in the call) writes the bytes, counts and pages the store's torch path does, across page
+    boundaries and on both per-token sides: with `spare` free pages every page comes from the kernel, with none the
+    arena grows in Python on the way."""
     ref = random_store(high, low, seed=11, holes=0.0)
+    if spare:
+        ref.arena.grow(spare)
     store = copy.deepcopy(ref)
     store.writer = CpuBackend
     gen = torch.Generator().manual_seed(12)
@@ -197,6 +202,9 @@ def test_decode_append_equals_the_torch_append(high, low):
     used = store.arena.num_pages_used.sum()
     assert torch.equal(store.arena.page_table, ref.arena.page_table) and int(used) > 0
     assert torch.equal(store.arena.arena, ref.arena.arena)
+    assert (store.arena.num_pages, store.arena.num_free, store.arena.start) == (ref.arena.num_pages,
+                                                                                ref.arena.num_free, ref.arena.start)
+    assert torch.equal(store.arena.refs, ref.arena.refs)
 
 
 @pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K4cV4m8"), ("K4V2", "K2cV2"),

@@ -167,6 +167,8 @@ class Scores(PageTable):
                     cols = torch.arange(row, device=self.device)
                     flat[(dst + off + j * row)[:, None] + cols] = flat[(src + off + i * row)[:, None] + cols]
         self.holes[layer, b, h, HIGH] = 0
+        if not bool(self.holes[layer, :, :, HIGH].any()):    # no hole left: inserts append again (`insert`)
+            self._holey.discard((layer, HIGH))
         return self._trim_high(layer, b, h, count)
 
     def _trim_high(self, layer: int, b: torch.Tensor, h: torch.Tensor, fill: torch.Tensor) -> int:

@@ -270,9 +270,13 @@ class CompressedStore(Scores):
 
     def insert(self, layer: int, side: int, b, h, keys, values, pos, score, every_entry: bool = False) -> None:
         """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append. pos
-        [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the fused
-        append (`_append_every`)."""
+        [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the
+        writer's fused insert (`_insert_every`), else the fused append (`_append_every`)."""
         assert side == HIGH or self.low.k_mode != "channel", "per-channel low pages are written whole"
+        fused = getattr(self.writer, "insert_every", None)
+        if every_entry and fused is not None and not self.arena.shared and isinstance(pos, int):
+            self._insert_every(layer, side, fused, keys, values, pos, score)
+            return
         if (layer, side) not in self._holey:                           # the common case: nothing to reuse
             if every_entry:
                 self._append_every(layer, side, keys, values, pos, score)
@@ -284,10 +288,6 @@ class CompressedStore(Scores):
         at = (layer, slice(None), slice(None), side) if every_entry else (layer, b, h, side)
         if not bool((self.holes[at] > 0).any()):
             self.append(layer, side, b, h, keys, values, _positions(pos, len(b), self.device), score, distinct=True)
-            return
-        fused = getattr(self.writer, "insert_every", None)
-        if every_entry and fused is not None and not self.arena.shared and isinstance(pos, int):
-            self._insert_every(layer, side, fused, keys, values, pos, score)
             return
         pos = _positions(pos, len(b), self.device)
         sec_pos = self.section_meta(layer, side, b, h)[1]                               # [n, S]
@@ -326,18 +326,14 @@ class CompressedStore(Scores):
 
     def _append_every(self, layer: int, side: int, keys, values, pos: int | torch.Tensor, score) -> None:
         """One token at the end of every entry's section (the decode step without holes): keys [B * H, >= r_k],
-        values [B * H, >= r_v], score [B * H] in `every_entry` order; pos [B * H] or one int. A writer with
-        `append_every` (the cpu backend) writes at `fill` and advances it in one call."""
+        values [B * H, >= r_v], score [B * H] in `every_entry` order; pos [B * H] or one int. The `_room` bound
+        (free slots of the group's fullest entry) spares the page tables most steps."""
         for i, g in enumerate(self.groups[layer]):
             if self._room.get((layer, side, i), 0) < 1:
                 gb, gh = self.entries(layer, g)
                 self.reserve_pages(layer, side, gb, gh, self.fill[layer, gb, gh, side] + 1, g.layouts[side])
                 self._room[layer, side, i] = self._free_slots(layer, side, g)
             self._room[layer, side, i] -= 1
-        fused = getattr(self.writer, "append_every", None)
-        if fused is not None and not self.arena.shared and isinstance(pos, int):
-            fused(self, layer, side, keys, values, pos, score)
-            return
         b, h = self.every_entry()
         start = self.fill[layer, :, :, side].reshape(-1).clone()
         self.fill[layer, :, :, side] += 1

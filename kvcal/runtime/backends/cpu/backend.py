@@ -6,10 +6,9 @@
              and adds each stored token's probability to its score in the page in the same call.
     write    `kvcal_write`: quantize + pack + write the new tokens (per-token formats), bit for bit what
              CompressedStore.write writes (`writes_cache`: a store made with this backend hands it its writes).
-    append   `kvcal_append_every`: the decode step's append (one token per entry, none reusing a hole): the same write
-             at each entry's `fill`, and fill += 1, in one call instead of a dozen torch ops per layer.
-    insert   `kvcal_insert_every`: the decode step once the layer has holes (tiers moved tokens out of the high
-             pages): each entry's first hole, else its end, found and written in one call.
+    insert   `kvcal_insert_every`: the decode step's new tokens, one per entry: each entry's first hole where it has
+             one (tiers moved tokens out of the high pages), else its end (fill += 1), found and written in one call
+             instead of a dozen torch ops per layer; the entries that need a new page are named, not guessed.
     prefill  `kvcal_prefill`: attention and significance in one pass over the scores, a few query rows at a time
              (each logit computed and exponentiated once, no [n, n] block in memory); prompts with padding take the
              torch reference.
@@ -238,35 +237,30 @@ class CpuBackend(AttentionBackend):
         _check_write(rc, bad)
 
     @staticmethod
-    def append_every(store, layer, side, keys, values, pos: int, score) -> None:
-        """The decode step's append (CompressedStore._append_every): one token per entry, in every_entry order, at
-        the end of its section, and fill += 1, in one call. keys [B * H, >= r_k]; values [B * H, >= r_v];
-        score [B * H]; pos: every token's position. Pages must exist; none may be shared."""
-        assert side != LOW or store.low.k_mode != "channel", "per-channel pages are written whole (write_pages)"
-        keys, values, score = (t.float().contiguous() for t in (keys, values, score))
-        bad = ctypes.c_float(0.0)
-        rc = load_library().kvcal_append_every(*_layer_args(store, layer), side, _ptr(keys), keys.shape[-1],
-                                               _ptr(values), values.shape[-1], pos, _ptr(score), ctypes.byref(bad),
-                                               _levels_ptr(store, layer))
-        _check_write(rc, bad)
-
-    @staticmethod
     def insert_every(store, layer, side, keys, values, pos: int, score) -> torch.Tensor | None:
-        """The decode step's insert in a layer with holes (CompressedStore.insert): one token per entry, in
-        every_entry order, into the entry's first hole on `side` (holes -= 1), else at its end (fill += 1), in one
-        call. keys [B * H, >= r_k]; values [B * H, >= r_v]; score [B * H]; pos: every token's position. Writes
-        nothing and returns the entries (int64 [m], every_entry indices, ascending) that would append to a slot
-        without a page: the caller reserves those pages and calls again. None once written. No page may be shared."""
+        """The decode step's insert (CompressedStore.insert): one token per entry, in every_entry order, into the
+        entry's first hole on `side` where its `holes` count says it has one (holes -= 1), else at its end
+        (fill += 1), in one call. keys [B * H, >= r_k]; values [B * H, >= r_v]; score [B * H]; pos: every token's
+        position. An appending entry whose slot has no page takes one from the free list in the same call, as
+        `reserve_pages` would give it. Where the free list or a page-table row is too short, writes nothing and
+        returns those entries (int64 [m], every_entry indices, ascending): the caller reserves their pages (growing
+        the arena) and calls again. None once written. No page may be shared."""
         keys, values, score = (t.float().contiguous() for t in (keys, values, score))
-        W = keys.shape[0]
-        need, n_need = torch.empty(W, dtype=torch.int64), ctypes.c_int64(0)
-        holes, used = store.holes, store.arena.num_pages_used
-        assert holes.is_contiguous() and used.is_contiguous()
+        W, arena = keys.shape[0], store.arena
+        need, n_need, placed = torch.empty(W, dtype=torch.int64), ctypes.c_int64(0), ctypes.c_int64(0)
+        start, num_free = ctypes.c_int64(arena.start), ctypes.c_int64(arena.num_free)
+        holes, used = store.holes, arena.num_pages_used
+        assert all(t.is_contiguous() for t in (holes, used, arena.free_list, arena.refs))
         bad = ctypes.c_float(0.0)
         rc = load_library().kvcal_insert_every(*_layer_args(store, layer), side, _ptr(holes), _ptr(used), _ptr(keys),
                                                keys.shape[-1], _ptr(values), values.shape[-1], pos, _ptr(score),
                                                ctypes.byref(bad), _ptr(need), ctypes.byref(n_need),
-                                               _levels_ptr(store, layer))
+                                               _levels_ptr(store, layer), _ptr(arena.free_list), arena.num_pages,
+                                               ctypes.byref(start), ctypes.byref(num_free), _ptr(arena.refs),
+                                               ctypes.byref(placed))
+        arena.start, arena.num_free = start.value, num_free.value
+        if placed.value:
+            store._forget_words(layer, side)
         if rc == 3:
             return need[:n_need.value]
         _check_write(rc, bad)

@@ -134,16 +134,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_write.restype = i32
     lib.kvcal_write.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,    # arena .. page_bytes
                                 i32, i64, p, p, p, p, i64, p, i64, p, p, p, p]  # side .. bad_value, luts
-    lib.kvcal_append_every.restype = i32
-    lib.kvcal_append_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
-                                       i32, p, i64, p, i64, i64, p, p, p]            # side .. bad_value, luts
     lib.kvcal_write_pages.restype = i32
     lib.kvcal_write_pages.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, p,  # arena .. bad_value
                                       p, i64]                                       # luts, H
     lib.kvcal_insert_every.restype = i32
     lib.kvcal_insert_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                        i32, p, p, p, i64, p, i64, i64, p, p, p, p,   # side .. n_need
-                                       p]                                            # luts
+                                       p, p, i64, p, p, p, p]                        # luts .. placed
     lib.kvcal_round_trip.restype = i32
     lib.kvcal_round_trip.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, p,   # x .. luts
                                      p, p, p, i32, p]                           # g2 .. bad_value

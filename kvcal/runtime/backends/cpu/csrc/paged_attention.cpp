@@ -808,53 +808,38 @@ int kvcal_write(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, 
     return 0;
 }
 
-// The decode step's append: one token for every entry w = b * H + h of `layer`, at slot fill[layer, b, h, side],
-// then fill += 1 (the bookkeeping CompressedStore.append does in torch; pages must exist). keys [B * H, k_stride],
-// values [B * H, v_stride] float32, score [B * H]; every token's position is `pos`. Returns as kvcal_write (fill is
-// unchanged unless 0).
-int kvcal_append_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
+// The decode step's insert (CompressedStore.insert): one token for every entry w = b * H + h of `layer`, into its
+// first hole on `side` where it has one (the lowest slot below fill whose position is -1; holes -= 1), else at fill
+// (fill += 1). holes, fill [L, B, H, 2] int64; used: num_pages_used [B, L, H, 2] int32. An appending entry whose slot
+// has no page yet takes one from the arena's free list (free_list [num_pages] int32, a ring from *start with *num_free
+// ids; refs [num_pages] int32), in head-group order and entry order within a group, as PageArena._place takes them
+// for CompressedStore.reserve_pages; *placed counts them. Where the free list or an entry's page-table row is too
+// short, nothing changes: those entries are listed in need[] (w, ascending; *n_need of them), the return value is 3,
+// and the caller grows the arena, reserves their pages and calls again. Otherwise returns as kvcal_write.
+int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, int32_t* table, int64_t* fill,
                        const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
-                       int64_t page_bytes, int side, const float* keys, int64_t k_stride, const float* values,
-                       int64_t v_stride, int64_t pos, const float* score, float* bad_value, const float* luts) {
-    const int64_t W = B * H;
-    std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
-    int64_t* f = fill + (layer * B * H) * 2 + side;                  // fill [L, B, H, 2]: entry w at f[2 * w]
-    for (int64_t w = 0; w < W; ++w) {
-        b[w] = w / H;
-        h[w] = w % H;
-        slot[w] = f[2 * w];
-    }
-    const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
-                               b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
-                               score, bad_value, luts);
-    if (rc == 0)
-        for (int64_t w = 0; w < W; ++w) f[2 * w] += 1;
-    return rc;
-}
-
-// The decode step's insert once the layer has holes (CompressedStore.insert): one token for every entry w = b * H + h
-// of `layer`, into its first hole on `side` (the lowest slot below fill whose position is -1; holes -= 1), else at
-// fill (fill += 1). holes, fill [L, B, H, 2] int64; used: num_pages_used [B, L, H, 2] int32. Plan first: an appending
-// entry whose slot has no page yet is listed in need[] (w, ascending; *n_need of them) and nothing is written: the
-// return value is then 3, and the caller reserves their pages and calls again. Otherwise returns as kvcal_write.
-int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, int64_t* fill,
-                       const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
-                       int64_t page_bytes, int side, int64_t* holes, const int32_t* used, const float* keys,
+                       int64_t page_bytes, int side, int64_t* holes, int32_t* used, const float* keys,
                        int64_t k_stride, const float* values, int64_t v_stride, int64_t pos, const float* score,
-                       float* bad_value, int64_t* need, int64_t* n_need, const float* luts) {
+                       float* bad_value, int64_t* need, int64_t* n_need, const float* luts, int32_t* free_list,
+                       int64_t num_pages, int64_t* start, int64_t* num_free, int32_t* refs, int64_t* placed) {
     const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
     const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
     const int64_t W = B * H;
     std::vector<int64_t> b(W), h(W), slot(W), position(W, pos);
     std::vector<char> hole(W, 0);
     *n_need = 0;
+    *placed = 0;
+    bool fits = true;                               // the pages needed can come from the free list as it is
+    int32_t groups = 0;
     for (int64_t w = 0; w < W; ++w) {
         b[w] = w / H;
         h[w] = w % H;
+        groups = std::max(groups, head_group[h[w]] + 1);
         const Desc& D = descs[2 * head_group[h[w]] + side];
         const int64_t filled = lay.filled(b[w], h[w], side);
         slot[w] = filled;
-        for (int64_t k = 0; D.pos_off >= 0 && k * D.tokens < filled && !hole[w]; ++k) {
+        const bool holey = holes[((layer * B + b[w]) * H + h[w]) * 2 + side] > 0;   // else: no slot to scan for
+        for (int64_t k = 0; holey && D.pos_off >= 0 && k * D.tokens < filled && !hole[w]; ++k) {
             const int32_t id = lay.page(b[w], h[w], side, k);
             if (id < 0) return -1;
             const int32_t* p = reinterpret_cast<const int32_t*>(arena + (int64_t)id * page_bytes + D.pos_off);
@@ -865,10 +850,27 @@ int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, const int32_t* 
                     break;
                 }
         }
-        const int64_t pages = used[((b[w] * L + layer) * H + h[w]) * 2 + side];
-        if (!hole[w] && filled >= pages * D.tokens) need[(*n_need)++] = w;
+        const int32_t* row_used = used + ((b[w] * L + layer) * H + h[w]) * 2;
+        if (!hole[w] && filled >= row_used[side] * D.tokens) {
+            need[(*n_need)++] = w;
+            fits = fits && row_used[0] + row_used[1] < P;
+        }
     }
-    if (*n_need) return 3;
+    if (*n_need > *num_free || !fits) return 3;
+    for (int32_t g = 0; g < groups; ++g)
+        for (int64_t i = 0; i < *n_need; ++i) {
+            const int64_t w = need[i];
+            if (head_group[h[w]] != g) continue;
+            const int32_t id = free_list[*start];
+            *start = (*start + 1) % num_pages;
+            *num_free -= 1;
+            refs[id] = 1;
+            int32_t* row_used = used + ((b[w] * L + layer) * H + h[w]) * 2;
+            const int64_t col = side == HIGH ? row_used[side] : P - 1 - row_used[side];
+            table[((b[w] * L + layer) * H + h[w]) * P + col] = id;
+            row_used[side] += 1;
+            *placed += 1;
+        }
     const int rc = kvcal_write(arena, descs_raw, table, fill, head_group, L, B, H, P, layer, page_bytes, side, W,
                                b.data(), h.data(), slot.data(), keys, k_stride, values, v_stride, position.data(),
                                score, bad_value, luts);
