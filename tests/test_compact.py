@@ -10,6 +10,7 @@ from conftest import decode_logits, make_model, random_bundle, random_text
 from test_cpu_backend import TOL, assert_decode_matches, decode_inputs, random_store
 
 from kvcal.runtime.backends import TorchBackend
+from kvcal.runtime.backends.cpu.backend import CpuBackend
 from kvcal.runtime.cache import CompressionConfig
 from kvcal.runtime.hf import KvcalCache
 from kvcal.runtime.policies.diffkv import TieringConfig
@@ -69,6 +70,23 @@ def test_compact_keeps_every_token_in_fewer_pages(high, low):
     got, want = TorchBackend.attend(store, 0, q, kn, vn, 0.25), TorchBackend.attend(ref, 0, q, kn, vn, 0.25)
     torch.testing.assert_close(got[0], want[0], **TOL)      # the same tokens, summed in another order
     assert_decode_matches(store, 2, 1)                      # and the cpu kernel reads the compacted pages
+
+
+@pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K2cV2m8"), ("K4V2g4", "K4V2")])
+def test_the_cpu_kernels_compact_moves_the_bytes_the_torch_compact_moves(high, low):
+    """kvcal_compact_high pairs holes and live tokens as `_compact_torch` does: the same arena, fills, holes and
+    pages, for all entries or some of them."""
+    ref = random_store(high, low, seed=4, max_high=60, holes=0.3)
+    assert int(ref.holes[0, ..., HIGH].sum()) > 0
+    store = copy.deepcopy(ref)
+    store.writer = CpuBackend
+    b, h = ref.every_entry()
+    for pick in (torch.tensor([1, 4]), torch.arange(len(b))):
+        assert ref.compact(0, b[pick], h[pick]) == store.compact(0, b[pick], h[pick])
+        assert torch.equal(store.arena.arena, ref.arena.arena)
+        assert torch.equal(store.fill, ref.fill) and torch.equal(store.holes, ref.holes)
+        assert torch.equal(store.arena.page_table, ref.arena.page_table)
+    assert int(store.holes[0, ..., HIGH].sum()) == 0 and (0, HIGH) not in store._holey
 
 
 def test_a_decode_with_per_channel_low_pages_leaves_no_high_holes():

@@ -474,3 +474,24 @@ def test_extend_is_allocate_without_the_checks(counts):
     assert torch.equal(a.page_table, b.page_table) and torch.equal(a.num_pages_used, b.num_pages_used)
     assert torch.equal(a.refs, b.refs) and (a.start, a.num_free) == (b.start, b.num_free)
     assert int(b.num_pages_used[:, 1].sum()) == 3 + 3 * sum(counts)
+
+
+@pytest.mark.parametrize("side", [HIGH, LOW])
+def test_shrink_frees_what_free_last_frees(side):
+    """`shrink` (no validation, no reference counting: unshared pages only) leaves the arena as `free_last` does:
+    the same page-table cells cleared, counts, references and free list, ids in the same order."""
+    rng = random.Random(side)
+    a = PageArena(40, 4, slots=3, layers=2, kv_heads=2, max_pages_per_entry=8)
+    for _ in range(3):                                   # interleaved allocations: each entry's ids are scattered
+        rows = [(s, 1, h, side, rng.randint(1, 2)) for s in range(3) for h in range(2)]
+        a.allocate(*req(*rows))
+    b = PageArena(40, 4, slots=3, layers=2, kv_heads=2, max_pages_per_entry=8)
+    for name in ("free_list", "page_table", "num_pages_used", "refs"):
+        setattr(b, name, getattr(a, name).clone())
+    b.start, b.num_free = a.start, a.num_free
+    slot, head, count = t([0, 2, 1]), t([1, 0, 1]), t([2, 1, 3])
+    a.free_last(slot, t([1, 1, 1]), head, t([side] * 3), count)
+    b.shrink(slot, 1, head, side, count, int(count.sum()))
+    assert_same_state(b, snapshot(a))
+    assert torch.equal(b.refs, a.refs)
+    b.check_invariants()

@@ -255,6 +255,23 @@ class PageArena:
         self.num_pages_used[slot, layer, head, side] -= count.to(torch.int32)
         self._release(ids)
 
+    def shrink(self, slot: torch.Tensor, layer: int, head: torch.Tensor, side: int, count: torch.Tensor,
+               total: int) -> None:
+        """`free_last` for a caller that has checked its requests itself (Scores._trim_high, after each compaction of
+        a decode): distinct entries (slot, head) [n] of one layer and side, count int64 [n] >= 1 summing to `total`,
+        at most their pages, none of them shared. The same pages join the free list in the same order, without
+        `free_last`'s validation and reference counting."""
+        used = self.num_pages_used[slot, layer, head, side].to(torch.int64)
+        req, j = self._expand(count, total)
+        k = (used - count)[req] + j                         # ranks used-count .. used-1, oldest first
+        col = k if side == HIGH else self.max_pages_per_entry - 1 - k
+        rows = (slot[req], layer, head[req], col)
+        ids = self.page_table[rows]
+        self.page_table[rows] = -1
+        self.num_pages_used[slot, layer, head, side] -= count.to(torch.int32)
+        self.refs[ids.long()] = 0
+        self._push_free(ids)
+
     def free_slots(self, slots) -> int:
         """Return every page of the given sequence slots (int tensor [k]; duplicates ignored) to the free list.
 

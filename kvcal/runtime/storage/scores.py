@@ -149,6 +149,17 @@ class Scores(PageTable):
         page of tokens out of the high section at once (`DiffKVTiers`), and those holes would stay. Slot order is
         not a token's order (every read goes by position), so only float order in attention changes. Returns the
         number of pages freed."""
+        fused = getattr(self.writer, "compact_high", None)
+        count = fused(self, layer, b, h) if fused is not None and not self.arena.shared else None
+        if count is None:
+            count = self._compact_torch(layer, b, h)
+        self.holes[layer, b, h, HIGH] = 0
+        if not bool(self.holes[layer, :, :, HIGH].any()):    # no hole left: inserts append again (`insert`)
+            self._holey.discard((layer, HIGH))
+        return self._trim_high(layer, b, h, count)
+
+    def _compact_torch(self, layer: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """`compact`'s byte moves in torch; returns the entries' live counts [n]."""
         pos = self.section_meta(layer, HIGH, b, h)[1]                                    # [n, S]
         live = pos >= 0
         count = live.sum(-1)                                                             # new fill [n]
@@ -166,10 +177,7 @@ class Scores(PageTable):
                 for off, row in _token_segments(lay):
                     cols = torch.arange(row, device=self.device)
                     flat[(dst + off + j * row)[:, None] + cols] = flat[(src + off + i * row)[:, None] + cols]
-        self.holes[layer, b, h, HIGH] = 0
-        if not bool(self.holes[layer, :, :, HIGH].any()):    # no hole left: inserts append again (`insert`)
-            self._holey.discard((layer, HIGH))
-        return self._trim_high(layer, b, h, count)
+        return count
 
     def _trim_high(self, layer: int, b: torch.Tensor, h: torch.Tensor, fill: torch.Tensor) -> int:
         """Set the high sections' fill of entries (b, h) [n] to `fill` [n] (every slot past it empty) and free the
@@ -182,10 +190,12 @@ class Scores(PageTable):
             extra = self.arena.num_pages_used[gb, layer, gh, HIGH].long() - (-(-fill[sel] // T))
             nz = extra > 0
             if bool(nz.any()):
-                n = int(nz.sum())
-                before = self.arena.num_free
-                self.arena.free_last(gb[nz], torch.full((n,), layer, device=self.device), gh[nz],
-                                     torch.full((n,), HIGH, device=self.device), extra[nz])
+                n, before = int(nz.sum()), self.arena.num_free
+                if self.arena.shared:           # a page another sequence holds stays: counted references
+                    self.arena.free_last(gb[nz], torch.full((n,), layer, device=self.device), gh[nz],
+                                         torch.full((n,), HIGH, device=self.device), extra[nz])
+                else:
+                    self.arena.shrink(gb[nz], layer, gh[nz], HIGH, extra[nz], int(extra[nz].sum()))
                 freed += self.arena.num_free - before
         self._forget_room(layer, HIGH)      # only this layer's high pages changed: the other bounds and words hold
         self._forget_words(layer, HIGH)

@@ -15,6 +15,7 @@
     sliding  `kvcal_sliding_decode`: a sliding-window layer's decode step, read from its codes in place.
     pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
              page's tokens), as the torch writer writes them.
+    compact  `kvcal_compact_high`: the high sections' holes closed after such a page left them (`Scores.compact`).
 
 The library is compiled at first use (`build.py` here); where it cannot be built, `supports` says why and
 `select_backend("auto")` falls back to the torch reference. TorchBackend stays the oracle: tests compare the two.
@@ -265,6 +266,17 @@ class CpuBackend(AttentionBackend):
             return need[:n_need.value]
         _check_write(rc, bad)
         return None
+
+    @staticmethod
+    def compact_high(store, layer, b, h) -> torch.Tensor | None:
+        """`Scores.compact`'s byte moves in one call: the live tokens past each entry's live count into its holes
+        below it, for entries (b, h) [n] (distinct). Returns the live counts int64 [n] (the new fills; the caller
+        trims), or None where the kernel cannot (no positions kept, a page missing): nothing moved then. No page
+        may be shared."""
+        b, h = b.to(torch.int64).contiguous(), h.to(torch.int64).contiguous()
+        count = torch.empty(len(b), dtype=torch.int64)
+        rc = load_library().kvcal_compact_high(*_layer_args(store, layer), len(b), _ptr(b), _ptr(h), _ptr(count))
+        return count if rc == 0 else None
 
     @staticmethod
     def write_pages(store, layer, b, h, keys, values, pos, score) -> None:

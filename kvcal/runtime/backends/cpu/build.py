@@ -141,6 +141,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_insert_every.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                        i32, p, p, p, i64, p, i64, i64, p, p, p, p,   # side .. n_need
                                        p, p, i64, p, p, p, p]                        # luts .. placed
+    lib.kvcal_compact_high.restype = i32
+    lib.kvcal_compact_high.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
+                                       i64, p, p, p]                                  # n, b, h, count
     lib.kvcal_round_trip.restype = i32
     lib.kvcal_round_trip.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, p,   # x .. luts
                                      p, p, p, i32, p]                           # g2 .. bad_value

@@ -882,6 +882,51 @@ int kvcal_insert_every(uint8_t* arena, const int32_t* descs_raw, int32_t* table,
     return rc;
 }
 
+// Close the holes of entries i < n (b[i], h[i], distinct) in their high sections (Scores.compact): each entry's live
+// tokens at or past its live count move, bytes as stored (codes, their (scale, zero) pairs, score, position), into its
+// holes below that count, the k-th hole taking the k-th such token in slot order, so that the section is dense again.
+// count[i] receives the live count (the new fill; the caller frees the pages past it). Returns -1 where the high tier
+// keeps no positions or a page is missing (nothing has moved).
+int kvcal_compact_high(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
+                       const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                       int64_t page_bytes, int64_t n, const int64_t* b, const int64_t* h, int64_t* count) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    for (int64_t i = 0; i < n; ++i) {                 // checks first: a refused call moves nothing
+        const Desc& D = descs[2 * head_group[h[i]] + HIGH];
+        if (D.pos_off < 0) return -1;
+        for (int64_t k = 0; k * D.tokens < lay.filled(b[i], h[i], HIGH); ++k)
+            if (lay.page(b[i], h[i], HIGH, k) < 0) return -1;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& D = descs[2 * head_group[h[i]] + HIGH];
+        const int64_t filled = lay.filled(b[i], h[i], HIGH), T = D.tokens;
+        auto slot_page = [&](int64_t s) { return arena + (int64_t)lay.page(b[i], h[i], HIGH, s / T) * page_bytes; };
+        auto position = [&](int64_t s) {
+            int32_t p;
+            std::memcpy(&p, slot_page(s) + D.pos_off + 4 * (s % T), 4);
+            return p;
+        };
+        int64_t live = 0;
+        for (int64_t s = 0; s < filled; ++s) live += position(s) >= 0;
+        count[i] = live;
+        const int pair = D.meta8 ? 2 : 4;
+        const int64_t rows[6][2] = {{D.k_off, D.k_bytes}, {D.k_meta_off, (int64_t)D.k_groups * pair},
+                                    {D.v_off, D.v_bytes}, {D.v_meta_off, (int64_t)D.v_groups * pair},
+                                    {D.score_off, 4}, {D.pos_off, 4}};
+        int64_t tail = live;
+        for (int64_t hole = 0; hole < live; ++hole) {
+            if (position(hole) >= 0) continue;
+            while (position(tail) < 0) ++tail;                 // the next live token past the count
+            uint8_t *dst = slot_page(hole), *src = slot_page(tail);
+            for (const auto& row : rows)
+                if (row[1]) std::memcpy(dst + row[0] + (hole % T) * row[1], src + row[0] + (tail % T) * row[1], row[1]);
+            ++tail;
+        }
+    }
+    return 0;
+}
+
 // Per-channel low pages, one whole new page per entry i < n (CompressedStore.write_pages_torch): the page at byte
 // offset base[i] (reserved by the caller), head h[i]; keys [n, T, k_stride], values [n, T, v_stride] float32, pos
 // int64 and score float32 [n, T]. Keys per channel over the page's T tokens, values per token. Returns as kvcal_write
