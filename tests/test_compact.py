@@ -89,6 +89,37 @@ def test_the_cpu_kernels_compact_moves_the_bytes_the_torch_compact_moves(high, l
     assert int(store.holes[0, ..., HIGH].sum()) == 0 and (0, HIGH) not in store._holey
 
 
+@pytest.mark.parametrize("high,low", [("K8V4", "K4cV2"), ("K16V16", "K2cV2m8"), ("K8nV8kg4m8", "K4cnV4nm8")])
+def test_the_cpu_kernels_seal_writes_the_torch_seals_bytes(high, low):
+    """kvcal_seal_low_pages reads the high tokens as the torch store reads them (no fused multiply-add) and writes the
+    low page `write_pages_torch` writes: after the seal and its compaction, the same arena, fills, holes, pages and
+    free list."""
+    from test_levels import bundle_levels
+
+    ref = random_store(high, low, seed=6, max_high=60, holes=0.2, levels=bundle_levels(1, 3))
+    store = copy.deepcopy(ref)
+    store.writer = CpuBackend
+    gen = torch.Generator().manual_seed(7)
+    sealed = 0
+    for g in ref.groups[0]:
+        T = g.layouts[1].tokens
+        b, h = ref.entries(0, g)
+        pos = ref.section_meta(0, HIGH, b, h)[1]
+        ready = (pos >= 0).sum(-1) >= T
+        if not bool(ready.any()):
+            continue
+        key = torch.where(pos[ready] >= 0, torch.rand(pos[ready].shape, generator=gen), 2.0)
+        slots = key.argsort(-1)[:, :T]                       # T live slots of each ready entry, in random order
+        for s in (ref, store):
+            s.seal_low_pages(0, b[ready], h[ready], slots)
+        sealed += int(ready.sum())
+    assert sealed > 0
+    assert torch.equal(store.arena.arena, ref.arena.arena)
+    assert torch.equal(store.fill, ref.fill) and torch.equal(store.holes, ref.holes)
+    assert torch.equal(store.arena.page_table, ref.arena.page_table)
+    assert (store.arena.num_free, store.arena.start) == (ref.arena.num_free, ref.arena.start)
+
+
 def test_a_decode_with_per_channel_low_pages_leaves_no_high_holes():
     """Tokens that belong low wait high until a page of them exists, then leave together: without `compact`, a
     page of holes each time, which one new token per step could not fill."""

@@ -253,9 +253,4 @@ class DiffKVTiers(CachePolicy):
             eb, eh = torch.nonzero(ready, as_tuple=True)
             gh = g.heads[eh]
             slots = m[eb, gh].argsort(-1)[:, :T]                                        # [e, T] least significant
-            rb, rh = eb.repeat_interleave(T), gh.repeat_interleave(T)
-            k, v, sc, ps = store.read(layer, HIGH, rb, rh, slots.reshape(-1))
-            store.write_pages(layer, eb, gh, k.view(len(eb), T, -1), v.view(len(eb), T, -1), ps.view(len(eb), T),
-                              sc.view(len(eb), T))
-            store.drop(layer, HIGH, rb, rh, slots.reshape(-1))
-            store.compact(layer, eb, gh)            # a page of holes at once: closed, the emptied pages freed
+            store.seal_low_pages(layer, eb, gh, slots)  # a page of holes at once: closed, the emptied pages freed

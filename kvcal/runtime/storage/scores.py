@@ -142,6 +142,24 @@ class Scores(PageTable):
         self.holes[layer, b, h, HIGH] -= old - live                                     # trimmed slots were holes
         return self._trim_high(layer, b, h, live)
 
+    def seal_low_pages(self, layer: int, b: torch.Tensor, h: torch.Tensor, slots: torch.Tensor) -> None:
+        """Move high slots [e, T] of entries (b, h) [e] (distinct, of one head group; T its low pages' tokens) into one
+        new per-channel low page per entry, and close the holes they leave (`compact`). The writer's kernel does the
+        moves where it has one (the cpu backend), else torch reads, writes and drops them."""
+        fused = getattr(self.writer, "seal_low_pages", None)
+        per_token = all(g.layouts[HIGH].fmt.k_mode == "token" and g.layouts[HIGH].tracked
+                        for g, _ in self.group_rows(layer, h))
+        if fused is not None and per_token and not self.arena.shared:
+            fused(self, layer, b, h, slots)
+        else:
+            e, T = slots.shape
+            rb, rh = b.repeat_interleave(T), h.repeat_interleave(T)
+            k, v, sc, ps = self.read(layer, HIGH, rb, rh, slots.reshape(-1))
+            self.write_pages(layer, b, h, k.view(e, T, -1), v.view(e, T, -1), ps.view(e, T), sc.view(e, T))
+            self.drop(layer, HIGH, rb, rh, slots.reshape(-1))
+        self._holey.add((layer, HIGH))
+        self.compact(layer, b, h)
+
     def compact(self, layer: int, b: torch.Tensor, h: torch.Tensor) -> int:
         """Close the holes of entries (b, h) [n] (distinct) in their high sections: each entry's newest tokens past
         its live count move, bytes as stored, into its holes below it, so the section is dense again, and the

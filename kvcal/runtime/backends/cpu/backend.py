@@ -15,7 +15,8 @@
     sliding  `kvcal_sliding_decode`: a sliding-window layer's decode step, read from its codes in place.
     pages    `kvcal_write_pages`: per-channel low pages, a whole page per entry (keys quantized per channel over the
              page's tokens), as the torch writer writes them.
-    compact  `kvcal_compact_high`: the high sections' holes closed after such a page left them (`Scores.compact`).
+    seal     `kvcal_seal_low_pages`: such a page made of high tokens, read as the torch store reads them, and their
+             high slots emptied; `kvcal_compact_high` then closes those holes (`Scores.seal_low_pages`).
 
 The library is compiled at first use (`build.py` here); where it cannot be built, `supports` says why and
 `select_backend("auto")` falls back to the torch reference. TorchBackend stays the oracle: tests compare the two.
@@ -266,6 +267,22 @@ class CpuBackend(AttentionBackend):
             return need[:n_need.value]
         _check_write(rc, bad)
         return None
+
+    @staticmethod
+    def seal_low_pages(store, layer, b, h, slots) -> None:
+        """`Scores.seal_low_pages`' moves before its compaction, one kernel call per head group: the high slots
+        [e, T] of entries (b, h) [e] (distinct) read as the torch store reads them, written as one new low page per
+        entry as `write_pages` writes it, and emptied (holes += T). The store reserves the pages. No page may be
+        shared; the high keys must be per-token (`Scores.seal_low_pages` checks)."""
+        for g, sel in store.group_rows(layer, h):
+            base = store.reserve_low_page(layer, b[sel], h[sel], g.layouts[LOW]).to(torch.int64).contiguous()
+            gb, gh, gs = (t[sel].to(torch.int64).contiguous() for t in (b, h, slots))
+            bad = ctypes.c_float(0.0)
+            rc = load_library().kvcal_seal_low_pages(*_layer_args(store, layer), len(gb), _ptr(gb), _ptr(gh),
+                                                     _ptr(gs), _ptr(base), _ptr(store.holes),
+                                                     _levels_ptr(store, layer), ctypes.byref(bad))
+            assert rc != -1, "a high slot without a page, or high keys that are not per-token"
+            _check_write(rc, bad)
 
     @staticmethod
     def compact_high(store, layer, b, h) -> torch.Tensor | None:

@@ -144,6 +144,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvcal_compact_high.restype = i32
     lib.kvcal_compact_high.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
                                        i64, p, p, p]                                  # n, b, h, count
+    lib.kvcal_seal_low_pages.restype = i32
+    lib.kvcal_seal_low_pages.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64,   # arena .. page_bytes
+                                         i64, p, p, p, p, p, p, p]                     # n .. bad_value
     lib.kvcal_round_trip.restype = i32
     lib.kvcal_round_trip.argtypes = [p, i64, i64, i64, i32, i32, i32, i32, p,   # x .. luts
                                      p, p, p, i32, p]                           # g2 .. bad_value

@@ -978,6 +978,101 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
     return 0;
 }
 
+// x * s + z with the product rounded before the sum, as torch's two operations round it: a fused multiply-add would
+// round once and could move a re-encoded code off the torch writer's.
+inline float mul_then_add(float x, float s, float z) {
+    float m = x * s;
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("" : "+x"(m));
+#else
+    volatile float kept = m;
+    m = kept;
+#endif
+    return m + z;
+}
+
+// Slot t's key (which = 0) or value (1) of a per-token page -> out [r], as CompressedStore._read_slots decodes it.
+void read_slot(const uint8_t* page, const Desc& D, int which, int64_t t, float* out, const float* lut) {
+    const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
+    const uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
+    if (bits == 32) {
+        std::memcpy(out, data, sizeof(float) * r);
+        return;
+    }
+    if (bits == 16) {
+        for (int i = 0; i < r; ++i) {
+            const uint16_t v = load_u16(data + 2 * i);
+            out[i] = D.raw_bf16 ? bf16_to_float(v) : half_to_float(v);
+        }
+        return;
+    }
+    if (lut) unpack_levels(data, bits, r, lut, nullptr, out);
+    else unpack(data, bits, r, out);
+    const int groups = which ? D.v_groups : D.k_groups, group = r / groups, pair = D.meta8 ? 2 : 4;
+    const uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + (int64_t)pair * t * groups;
+    for (int gi = 0; gi < groups; ++gi) {
+        float sc, z;
+        read_meta(meta + pair * gi, D.meta8, bits, &sc, &z);
+        for (int i = gi * group; i < (gi + 1) * group; ++i) out[i] = mul_then_add(out[i], sc, z);
+    }
+}
+
+// A new per-channel low page from high tokens (DiffKVTiers._seal_pending): for each entry i < n (b[i], h[i],
+// distinct), its T high slots slots[i * T ..] (T: the LOW descriptor's tokens) are read as the torch store reads them
+// and written as one low page at byte offset base[i] (reserved by the caller) as kvcal_write_pages writes it; those
+// high slots are then emptied (position -1, holes += T) for the caller's compaction. Returns as kvcal_write_pages (a
+// refused batch changes nothing), or -1 where the high keys are not per-token or positions are not kept, or a page is
+// missing (nothing changes).
+int kvcal_seal_low_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* table, const int64_t* fill,
+                         const int32_t* head_group, int64_t L, int64_t B, int64_t H, int64_t P, int64_t layer,
+                         int64_t page_bytes, int64_t n, const int64_t* b, const int64_t* h, const int64_t* slots,
+                         const int64_t* base, int64_t* holes, const float* luts, float* bad_value) {
+    const Desc* descs = reinterpret_cast<const Desc*>(descs_raw);
+    const Layer lay{table, fill, head_group, L, H, P, layer, B, page_bytes};
+    int64_t T = 0, rk = 0, rv = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& hi = descs[2 * head_group[h[i]] + HIGH];
+        const Desc& lo = descs[2 * head_group[h[i]] + 1];
+        if (hi.k_channel || hi.pos_off < 0 || (T && lo.tokens != T)) return -1;
+        T = lo.tokens;
+        rk = std::max<int64_t>(rk, hi.r_k);
+        rv = std::max<int64_t>(rv, hi.r_v);
+        for (int64_t t = 0; t < T; ++t)
+            if (slots[i * T + t] >= lay.filled(b[i], h[i], HIGH) ||
+                lay.page(b[i], h[i], HIGH, slots[i * T + t] / hi.tokens) < 0) return -1;
+    }
+    std::vector<float> keys(n * T * rk, 0.f), values(n * T * rv, 0.f), score(n * T);
+    std::vector<int64_t> pos(n * T);
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& hi = descs[2 * head_group[h[i]] + HIGH];
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t slot = slots[i * T + t], row = i * T + t;
+            const uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], HIGH, slot / hi.tokens) * page_bytes;
+            const int64_t at = slot % hi.tokens;
+            read_slot(page, hi, 0, at, keys.data() + row * rk, level_row(luts, hi, HIGH, H, h[i], 0));
+            read_slot(page, hi, 1, at, values.data() + row * rv, level_row(luts, hi, HIGH, H, h[i], 1));
+            std::memcpy(&score[row], page + hi.score_off + 4 * at, 4);
+            int32_t p32;
+            std::memcpy(&p32, page + hi.pos_off + 4 * at, 4);
+            pos[row] = p32;
+        }
+    }
+    const int rc = kvcal_write_pages(arena, descs_raw, head_group, n, base, h, keys.data(), rk, values.data(), rv,
+                                     pos.data(), score.data(), bad_value, luts, H);
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; ++i) {
+        const Desc& hi = descs[2 * head_group[h[i]] + HIGH];
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t slot = slots[i * T + t];
+            uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], HIGH, slot / hi.tokens) * page_bytes;
+            const int32_t empty = -1;
+            std::memcpy(page + hi.pos_off + 4 * (slot % hi.tokens), &empty, 4);
+        }
+        holes[((layer * B + b[i]) * H + h[i]) * 2 + HIGH] += T;
+    }
+    return 0;
+}
+
 // Whether a decode step may have a per-channel low page to seal (DiffKVTiers._seal_pending): the number of entries
 // w = b * H + h of `layer` whose high section holds at least a low page's worth (the LOW descriptor's tokens) of
 // pending tokens: out of the window (position < length - window), mean significance score / max(length - position,
