@@ -271,7 +271,7 @@ class CompressedStore(Scores):
     def insert(self, layer: int, side: int, b, h, keys, values, pos, score, every_entry: bool = False) -> None:
         """One token per entry (b, h distinct), per-token formats: reuse the entry's first hole, else append. pos
         [n] or one int for all. every_entry: (b, h) are `every_entry()` (the decode step), which allows the
-        writer's fused insert (`_insert_every`), else the fused append (`_append_every`)."""
+        writer's fused insert (`_insert_every`), else the torch append (`_append_every`) where no entry has a hole."""
         assert side == HIGH or self.low.k_mode != "channel", "per-channel low pages are written whole"
         fused = getattr(self.writer, "insert_every", None)
         if every_entry and fused is not None and not self.arena.shared and isinstance(pos, int):
@@ -314,8 +314,9 @@ class CompressedStore(Scores):
 
     def _insert_every(self, layer: int, side: int, fused, keys, values, pos: int, score) -> None:
         """`insert` of every entry through the writer's `insert_every` (the cpu backend): the writer finds each
-        entry's slot and writes; the entries that append where no page is yet get their pages here first, in entry
-        order as `append` reserves them, so the pages are the ones the torch path takes."""
+        entry's slot, takes the new pages it needs from the free list and writes. Where the free list or a page-table
+        row is too short, the entries that need a page get it here first (the arena grows), in the order `append`
+        reserves them, so the pages are the ones the torch path takes."""
         while (need := fused(self, layer, side, keys, values, pos, score)) is not None:
             b, h = self.every_entry()
             nb, nh = b[need], h[need]
