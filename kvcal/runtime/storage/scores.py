@@ -147,8 +147,7 @@ class Scores(PageTable):
         new per-channel low page per entry, and close the holes they leave (`compact`). The writer's kernel does the
         moves where it has one (the cpu backend), else torch reads, writes and drops them."""
         fused = getattr(self.writer, "seal_low_pages", None)
-        per_token = all(g.layouts[HIGH].fmt.k_mode == "token" and g.layouts[HIGH].tracked
-                        for g, _ in self.group_rows(layer, h))
+        per_token = all(g.layouts[HIGH].fmt.k_mode == "token" and g.layouts[HIGH].tracked for g in self.groups[layer])
         if fused is not None and per_token and not self.arena.shared:
             fused(self, layer, b, h, slots)
         else:

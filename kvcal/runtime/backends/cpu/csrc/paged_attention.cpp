@@ -219,12 +219,32 @@ inline void unpack_levels(const uint8_t* src, int bits, int r, const float* lut,
     for (int i = done; i < r; ++i) out[i] = lut[code_at(src, i, bits)];
 }
 
-// Vectors of the first `count` tokens of segment k (which = 0) or v (which = 1) of one page -> out [count, r]. lut:
-// the side's level row, nullptr for uniform codes; table: its `byte_levels` or nullptr.
-void dequantize(const uint8_t* page, const Desc& D, int which, int count, float* out, const float* lut,
+// x * s + z. Exact: the product rounded before the sum, as torch's two operations round it (for what is re-encoded
+// from a read, where a fused multiply-add, rounding once, could move a code off the torch writer's); else as the
+// compiler contracts it.
+template <bool Exact>
+inline float scale_add(float x, float s, float z) {
+    if constexpr (!Exact) {
+        return x * s + z;
+    } else {
+        float m = x * s;
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ volatile("" : "+x"(m));
+#else
+        volatile float kept = m;
+        m = kept;
+#endif
+        return m + z;
+    }
+}
+
+// Vectors of tokens first .. first + count - 1 of segment k (which = 0) or v (which = 1) of one page -> out [count, r].
+// lut: the side's level row, nullptr for uniform codes; table: its `byte_levels` or nullptr. Exact: `scale_add`'s.
+template <bool Exact = false>
+void dequantize(const uint8_t* page, const Desc& D, int which, int64_t first, int count, float* out, const float* lut,
                 const float* table) {
     const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
-    const uint8_t* data = page + (which ? D.v_off : D.k_off);
+    const uint8_t* data = page + (which ? D.v_off : D.k_off) + first * nbytes;
     if (bits == 32) {
         std::memcpy(out, data, sizeof(float) * count * r);
         return;
@@ -246,7 +266,7 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
             float* o = out + t * r;
             if (lut) unpack_levels(data + t * nbytes, bits, r, lut, table, o);
             else unpack(data + t * nbytes, bits, r, o);
-            for (int i = 0; i < r; ++i) o[i] = o[i] * s[i] + z[i];
+            for (int i = 0; i < r; ++i) o[i] = scale_add<Exact>(o[i], s[i], z[i]);
         }
         return;
     }
@@ -257,9 +277,9 @@ void dequantize(const uint8_t* page, const Desc& D, int which, int count, float*
         else unpack(data + t * nbytes, bits, r, o);
         for (int gi = 0; gi < groups; ++gi) {
             float s, z;
-            read_meta(meta + pair * (t * groups + gi), D.meta8, bits, &s, &z);
+            read_meta(meta + pair * ((first + t) * groups + gi), D.meta8, bits, &s, &z);
             float* og = o + gi * group;
-            for (int i = 0; i < group; ++i) og[i] = og[i] * s + z;
+            for (int i = 0; i < group; ++i) og[i] = scale_add<Exact>(og[i], s, z);
         }
     }
 }
@@ -641,7 +661,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 const Desc& D = descs[ref.desc];
                 const uint8_t* page = arena + ref.off;
                 const int cnt = ref.count, side = ref.desc & 1;
-                dequantize(page, D, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0), table_of(side, w % H, 0));
+                dequantize(page, D, 0, 0, cnt, kbuf.data(), level_row(luts, D, side, H, w % H, 0), table_of(side, w % H, 0));
                 bool any = false, holes = false;
                 if (D.pos_off < 0) {                                  // untracked tier: no holes below the fill
                     for (int t = 0; t < cnt; ++t) valid[t] = true;
@@ -657,7 +677,7 @@ int kvcal_decode(uint8_t* arena, const int32_t* descs_raw, const int32_t* table,
                 });
                 if (kept[p] >= 0) std::memcpy(&logits[kept[p] * t_max * qn], x.data(), sizeof(float) * t_max * qn);
                 if (!any) continue;                                   // a page of holes adds nothing
-                dequantize(page, D, 1, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1), table_of(side, w % H, 1));
+                dequantize(page, D, 1, 0, cnt, vbuf.data(), level_row(luts, D, side, H, w % H, 1), table_of(side, w % H, 1));
                 for (int64_t row = 0; row < qn; ++row) {
                     const float* xr = &x[row * t_max];
                     float* er = &e[row * t_max];
@@ -978,45 +998,6 @@ int kvcal_write_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t* h
     return 0;
 }
 
-// x * s + z with the product rounded before the sum, as torch's two operations round it: a fused multiply-add would
-// round once and could move a re-encoded code off the torch writer's.
-inline float mul_then_add(float x, float s, float z) {
-    float m = x * s;
-#if defined(__x86_64__) || defined(__i386__)
-    __asm__ volatile("" : "+x"(m));
-#else
-    volatile float kept = m;
-    m = kept;
-#endif
-    return m + z;
-}
-
-// Slot t's key (which = 0) or value (1) of a per-token page -> out [r], as CompressedStore._read_slots decodes it.
-void read_slot(const uint8_t* page, const Desc& D, int which, int64_t t, float* out, const float* lut) {
-    const int r = which ? D.r_v : D.r_k, bits = which ? D.v_bits : D.k_bits, nbytes = which ? D.v_bytes : D.k_bytes;
-    const uint8_t* data = page + (which ? D.v_off : D.k_off) + t * nbytes;
-    if (bits == 32) {
-        std::memcpy(out, data, sizeof(float) * r);
-        return;
-    }
-    if (bits == 16) {
-        for (int i = 0; i < r; ++i) {
-            const uint16_t v = load_u16(data + 2 * i);
-            out[i] = D.raw_bf16 ? bf16_to_float(v) : half_to_float(v);
-        }
-        return;
-    }
-    if (lut) unpack_levels(data, bits, r, lut, nullptr, out);
-    else unpack(data, bits, r, out);
-    const int groups = which ? D.v_groups : D.k_groups, group = r / groups, pair = D.meta8 ? 2 : 4;
-    const uint8_t* meta = page + (which ? D.v_meta_off : D.k_meta_off) + (int64_t)pair * t * groups;
-    for (int gi = 0; gi < groups; ++gi) {
-        float sc, z;
-        read_meta(meta + pair * gi, D.meta8, bits, &sc, &z);
-        for (int i = gi * group; i < (gi + 1) * group; ++i) out[i] = mul_then_add(out[i], sc, z);
-    }
-}
-
 // A new per-channel low page from high tokens (DiffKVTiers._seal_pending): for each entry i < n (b[i], h[i],
 // distinct), its T high slots slots[i * T ..] (T: the LOW descriptor's tokens) are read as the torch store reads them
 // and written as one low page at byte offset base[i] (reserved by the caller) as kvcal_write_pages writes it; those
@@ -1049,8 +1030,11 @@ int kvcal_seal_low_pages(uint8_t* arena, const int32_t* descs_raw, const int32_t
             const int64_t slot = slots[i * T + t], row = i * T + t;
             const uint8_t* page = arena + (int64_t)lay.page(b[i], h[i], HIGH, slot / hi.tokens) * page_bytes;
             const int64_t at = slot % hi.tokens;
-            read_slot(page, hi, 0, at, keys.data() + row * rk, level_row(luts, hi, HIGH, H, h[i], 0));
-            read_slot(page, hi, 1, at, values.data() + row * rv, level_row(luts, hi, HIGH, H, h[i], 1));
+            // read as CompressedStore._read_slots reads them: the product rounded before the zero is added
+            dequantize<true>(page, hi, 0, at, 1, keys.data() + row * rk, level_row(luts, hi, HIGH, H, h[i], 0),
+                             nullptr);
+            dequantize<true>(page, hi, 1, at, 1, values.data() + row * rv, level_row(luts, hi, HIGH, H, h[i], 1),
+                             nullptr);
             std::memcpy(&score[row], page + hi.score_off + 4 * at, 4);
             int32_t p32;
             std::memcpy(&p32, page + hi.pos_off + 4 * at, 4);
